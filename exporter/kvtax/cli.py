@@ -1,0 +1,154 @@
+"""The ``kvtax`` command line: ``serve`` runs the sidecar; other subcommands generate artifacts.
+
+Flags of ``serve`` are generated from :data:`kvtax.config.OPTIONS`, so ``--help``, the
+environment variables and ``docs/configuration.md`` cannot disagree. Errors in configuration
+exit with status 2 and a message naming the key and the bad value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from . import __version__
+from .config import OPTIONS, Config, ConfigError, env_name, load_config
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("kvtax")
+
+Command = Callable[[argparse.Namespace], int]
+_COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str) -> Callable[[Command], Command]:
+    def register(fn: Command) -> Command:
+        _COMMANDS[name] = fn
+        return fn
+
+    return register
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config.file",
+        dest="config_file",
+        type=Path,
+        metavar="PATH",
+        help="YAML file with settings (env KVTAX_CONFIG_FILE).",
+    )
+    for option in OPTIONS:
+        default = "unset" if option.default is None else option.default
+        parser.add_argument(
+            f"--{option.key}",
+            dest=option.key,
+            metavar=option.metavar,
+            default=None,
+            help=f"{option.help} (env {env_name(option.key)}; default: {default})",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtax",
+        description="A vLLM sidecar that measures the KV-cache preemption tax.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvtax {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="Run the sidecar: scrape vLLM and serve /metrics.",
+        description="Scrape vLLM's /metrics, derive the preemption tax and "
+        "serve kvtax's own /metrics.",
+    )
+    _add_config_flags(serve)
+    docs = sub.add_parser("docs", help="Write the generated metrics and configuration references.")
+    docs.add_argument("--out", type=Path, default=Path("docs"), help="Folder to write into.")
+    docs.add_argument(
+        "--check",
+        action="store_true",
+        help="Exit 1 if the committed files differ instead of writing them.",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> Config:
+    flags = {o.key: getattr(args, o.key) for o in OPTIONS}
+    file = args.config_file or (
+        Path(env["KVTAX_CONFIG_FILE"]) if env.get("KVTAX_CONFIG_FILE") else None
+    )
+    return load_config(flags, env=env, file=file)
+
+
+@command("serve")
+def _serve(args: argparse.Namespace) -> int:
+    config = config_from_args(args, dict(os.environ))
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return asyncio.run(_run_serve(config))
+
+
+async def _run_serve(config: Config) -> int:
+    from .sidecar import Sidecar
+
+    sidecar = Sidecar(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await sidecar.start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", *config.web_listen_address, exc.strerror)
+        await sidecar.stop()
+        return 1
+    await stop.wait()
+    log.info("shutting down")
+    await sidecar.stop()
+    return 0
+
+
+@command("docs")
+def _docs(args: argparse.Namespace) -> int:
+    from . import catalog, config
+
+    pages = {"metrics.md": catalog.render_markdown(), "configuration.md": config.render_markdown()}
+    stale = []
+    for name, text in pages.items():
+        path = args.out / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print(f"kvtax docs: out of date: {', '.join(stale)}; run `kvtax docs`", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return _COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"kvtax: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Typed, frozen configuration, validated once at start.
+
+One table, :data:`OPTIONS`, defines every setting: its dotted key, type, default, help and check.
+From it come the ``kvtax serve`` flags (``--scrape.interval``), the environment variables
+(``KVTAX_SCRAPE_INTERVAL``), the YAML keys (``scrape: {interval: 5s}``) and
+``docs/configuration.md``. Precedence: flags, then environment, then the YAML file, then defaults.
+A bad value raises :class:`ConfigError` naming the key, where it came from, and the value.
+
+Example::
+
+    cfg = load_config({"vllm.url": "http://127.0.0.1:8000"}, env={}, file=None)
+    cfg.scrape_interval  # 5.0
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+__all__ = [
+    "OPTIONS",
+    "Config",
+    "ConfigError",
+    "Option",
+    "env_name",
+    "load_config",
+    "parse_address",
+    "parse_duration",
+    "render_markdown",
+]
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the key, its source and the bad value."""
+
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``5``, ``2.5s``, ``500ms``, ``5m`` or ``1h``."""
+    if isinstance(text, bool):
+        raise ValueError("expected a duration such as 5s, 500ms or 5m")
+    if isinstance(text, int | float):
+        return float(text)
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError("expected a duration such as 5s, 500ms or 5m")
+    return float(match.group(1)) * _UNIT[match.group(2)]
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``host:port`` or ``:port`` (all interfaces) into a (host, port) pair."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("expected host:port or :port with a port in 1-65535")
+    return (host.strip("[]") or "0.0.0.0", int(port))
+
+
+def _url(text: str) -> str:
+    parts = urlsplit(str(text))
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("expected an http:// or https:// URL")
+    return str(text).rstrip("/")
+
+
+def _positive(kind: Callable[[Any], float]) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        number = kind(value)
+        if not number > 0:
+            raise ValueError("must be greater than 0")
+        return number
+
+    return check
+
+
+def _fraction(value: Any) -> float:
+    number = float(value)
+    if not 0 < number <= 1:
+        raise ValueError("must be in (0, 1]")
+    return number
+
+
+def _optional_positive_int(value: Any) -> int | None:
+    if value in (None, "", "none"):
+        return None
+    number = int(value)
+    if number <= 0:
+        raise ValueError("must be a positive integer")
+    return number
+
+
+def _optional_address(value: Any) -> tuple[str, int] | None:
+    if value in (None, "", "off", "none", False):
+        return None
+    return parse_address(str(value))
+
+
+def _optional_url(value: Any) -> str | None:
+    if value in (None, ""):
+        return None
+    return _url(value)
+
+
+def _text(value: Any) -> str:
+    return str(value)
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting. ``key`` is dotted; the Config field is the key with dots as underscores."""
+
+    key: str
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+    metavar: str = "VALUE"
+
+    @property
+    def field(self) -> str:
+        return self.key.replace(".", "_")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "vllm.url",
+        "http://127.0.0.1:8000",
+        _url,
+        "Base URL of the vLLM server; kvtax scrapes <url>/metrics.",
+        "URL",
+    ),
+    Option(
+        "scrape.interval", 5.0, _positive(parse_duration), "How often to scrape vLLM.", "DURATION"
+    ),
+    Option(
+        "scrape.timeout",
+        None,
+        lambda v: None if v in (None, "") else _positive(parse_duration)(v),
+        "Scrape timeout; defaults to 80% of the interval and must be below it.",
+        "DURATION",
+    ),
+    Option(
+        "web.listen_address",
+        ":9464",
+        parse_address,
+        "Where kvtax serves /metrics, /healthz and /readyz.",
+        "HOST:PORT",
+    ),
+    Option(
+        "window",
+        300.0,
+        _positive(parse_duration),
+        "Window of the rate and ratio gauges.",
+        "DURATION",
+    ),
+    Option(
+        "target_usage",
+        0.9,
+        _fraction,
+        "KV usage the recommended max_num_seqs aims for, 0-1.",
+        "RATIO",
+    ),
+    Option(
+        "max_num_seqs",
+        None,
+        _optional_positive_int,
+        "The --max-num-seqs vLLM runs with, to publish the over-admission ratio.",
+        "N",
+    ),
+    Option(
+        "proxy.listen_address",
+        None,
+        _optional_address,
+        "Where the OpenAI-compatible proxy listens (e.g. :8001); unset turns it off.",
+        "HOST:PORT",
+    ),
+    Option(
+        "slo.ttft",
+        2.0,
+        _positive(parse_duration),
+        "Time-to-first-token SLO for SLO goodput.",
+        "DURATION",
+    ),
+    Option(
+        "slo.itl",
+        0.2,
+        _positive(parse_duration),
+        "Inter-token latency SLO (every gap) for SLO goodput.",
+        "DURATION",
+    ),
+    Option(
+        "log.level",
+        "info",
+        lambda v: _choice(v, ("debug", "info", "warning", "error")),
+        "Log level: debug, info, warning or error.",
+        "LEVEL",
+    ),
+)
+
+
+def _choice(value: Any, choices: tuple[str, ...]) -> str:
+    text = str(value).lower()
+    if text not in choices:
+        raise ValueError(f"expected one of {', '.join(choices)}")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Validated settings. Field names are the option keys with dots as underscores."""
+
+    vllm_url: str = "http://127.0.0.1:8000"
+    scrape_interval: float = 5.0
+    scrape_timeout: float | None = None
+    web_listen_address: tuple[str, int] = ("0.0.0.0", 9464)
+    window: float = 300.0
+    target_usage: float = 0.9
+    max_num_seqs: int | None = None
+    proxy_listen_address: tuple[str, int] | None = None
+    slo_ttft: float = 2.0
+    slo_itl: float = 0.2
+    log_level: str = "info"
+
+    @property
+    def effective_timeout(self) -> float:
+        return (
+            self.scrape_timeout if self.scrape_timeout is not None else self.scrape_interval * 0.8
+        )
+
+
+def env_name(key: str) -> str:
+    return "KVTAX_" + key.replace(".", "_").upper()
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    return _flatten(data)
+
+
+def load_config(flags: Mapping[str, Any], *, env: Mapping[str, str], file: Path | None) -> Config:
+    """Merge flags > environment > YAML file > defaults and validate every value."""
+    by_key = {o.key: o for o in OPTIONS}
+    from_file = _read_file(file) if file is not None else {}
+    for key in from_file:
+        if key not in by_key:
+            raise ConfigError(f"config file {file}: unknown key {key!r}")
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        raw: Any
+        if flags.get(option.key) is not None:
+            raw, source = flags[option.key], f"--{option.key}"
+        elif env_name(option.key) in env:
+            raw, source = env[env_name(option.key)], env_name(option.key)
+        elif option.key in from_file:
+            raw, source = from_file[option.key], f"{file}: {option.key}"
+        else:
+            values[option.field] = (
+                option.default if option.default is None else option.parse(option.default)
+            )
+            continue
+        try:
+            values[option.field] = option.parse(raw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{source}={raw!r} is invalid: {exc}") from None
+    config = Config(**values)
+    if config.effective_timeout >= config.scrape_interval:
+        raise ConfigError(
+            f"--scrape.timeout={config.scrape_timeout} is invalid: must be below "
+            f"--scrape.interval={config.scrape_interval}"
+        )
+    if config.window < 2 * config.scrape_interval:
+        raise ConfigError(
+            f"--window={config.window} is invalid: must be at least two scrape intervals "
+            f"({2 * config.scrape_interval}s)"
+        )
+    return config
+
+
+def render_markdown() -> str:
+    """The configuration reference (docs/configuration.md), generated from :data:`OPTIONS`."""
+    lines = [
+        "# kvtax configuration reference",
+        "",
+        "Generated from `exporter/kvtax/config.py` by `kvtax docs`; do not edit by hand.",
+        "",
+        "Precedence: command-line flag, then environment variable, then the YAML file given by",
+        "`--config.file` (nested keys: `scrape: {interval: 5s}`), then the default.",
+        "Durations accept `500ms`, `5s`, `5m`, `1h` or plain seconds.",
+        "",
+        "| flag | environment | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for o in OPTIONS:
+        default = "unset" if o.default is None else f"`{o.default}`"
+        lines.append(f"| `--{o.key}` | `{env_name(o.key)}` | {default} | {o.help} |")
+    return "\n".join(lines) + "\n"
+
+
+assert {o.field for o in OPTIONS} == {f.name for f in fields(Config)}, "OPTIONS and Config drift"

@@ -1,0 +1,175 @@
+"""Per-model history of scrapes: reset-corrected counters and a sliding window of points.
+
+:class:`EngineHistory` is the only stateful piece between the scraper and the derived numbers.
+Each :meth:`EngineHistory.observe` folds one :class:`~kvtax.snapshot.VllmSnapshot` into monotonic
+totals (see :mod:`kvtax.counters`) and appends a :class:`Point`; :mod:`kvtax.derive` then reads
+the points as plain values. It does no I/O.
+
+Example::
+
+    h = EngineHistory(window_seconds=300)
+    h.observe(snapshot)
+    points = h.points("tiny-llama")
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .counters import CounterTracker
+from .snapshot import Histogram, ModelMetrics, VllmSnapshot
+
+__all__ = ["EngineHistory", "Point", "computed_prompt_raw", "mean_context"]
+
+# Counter concepts whose reset-corrected totals kvtax keeps (and republishes).
+TRACKED = (
+    "generation_tokens",
+    "prompt_tokens",
+    "preemptions",
+    "recomputed_tokens",
+    "preempted_queried_tokens",
+    "preempted_hit_tokens",
+    "preempted_resumes",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One scrape of one model, as totals and gauges.
+
+    ``counters`` holds reset-corrected totals: the tracked vLLM counters plus ``prompt_computed``,
+    ``recomputed_estimated`` and (when measurable) ``recomputed_measured``.
+    """
+
+    t: float
+    counters: Mapping[str, float]
+    gauges: Mapping[str, float]
+    histograms: Mapping[str, Histogram]
+    info: Mapping[str, str]
+
+
+def computed_prompt_raw(m: ModelMetrics, *, v0: bool) -> float | None:
+    """Prompt tokens the engine computed, from the best source this version has."""
+    if "prompt_tokens_local_compute" in m.values:
+        return m.values["prompt_tokens_local_compute"]
+    if "prefill_kv_computed" in m.histograms:
+        return m.histograms["prefill_kv_computed"].sum
+    if v0 and "request_prompt_tokens" in m.histograms:
+        # V0's prompt_tokens_total also counts re-prefill; the per-request histogram does not.
+        return m.histograms["request_prompt_tokens"].sum
+    if "prompt_tokens" in m.values:
+        return m.values["prompt_tokens"] - m.values.get("prefix_cache_hits", 0.0)
+    return None
+
+
+def mean_context(histograms: Mapping[str, Histogram]) -> float | None:
+    """L-hat: the mean context at preemption, taken as mean prompt + half the mean generation.
+
+    An upper bound: prefix-cache self-hits make the real re-prefill shorter.
+    """
+    prompt = histograms.get("request_prompt_tokens")
+    gen = histograms.get("request_generation_tokens")
+    p = prompt.mean() if prompt else None
+    g = gen.mean() if gen else None
+    if p is None or g is None:
+        return None
+    return p + g / 2
+
+
+class _ModelHistory:
+    def __init__(self, maxlen: int) -> None:
+        self.tracker = CounterTracker()
+        self.points: deque[Point] = deque(maxlen=maxlen)
+        self.pending_preemptions = 0.0
+
+
+class EngineHistory:
+    """Folds snapshots into per-model totals and keeps the points of the last window."""
+
+    def __init__(self, window_seconds: float, max_points: int = 4096) -> None:
+        self.window_seconds = window_seconds
+        self._max_points = max_points
+        self._models: dict[str, _ModelHistory] = {}
+        self.restarts = 0
+
+    def models(self) -> list[str]:
+        return sorted(self._models)
+
+    def points(self, model: str) -> tuple[Point, ...]:
+        hist = self._models.get(model)
+        return tuple(hist.points) if hist else ()
+
+    def latest(self, model: str) -> Point | None:
+        hist = self._models.get(model)
+        return hist.points[-1] if hist and hist.points else None
+
+    def observe(self, snap: VllmSnapshot) -> None:
+        restarted = False
+        for model, metrics in snap.models.items():
+            hist = self._models.get(model)
+            if hist is None:
+                hist = self._models[model] = _ModelHistory(self._max_points)
+            resets_before = hist.tracker.resets
+            self._fold(hist, metrics, snap)
+            restarted |= hist.tracker.resets > resets_before
+            self._trim(hist, snap.timestamp)
+        if restarted:
+            self.restarts += 1
+
+    def _fold(self, hist: _ModelHistory, m: ModelMetrics, snap: VllmSnapshot) -> None:
+        tracker = hist.tracker
+        deltas: dict[str, float] = {}
+        for concept in TRACKED:
+            if concept in m.values:
+                deltas[concept] = tracker.update(concept, m.values[concept])
+        computed = computed_prompt_raw(m, v0=snap.is_v0)
+        if computed is not None:
+            tracker.update("prompt_computed", computed)
+
+        if snap.is_v0 and "prompt_tokens" in m.values and "request_prompt_tokens" in m.histograms:
+            # V0 counted re-prefill in prompt_tokens_total: the excess over the per-request
+            # prompt histogram is exactly the recompute.
+            sum_delta = tracker.update(
+                "v0_request_prompt_sum", m.histograms["request_prompt_tokens"].sum
+            )
+            tracker.add(
+                "recomputed_measured", max(0.0, deltas.get("prompt_tokens", 0.0) - sum_delta)
+            )
+        elif "recomputed_tokens" in m.values:
+            tracker.add("recomputed_measured", deltas.get("recomputed_tokens", 0.0))
+
+        if "preemptions" in m.values:
+            first_seen = tracker.total("recomputed_estimated") is None
+            # Like the other totals, the estimate mirrors vLLM's lifetime from the first scrape.
+            hist.pending_preemptions += (
+                m.values["preemptions"] if first_seen else deltas.get("preemptions", 0.0)
+            )
+            context = mean_context(m.histograms)
+            if context is not None:
+                tracker.add("recomputed_estimated", hist.pending_preemptions * context)
+                hist.pending_preemptions = 0.0
+            elif tracker.total("recomputed_estimated") is None:
+                tracker.add("recomputed_estimated", 0.0)
+
+        gauges = {
+            name: m.values[name]
+            for name in (
+                "kv_usage",
+                "requests_running",
+                "requests_waiting",
+                "v0_prompt_throughput",
+                "v0_generation_throughput",
+            )
+            if name in m.values
+        }
+        hist.points.append(
+            Point(snap.timestamp, tracker.totals(), gauges, dict(m.histograms), dict(m.info))
+        )
+
+    def _trim(self, hist: _ModelHistory, now: float) -> None:
+        # Keep one point at or before the window's start so a full-window rate is possible.
+        horizon = now - self.window_seconds
+        while len(hist.points) >= 2 and hist.points[1].t <= horizon:
+            hist.points.popleft()

@@ -1,0 +1,219 @@
+"""The observe-mode sidecar: scrape on a schedule, fold, derive, and serve kvtax's /metrics.
+
+:class:`Sidecar` owns the I/O of observe mode: an APScheduler job scrapes vLLM every interval,
+the pure pipeline (normalize, history, derive) turns the text into figures, and an aiohttp app
+serves ``/metrics``, ``/healthz`` and ``/readyz``. A vLLM that is down, slow or restarting shows
+as ``kvtax_vllm_up 0`` and a scrape error by reason; it never stops the sidecar. Other parts (the
+proxy's ledger, the join) add samples through :meth:`Sidecar.add_producer`.
+
+Example::
+
+    sidecar = Sidecar(config)
+    await sidecar.start()
+    ...
+    await sidecar.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import platform
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from . import __version__
+from .config import Config
+from .derive import EngineFigures, EngineSettings, derive_engine
+from .exposition import ReportCollector
+from .history import EngineHistory
+from .normalize import ParseError, normalize
+from .publish import engine_samples
+from .report import HistogramSample, Sample
+from .scraper import REASONS, ScrapeError, Scraper
+from .snapshot import VllmSnapshot
+
+__all__ = ["ScrapeHealth", "Sidecar"]
+
+log = logging.getLogger("kvtax.sidecar")
+
+Producer = Callable[[], Iterable[Sample | HistogramSample]]
+
+
+@dataclass(slots=True)
+class ScrapeHealth:
+    """The sidecar's own counters about scraping vLLM."""
+
+    up: bool = False
+    scrapes: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    last_duration: float | None = None
+    last_success: float | None = None
+    last_error: str | None = None
+    version: str | None = None
+    engine: str | None = None
+
+
+class Sidecar:
+    """Scrapes one vLLM server and serves kvtax's metrics. See the module docstring."""
+
+    def __init__(self, config: Config, *, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.history = EngineHistory(config.window)
+        self.health = ScrapeHealth()
+        self.figures: dict[str, EngineFigures] = {}
+        self.snapshot: VllmSnapshot | None = None
+        self.settings = EngineSettings(
+            target_usage=config.target_usage, configured_max_num_seqs=config.max_num_seqs
+        )
+        self.scraper = Scraper(config.vllm_url, config.effective_timeout)
+        self._producers: list[Producer] = [self._own_samples]
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ReportCollector(self._report))
+        self._scheduler: AsyncIOScheduler | None = None
+        self._runner: web.AppRunner | None = None
+        self._lock = asyncio.Lock()
+        self._first: asyncio.Task[None] | None = None
+
+    # -- the pipeline ------------------------------------------------------------------------
+    def add_producer(self, producer: Producer) -> None:
+        self._producers.append(producer)
+
+    def _report(self) -> Iterator[Sample | HistogramSample]:
+        for producer in self._producers:
+            yield from producer()
+
+    def ingest(self, text: str, timestamp: float) -> VllmSnapshot:
+        """Pure pipeline step for one scrape body; raises ParseError. Public for tests/bench."""
+        snap = normalize(text, timestamp=timestamp, version=self.health.version)
+        self.history.observe(snap)
+        self.figures = {
+            model: derive_engine(self.history.points(model), self.settings)
+            for model in self.history.models()
+        }
+        self.snapshot = snap
+        return snap
+
+    async def scrape_once(self) -> None:
+        """One scrape; every failure becomes a counted reason, never an exception."""
+        async with self._lock:  # a slow scrape must not overlap the next one
+            started = time.perf_counter()
+            self.health.scrapes += 1
+            try:
+                text = await self.scraper.fetch_metrics()
+                if not self.health.up or self.health.version is None:
+                    # (Re)connected: the server may have been upgraded in between.
+                    self.health.version = await self.scraper.fetch_version()
+                snap = self.ingest(text, self.clock())
+                if not snap.models:
+                    raise ScrapeError("no_models", "no vllm: series with a model_name label")
+            except ScrapeError as exc:
+                self._failed(exc.reason, exc.detail)
+            except ParseError as exc:
+                self._failed("parse", str(exc))
+            else:
+                if not self.health.up:
+                    log.info(
+                        "vLLM at %s is up (version %s)",
+                        self.config.vllm_url,
+                        self.health.version or "unknown",
+                    )
+                self.health.up = True
+                self.health.last_success = self.clock()
+                self.health.last_error = None
+                self.health.engine = "v0" if snap.is_v0 else "v1"
+            finally:
+                self.health.last_duration = time.perf_counter() - started
+
+    def _failed(self, reason: str, detail: str) -> None:
+        if self.health.up or self.health.last_error is None:
+            log.warning("scrape of %s failed: %s: %s", self.config.vllm_url, reason, detail)
+        self.health.up = False
+        self.health.errors[reason] += 1
+        self.health.last_error = f"{reason}: {detail}"
+
+    def _own_samples(self) -> Iterator[Sample]:
+        h = self.health
+        yield Sample("kvtax_build_info", (__version__, platform.python_version()), 1.0)
+        yield Sample("kvtax_vllm_up", (), 1.0 if h.up else 0.0)
+        if h.last_duration is not None:
+            yield Sample("kvtax_scrape_duration_seconds", (), h.last_duration)
+        yield Sample("kvtax_scrapes_total", (), float(h.scrapes))
+        for reason, count in h.errors.items():
+            yield Sample("kvtax_scrape_errors_total", (reason,), float(count))
+        if h.last_success is not None:
+            yield Sample("kvtax_last_scrape_success_timestamp_seconds", (), h.last_success)
+        yield Sample("kvtax_vllm_restarts_total", (), float(self.history.restarts))
+        if h.engine is not None:
+            yield Sample("kvtax_vllm_info", (h.version or "unknown", h.engine), 1.0)
+        yield from engine_samples(self.figures, self.config.max_num_seqs)
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def is_ready(self) -> tuple[bool, str]:
+        last = self.health.last_success
+        if last is None:
+            return False, f"no successful scrape yet ({self.health.last_error or 'starting'})"
+        age = self.clock() - last
+        if age > 3 * self.config.scrape_interval:
+            return False, f"last successful scrape {age:.0f}s ago ({self.health.last_error})"
+        return True, "ok"
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ready, why = self.is_ready()
+        return web.Response(text=why + "\n", status=200 if ready else 503)
+
+    def web_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        return app
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        host, port = self.config.web_listen_address
+        self._runner = web.AppRunner(self.web_app(), access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        log.info(
+            "serving /metrics on %s:%d, scraping %s every %.1fs",
+            host,
+            port,
+            self.config.vllm_url,
+            self.config.scrape_interval,
+        )
+        self._scheduler = AsyncIOScheduler()
+        self._scheduler.add_job(
+            self.scrape_once,
+            "interval",
+            seconds=self.config.scrape_interval,
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=None,
+        )
+        self._scheduler.start()
+        # The first scrape runs now, not one interval from now.
+        self._first = asyncio.get_running_loop().create_task(self.scrape_once())
+
+    async def stop(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=False)
+            self._scheduler = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.scraper.close()
