@@ -50,7 +50,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             dest=option.key,
             metavar=option.metavar,
             default=None,
-            help=f"{option.help} (env {env_name(option.key)}; default: {default})",
+            # argparse %-formats help text, so a literal "%" in OPTIONS must be doubled.
+            help=f"{option.help} (env {env_name(option.key)}; default: {default})".replace(
+                "%", "%%"
+            ),
         )
 
 
