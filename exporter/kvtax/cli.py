@@ -45,8 +45,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     )
     for option in OPTIONS:
         default = "unset" if option.default is None else option.default
+        # Accept the underscore spelling too: it is what the YAML and env keys use.
+        spellings = dict.fromkeys([option.flag, f"--{option.key}"])
         parser.add_argument(
-            f"--{option.key}",
+            *spellings,
             dest=option.key,
             metavar=option.metavar,
             default=None,

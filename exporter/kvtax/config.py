@@ -138,6 +138,11 @@ class Option:
     def field(self) -> str:
         return self.key.replace(".", "_")
 
+    @property
+    def flag(self) -> str:
+        """The command-line flag: ``--web.listen-address`` for ``web.listen_address``."""
+        return "--" + self.key.replace("_", "-")
+
 
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -286,7 +291,7 @@ def load_config(flags: Mapping[str, Any], *, env: Mapping[str, str], file: Path 
     for option in OPTIONS:
         raw: Any
         if flags.get(option.key) is not None:
-            raw, source = flags[option.key], f"--{option.key}"
+            raw, source = flags[option.key], option.flag
         elif env_name(option.key) in env:
             raw, source = env[env_name(option.key)], env_name(option.key)
         elif option.key in from_file:
@@ -330,7 +335,7 @@ def render_markdown() -> str:
     ]
     for o in OPTIONS:
         default = "unset" if o.default is None else f"`{o.default}`"
-        lines.append(f"| `--{o.key}` | `{env_name(o.key)}` | {default} | {o.help} |")
+        lines.append(f"| `{o.flag}` | `{env_name(o.key)}` | {default} | {o.help} |")
     return "\n".join(lines) + "\n"
 
 
