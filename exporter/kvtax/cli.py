@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
         "serve kvtax's own /metrics.",
     )
     _add_config_flags(serve)
+    demo = sub.add_parser(
+        "demo",
+        help="Show the preemption tax live on a real vLLM CPU engine (installs it once).",
+        description="Start a real vLLM CPU engine with a tiny local model and a small KV pool, "
+        "and kvtax with its proxy; drive an overload, then a load that fits, and show what "
+        "kvtax publishes. Everything started is stopped on exit, Ctrl-C included.",
+    )
+    demo.add_argument(
+        "--short", action="store_true", help="Smaller loads, for CI and slow machines."
+    )
     docs = sub.add_parser("docs", help="Write the generated metrics and configuration references.")
     docs.add_argument("--out", type=Path, default=Path("docs"), help="Folder to write into.")
     docs.add_argument(
@@ -118,6 +128,13 @@ async def _run_serve(config: Config) -> int:
     log.info("shutting down")
     await sidecar.stop()
     return 0
+
+
+@command("demo")
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
 
 
 @command("docs")

@@ -1,0 +1,125 @@
+"""Observe mode against a real vLLM 0.32 CPU engine: capacity, preemption, thrash, restarts.
+
+One ``kvtax serve`` process scrapes the session's engine every second. The overload is the one
+from shared/real-vllm-on-cpu.md: 64 concurrent long generations against a 2,048-token pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from kvtax.testbed import VllmEngine
+from kvtax.testbed.load import drive
+from kvtax.testbed.sidecar import KvtaxProcess, series_key
+
+MODEL = {"model_name": "tiny-llama"}
+
+
+def _capacity_from_log(engine: VllmEngine) -> int:
+    """The pool size vLLM printed at startup ("KV cache size: 2,048 tokens")."""
+    text = engine.log_path.read_text(errors="replace")
+    found = re.findall(r"KV cache size:\s*([\d,]+)\s*tokens", text)
+    assert found, "the engine log has no 'KV cache size' line"
+    return int(found[-1].replace(",", ""))
+
+
+@pytest.fixture
+def kvtax(vllm_engine: VllmEngine) -> Iterator[KvtaxProcess]:
+    with KvtaxProcess(vllm_engine.url, scrape_interval="1s", window="60s") as proc:
+        proc.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
+        yield proc
+
+
+def test_overload_shows_capacity_preemption_and_thrash(
+    vllm_engine: VllmEngine, kvtax: KvtaxProcess
+) -> None:
+    idle = kvtax.metrics()
+    assert idle["kvtax_vllm_up"] == 1.0
+    assert idle[series_key("kvtax_kv_capacity_tokens", MODEL)] == _capacity_from_log(vllm_engine)
+
+    results = asyncio.run(
+        drive(vllm_engine.url, vllm_engine.model_name, concurrency=64, max_tokens=500, stream=True)
+    )
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+
+    # Scrapes land once a second; wait for one that saw the preemptions.
+    after = kvtax.wait_for(
+        lambda m: m.get(series_key("kvtax_engine_preemptions_per_second", MODEL), 0.0) > 0,
+        timeout=30,
+        what="a nonzero preemption rate",
+    )
+    assert after["kvtax_vllm_up"] == 1.0
+    assert after[series_key("kvtax_thrash_state", MODEL)] >= 1
+    assert (
+        after[series_key("kvtax_engine_preemptions_total", MODEL)]
+        > idle[series_key("kvtax_engine_preemptions_total", MODEL)]
+    )
+    # Without the plugin's series the estimate is still there, labelled as such.
+    estimated = series_key("kvtax_preemption_tax_ratio", {**MODEL, "method": "estimated"})
+    assert after[estimated] > 0
+    assert after[series_key("kvtax_recommended_max_num_seqs", MODEL)] >= 1
+
+
+def _rates(metrics: dict[str, float]) -> dict[str, float]:
+    return {
+        k: v
+        for k, v in metrics.items()
+        if "_per_second" in k or k.startswith("kvtax_preemption_tax_ratio")
+    }
+
+
+def _readyz_status(kvtax: KvtaxProcess) -> int:
+    try:
+        with urllib.request.urlopen(kvtax.base_url + "/readyz", timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> None:
+    """Stop the real engine under kvtax, then start it again on the same port."""
+    # Some traffic first, so that vLLM's counters are above zero and a restart resets them.
+    asyncio.run(
+        drive(vllm_engine.url, vllm_engine.model_name, concurrency=2, max_tokens=16, stream=False)
+    )
+    gen = series_key("kvtax_engine_generation_tokens_total", MODEL)
+    before = kvtax.wait_for(lambda m: m.get(gen, 0.0) > 0, timeout=15, what="tokens counted")
+    connect = series_key("kvtax_scrape_errors_total", {"reason": "connect"})
+    vllm_engine.stop()
+    try:
+        down = kvtax.wait_for(
+            lambda m: m["kvtax_vllm_up"] == 0.0 and m[connect] > before[connect],
+            timeout=30,
+            what="kvtax_vllm_up 0 with connect errors",
+        )
+        # Still serving its own page, last known engine figures included.
+        assert down["kvtax_scrapes_total"] > before["kvtax_scrapes_total"]
+        assert down[gen] == before[gen]
+        # Readiness wants a scrape fresher than three intervals.
+        kvtax.wait_for(lambda m: m[connect] >= down[connect] + 4, timeout=30, what="stale")
+        assert _readyz_status(kvtax) == 503
+    finally:
+        vllm_engine.start()
+    # Back within one interval: the second scrape after the engine is healthy again must be up
+    # (the first may have been in flight while it started). Counted in scrapes, not seconds.
+    back_from = kvtax.metrics()["kvtax_scrapes_total"]
+    page = kvtax.wait_for(
+        lambda m: m["kvtax_scrapes_total"] >= back_from + 2, timeout=30, what="two more scrapes"
+    )
+    assert page["kvtax_vllm_up"] == 1.0
+    assert _readyz_status(kvtax) == 200
+    assert page["kvtax_vllm_restarts_total"] == before["kvtax_vllm_restarts_total"] + 1
+    # vLLM restarted from zero: kvtax's totals stay monotonic and no rate goes negative.
+    for _ in range(3):
+        seen = page["kvtax_scrapes_total"]
+        page = kvtax.wait_for(
+            lambda m, n=seen: m["kvtax_scrapes_total"] > n, timeout=10, what="another scrape"
+        )
+        assert all(v >= 0 for v in _rates(page).values()), _rates(page)
+        assert page[gen] >= before[gen]
