@@ -139,9 +139,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 @command("docs")
 def _docs(args: argparse.Namespace) -> int:
-    from . import catalog, config
+    from . import catalog, config, vocabulary
 
-    pages = {"metrics.md": catalog.render_markdown(), "configuration.md": config.render_markdown()}
+    pages = {
+        "metrics.md": catalog.render_markdown(),
+        "configuration.md": config.render_markdown(),
+        "compatibility.md": vocabulary.render_markdown(),
+    }
     stale = []
     for name, text in pages.items():
         path = args.out / name

@@ -24,6 +24,7 @@ __all__ = [
     "Concept",
     "Kind",
     "concept_for",
+    "render_markdown",
 ]
 
 
@@ -278,3 +279,52 @@ def concept_for(series: str) -> tuple[Concept, int, str] | None:
             if base is not None and base[0].kind is Kind.HISTOGRAM:
                 return base[0], base[1], suffix[1:]
     return None
+
+
+# How each version was tested; docs/compatibility.md is generated from this and CONCEPT_LIST.
+TESTED_VERSIONS: tuple[tuple[str, str, str], ...] = (
+    (
+        "0.32.0 (V1, CPU build)",
+        "real engine",
+        "end-to-end tests start a real engine; captures in tests/fixtures/vllm/0.32-*.prom",
+    ),
+    (
+        "0.10.x (V1)",
+        "hand-built fixture",
+        "both KV-usage names, both prefix-cache name sets, two engines",
+    ),
+    ("0.8.x (V1)", "hand-built fixture", "prefix-cache counters in blocks, engine label"),
+    (
+        "0.6.x (V0)",
+        "hand-built fixture",
+        "gpu_cache_usage_perc, time_per_output_token_seconds, swapped, throughput gauges",
+    ),
+)
+
+
+def render_markdown() -> str:
+    """The compatibility page (docs/compatibility.md), generated from this module."""
+    lines = [
+        "# vLLM compatibility",
+        "",
+        "Generated from `exporter/kvtax/vocabulary.py` by `kvtax docs`; do not edit by hand.",
+        "",
+        "## Versions tested",
+        "",
+        "| vLLM | how | what it covers |",
+        "|---|---|---|",
+        *(f"| {v} | {how} | {what} |" for v, how, what in TESTED_VERSIONS),
+        "",
+        "Any version from 0.6 on is read the same way: kvtax keeps, per concept, the newest name",
+        "the scrape carries, combines engines (`engine` label, from 0.8.3) per model, and leaves",
+        "out a concept the version lacks instead of publishing a zero.",
+        "",
+        "## Names read, per concept (newest first)",
+        "",
+        "| concept | kind | exposed names | since | notes |",
+        "|---|---|---|---|---|",
+    ]
+    for c in CONCEPT_LIST:
+        names = "<br>".join(f"`{n}`" for n in c.names)
+        lines.append(f"| `{c.name}` | {c.kind.value} | {names} | {c.since} | {c.help} |")
+    return "\n".join(lines) + "\n"

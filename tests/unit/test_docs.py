@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvtax import catalog, config
+from kvtax import catalog, config, vocabulary
 from kvtax.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,6 +17,10 @@ def test_metrics_reference_matches_catalog() -> None:
 
 def test_configuration_reference_matches_options() -> None:
     assert (ROOT / "docs/configuration.md").read_text() == config.render_markdown()
+
+
+def test_compatibility_page_matches_vocabulary() -> None:
+    assert (ROOT / "docs/compatibility.md").read_text() == vocabulary.render_markdown()
 
 
 def test_docs_check_detects_drift(tmp_path: Path) -> None:
