@@ -1,0 +1,227 @@
+"""Async load driver for the testbed engine (or a proxy in front of it).
+
+:func:`drive` fires OpenAI-style completion or chat requests at a fixed concurrency and
+returns one :class:`RequestResult` per request. Requests use ``ignore_eos`` and a fixed
+``max_tokens`` so every request generates exactly as much as asked: that is what makes
+KV demand, and therefore preemption, predictable. Used by the e2e tests, the demo and
+the benchmarks.
+
+Depends only on the standard library and aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+# 40 tokens with the tiny model's tokenizer, so 41 with the BOS it prepends on
+# /v1/completions. (Chat requests add the template's role markers on top.)
+PROMPT = (
+    "Please write a long story about a lighthouse keeper who counts the ships "
+    "that pass at night and the sea."
+)
+PROMPT_TOKENS = 41
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """What one client saw for one request."""
+
+    index: int
+    status: int
+    """HTTP status; 0 when no response arrived (connection error or timeout)."""
+    completion_tokens: int | None
+    """``usage.completion_tokens`` when the server reported usage, else None."""
+    prompt_tokens: int | None
+    chunks: int
+    """Streamed SSE events that carried a choice (0 for non-streamed requests)."""
+    text: str
+    finish_reason: str | None
+    ttft_s: float | None
+    """Seconds from sending to the first streamed text; None if none arrived or not streamed."""
+    latency_s: float
+    disconnected: bool
+    """True when the client closed the stream early on purpose."""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Completed with HTTP 200, without an intentional or accidental cut."""
+        return self.status == 200 and not self.disconnected and self.error is None
+
+
+def _body(
+    model: str,
+    *,
+    prompt: str,
+    max_tokens: int,
+    stream: bool,
+    include_usage: bool | None,
+    continuous_usage: bool,
+    chat: bool,
+    seed: int,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        # vLLM extension: generate max_tokens regardless of EOS, so demand is fixed.
+        "ignore_eos": True,
+        "stream": stream,
+        "seed": seed,
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if stream and include_usage is not None:
+        options: dict[str, bool] = {"include_usage": include_usage}
+        if continuous_usage:
+            options["continuous_usage_stats"] = True
+        body["stream_options"] = options
+    return body
+
+
+def _choice_text(choice: dict[str, Any], chat: bool) -> str:
+    if chat:
+        # Streamed chat puts text in delta, non-streamed in message.
+        part = choice.get("delta") or choice.get("message") or {}
+        return str(part.get("content") or "")
+    return str(choice.get("text") or "")
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    *,
+    index: int,
+    chat: bool,
+    disconnect_after_chunks: int | None,
+) -> RequestResult:
+    stream = bool(body["stream"])
+    began = time.monotonic()
+    status = 0
+    chunks = 0
+    parts: list[str] = []
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    ttft: float | None = None
+    disconnected = False
+    error: str | None = None
+    try:
+        async with session.post(url, json=body) as resp:
+            status = resp.status
+            if status != 200:
+                error = (await resp.text())[:500]
+            elif not stream:
+                payload = await resp.json()
+                usage = payload.get("usage")
+                for choice in payload.get("choices", []):
+                    parts.append(_choice_text(choice, chat))
+                    finish_reason = choice.get("finish_reason") or finish_reason
+            else:
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    usage = event.get("usage") or usage
+                    choices = event.get("choices") or []
+                    if not choices:
+                        continue  # the trailing usage-only event
+                    chunks += 1
+                    for choice in choices:
+                        text = _choice_text(choice, chat)
+                        if text and ttft is None:
+                            ttft = time.monotonic() - began
+                        parts.append(text)
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                    if disconnect_after_chunks is not None and chunks >= disconnect_after_chunks:
+                        # Drop the connection mid-stream, as an impatient client would;
+                        # vLLM should notice and abort the request.
+                        disconnected = True
+                        resp.close()
+                        break
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return RequestResult(
+        index=index,
+        status=status,
+        completion_tokens=None if usage is None else usage.get("completion_tokens"),
+        prompt_tokens=None if usage is None else usage.get("prompt_tokens"),
+        chunks=chunks,
+        text="".join(parts),
+        finish_reason=finish_reason,
+        ttft_s=ttft,
+        latency_s=time.monotonic() - began,
+        disconnected=disconnected,
+        error=error,
+    )
+
+
+async def drive(
+    url: str,
+    model: str,
+    *,
+    concurrency: int,
+    max_tokens: int,
+    stream: bool,
+    include_usage: bool | None = None,
+    disconnect_after_chunks: int | None = None,
+    chat: bool = False,
+    seed: int = 0,
+    requests: int | None = None,
+    prompt: str = PROMPT,
+    continuous_usage: bool = False,
+    timeout_s: float = 600.0,
+) -> list[RequestResult]:
+    """Send ``requests`` (default: ``concurrency``) requests, ``concurrency`` at a time.
+
+    ``url`` is the server base (``http://host:port``); the path is /v1/completions, or
+    /v1/chat/completions with ``chat``. ``include_usage`` sets
+    ``stream_options.include_usage`` on streamed requests (None leaves it unset, as most
+    clients do). Request *i* carries ``seed + i``. Results are in request order.
+    """
+    total = concurrency if requests is None else requests
+    endpoint = url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
+    gate = asyncio.Semaphore(concurrency)
+    # No connection cap beyond ours: aiohttp's default of 100 would silently throttle.
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def run(index: int) -> RequestResult:
+            body = _body(
+                model,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                stream=stream,
+                include_usage=include_usage,
+                continuous_usage=continuous_usage,
+                chat=chat,
+                seed=seed + index,
+            )
+            async with gate:
+                return await _one(
+                    session,
+                    endpoint,
+                    body,
+                    index=index,
+                    chat=chat,
+                    disconnect_after_chunks=disconnect_after_chunks,
+                )
+
+        return list(await asyncio.gather(*(run(i) for i in range(total))))
+
+
+__all__ = ["PROMPT", "PROMPT_TOKENS", "RequestResult", "drive"]

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Capture real vLLM /metrics expositions as test fixtures, using the kvtax testbed.
+
+Starts one testbed engine (16 KV blocks = 2,048 tokens, --max-num-seqs 64), then writes:
+
+- ``<version>-idle.prom``: GET /metrics right after startup, engine idle;
+- ``<version>-preempting.prom``: GET /metrics taken *during* an overload (64 concurrent
+  streamed requests of 41 prompt + 500 output tokens, ignore_eos), chosen among the
+  polled snapshots as one with requests running and waiting, preemptions already
+  counted, and the highest KV usage;
+- ``<version>-after-overload.prom``: GET /metrics once the load has finished and the
+  engine is idle again.
+
+``<version>`` is the engine's major.minor from GET /version (e.g. ``0.32``). Run from
+the repository root with the sidecar's dev venv::
+
+    .venv/bin/python scripts/capture-fixtures.py [--out tests/fixtures/vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    from kvtax.testbed import VllmEngine
+    from kvtax.testbed.load import PROMPT_TOKENS, drive
+except ImportError:  # running from a checkout where kvtax is not installed in this venv
+    sys.path.insert(0, str(ROOT / "exporter"))
+    from kvtax.testbed import VllmEngine
+    from kvtax.testbed.load import PROMPT_TOKENS, drive
+
+CONCURRENCY = 64
+MAX_TOKENS = 500
+POLL_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One /metrics scrape and the few values used to pick the 'preempting' capture."""
+
+    at_s: float
+    text: str
+    running: float
+    waiting: float
+    kv_usage: float
+    preemptions: float
+
+
+def _value(text: str, name: str) -> float:
+    """Sum of a sample over all its series; plain-text scan keeps the script stdlib+aiohttp."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _snapshot(text: str, at_s: float) -> Snapshot:
+    return Snapshot(
+        at_s=at_s,
+        text=text,
+        running=_value(text, "vllm:num_requests_running"),
+        waiting=_value(text, "vllm:num_requests_waiting"),
+        kv_usage=_value(text, "vllm:kv_cache_usage_perc"),
+        preemptions=_value(text, "vllm:num_preemptions_total"),
+    )
+
+
+async def _scrape(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/metrics") as resp:
+        resp.raise_for_status()
+        return await resp.text()
+
+
+async def _overload(url: str, model: str) -> tuple[list[Snapshot], float, int]:
+    """Run the overload while polling /metrics; return snapshots, wall time, tokens."""
+    snapshots: list[Snapshot] = []
+    began = time.monotonic()
+    load = asyncio.create_task(
+        drive(
+            url,
+            model,
+            concurrency=CONCURRENCY,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            include_usage=True,
+        )
+    )
+    async with aiohttp.ClientSession() as session:
+        while not load.done():
+            await asyncio.sleep(POLL_INTERVAL_S)
+            text = await _scrape(session, url)
+            snapshots.append(_snapshot(text, time.monotonic() - began))
+    results = await load
+    wall = time.monotonic() - began
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise SystemExit(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    tokens = sum(r.completion_tokens or 0 for r in results)
+    return snapshots, wall, tokens
+
+
+async def _wait_idle(url: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        while True:
+            text = await _scrape(session, url)
+            snap = _snapshot(text, 0.0)
+            if snap.running == 0 and snap.waiting == 0:
+                return text
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+
+def _pick_preempting(snapshots: list[Snapshot]) -> Snapshot:
+    candidates = [s for s in snapshots if s.running > 0 and s.waiting > 0 and s.preemptions > 0]
+    if not candidates:
+        raise SystemExit("no snapshot caught the engine preempting; rerun or poll faster")
+    # max() keeps the first of equal KV usage, i.e. the earliest such moment.
+    return max(candidates, key=lambda s: s.kv_usage)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "vllm")
+    args = parser.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    with VllmEngine() as engine:
+        version = json.loads(engine.get("/version"))["version"]
+        prefix = ".".join(version.split(".")[:2])
+        idle = engine.metrics_text()
+        snapshots, wall, tokens = asyncio.run(_overload(engine.url, engine.model_name))
+        preempting = _pick_preempting(snapshots)
+        after = asyncio.run(_wait_idle(engine.url))
+        startup = engine.startup_seconds
+
+    (out / f"{prefix}-idle.prom").write_text(idle)
+    (out / f"{prefix}-preempting.prom").write_text(preempting.text)
+    (out / f"{prefix}-after-overload.prom").write_text(after)
+
+    done = _snapshot(after, wall)
+    print(
+        f"vLLM {version}: startup {startup:.1f} s; overload {CONCURRENCY} x "
+        f"({PROMPT_TOKENS} + {MAX_TOKENS}) tokens took {wall:.1f} s, {tokens} tokens, "
+        f"{done.preemptions:.0f} preemptions; {len(snapshots)} snapshots polled; "
+        f"'preempting' at t={preempting.at_s:.1f} s: running={preempting.running:.0f} "
+        f"waiting={preempting.waiting:.0f} kv_usage={preempting.kv_usage:.3f} "
+        f"preemptions={preempting.preemptions:.0f}",
+        file=sys.stderr,
+    )
+    for path in sorted(out.glob(f"{prefix}-*.prom")):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
