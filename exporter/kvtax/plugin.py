@@ -1,0 +1,343 @@
+"""kvtax's vLLM stat-logger plugin: exact recompute counters on vLLM's own /metrics.
+
+vLLM counts, per scheduler step, how many tokens of *resumed* (previously preempted) requests it
+looked up in the prefix cache and how many it found (``PrefixCacheStats.preempted_queries`` and
+``preempted_hits``, 0.12+), but publishes neither. This module is loaded by vLLM's OpenAI server
+through the ``vllm.stat_logger_plugins`` entry point and turns them into four Prometheus counters,
+labelled ``model_name``/``engine`` exactly like vLLM's own series, in prometheus-client's default
+registry, which is the registry vLLM's /metrics serves. Their names come from
+:mod:`kvtax.vocabulary`, so the sidecar that reads them and the plugin that writes them cannot
+disagree.
+
+Nothing here imports vLLM at import time: vLLM resolves ``kvtax.plugin:KvtaxStatLogger``, and only
+that attribute access (the module ``__getattr__``) imports vLLM's ``StatLoggerBase`` and builds the
+subclass. ``import kvtax`` never imports this module. The plugin fails soft: if vLLM's stats have
+another shape, or prefix caching is off (then vLLM records nothing and a zero would be a lie), it
+logs once and publishes nothing; it never raises into the engine.
+
+Example (what vLLM does with the entry point)::
+
+    from kvtax.plugin import KvtaxStatLogger      # builds the StatLoggerBase subclass
+    logger = KvtaxStatLogger(vllm_config, engine_index=0)
+    logger.record(scheduler_stats, iteration_stats)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+from .vocabulary import CONCEPTS
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ENTRY_POINT_NAME",
+    "LABELS",
+    "PLUGIN_CONCEPTS",
+    "KvtaxStatLogger",
+    "PluginCounters",
+    "PreemptionDeltas",
+    "Recorder",
+    "build_stat_logger",
+    "family_name",
+    "has_preemption_fields",
+    "new_recorder",
+    "read_deltas",
+]
+
+ENTRY_POINT_GROUP = "vllm.stat_logger_plugins"
+# The name VLLM_PLUGINS must list when an operator uses that allowlist.
+ENTRY_POINT_NAME = "kvtax"
+LABELS = ("model_name", "engine")
+PLUGIN_PREFIX = "kvtax_plugin_"
+# Vocabulary concepts the plugin writes, in the order of PluginCounters' fields.
+PLUGIN_CONCEPTS = (
+    "recomputed_tokens",
+    "preempted_queried_tokens",
+    "preempted_hit_tokens",
+    "preempted_resumes",
+)
+_PREEMPTION_FIELDS = ("preempted_requests", "preempted_queries", "preempted_hits")
+
+# A child of vLLM's logger, so the plugin's few lines land in the engine log with vLLM's format
+# (vLLM configures the "vllm" logger; an unconfigured "kvtax" logger would print bare lines).
+log = logging.getLogger("vllm.kvtax_plugin")
+
+# Declared for readers and type checkers; the class is built on first access (__getattr__).
+KvtaxStatLogger: type[Any]
+
+
+def family_name(concept: str) -> str:
+    """The prometheus-client family name of a plugin concept (the vocabulary name minus _total)."""
+    for name in CONCEPTS[concept].names:
+        if name.startswith(PLUGIN_PREFIX):
+            return name.removesuffix("_total")
+    raise KeyError(f"vocabulary concept {concept!r} has no {PLUGIN_PREFIX}* name")
+
+
+class PreemptionDeltas(NamedTuple):
+    """One stats update's increments: tokens of resumed requests queried and hit, and resumes."""
+
+    queried: int
+    hits: int
+    resumes: int
+
+    @property
+    def recomputed(self) -> int:
+        """Tokens the resume prefill computed again: queried minus found in a cache."""
+        return self.queried - self.hits
+
+
+def _count(value: object, what: str) -> int:
+    # bool is an int subclass; a flag where a count belongs means the shape changed.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} is {type(value).__name__}, expected int")
+    if value < 0:
+        raise ValueError(f"{what} is negative ({value})")
+    return value
+
+
+def read_deltas(scheduler_stats: Any) -> PreemptionDeltas:
+    """The preemption increments of one ``SchedulerStats``.
+
+    Raises AttributeError, TypeError or ValueError when vLLM's stats do not have the 0.12+ shape.
+    With a KV connector, tokens of a resumed request loaded from the external cache are hits too:
+    loading is not recomputing.
+    """
+    local = scheduler_stats.prefix_cache_stats
+    queried = _count(local.preempted_queries, "preempted_queries")
+    hits = _count(local.preempted_hits, "preempted_hits")
+    resumes = _count(local.preempted_requests, "preempted_requests")
+    connector = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
+    if connector is not None:
+        hits += _count(connector.preempted_hits, "connector preempted_hits")
+    if hits > queried:
+        raise ValueError(f"preempted hits ({hits}) exceed queries ({queried})")
+    return PreemptionDeltas(queried, hits, resumes)
+
+
+def has_preemption_fields(stats_class: type) -> bool:
+    """Whether vLLM's ``PrefixCacheStats`` carries the preempted_* fields (0.12+)."""
+    return all(hasattr(stats_class, name) for name in _PREEMPTION_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class PluginCounters:
+    """The plugin's four labelled counters in one registry.
+
+    One set per registry per process (:meth:`shared`): vLLM creates one logger per engine, and a
+    restarted ``AsyncLLM`` in the same process creates them again, so a second registration must
+    reuse the families rather than fail as a duplicate.
+    """
+
+    recomputed: Counter
+    queried: Counter
+    hits: Counter
+    resumes: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> PluginCounters:
+        def counter(concept: str) -> Counter:
+            return Counter(
+                family_name(concept),
+                CONCEPTS[concept].help,
+                LABELS,
+                registry=registry,
+            )
+
+        return cls(*(counter(concept) for concept in PLUGIN_CONCEPTS))
+
+    @classmethod
+    def shared(cls, registry: CollectorRegistry = REGISTRY) -> PluginCounters:
+        with _SHARED_LOCK:
+            found = _SHARED.get(id(registry))
+            if found is None or found[0] is not registry:
+                found = _SHARED[id(registry)] = (registry, cls.create(registry))
+            return found[1]
+
+    def families(self) -> tuple[Counter, ...]:
+        return (self.recomputed, self.queried, self.hits, self.resumes)
+
+
+_SHARED: dict[int, tuple[CollectorRegistry, PluginCounters]] = {}
+_SHARED_LOCK = threading.Lock()
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message, *args)
+
+
+class Recorder:
+    """Increments one engine's series from vLLM's stats; the vLLM-free core of the plugin.
+
+    ``counters=None`` makes a recorder that publishes nothing (the plugin found it cannot measure).
+    The series are created at zero on construction, so ``rate()`` works before the first
+    preemption; on a shape error they are removed again, so no stale zero suggests "no recompute".
+    """
+
+    def __init__(self, model_name: str, engine: str, counters: PluginCounters | None) -> None:
+        self.labels = (model_name, engine)
+        self._counters = counters
+        self._children: tuple[Any, Any, Any, Any] | None = None
+        if counters is not None:
+            recomputed, queried, hits, resumes = (
+                c.labels(*self.labels) for c in counters.families()
+            )
+            self._children = (recomputed, queried, hits, resumes)
+
+    @property
+    def active(self) -> bool:
+        return self._children is not None
+
+    def record(self, scheduler_stats: Any) -> None:
+        children = self._children
+        if children is None or scheduler_stats is None:
+            # Updates without scheduler stats (iteration-only) carry no cache lookups.
+            return
+        try:
+            deltas = read_deltas(scheduler_stats)
+        except (AttributeError, TypeError, ValueError) as exc:
+            self.stop(f"vLLM's scheduler stats have an unexpected shape ({exc})")
+            return
+        if deltas.queried or deltas.resumes:
+            recomputed, queried, hits, resumes = children
+            recomputed.inc(deltas.recomputed)
+            queried.inc(deltas.queried)
+            hits.inc(deltas.hits)
+            resumes.inc(deltas.resumes)
+
+    def stop(self, reason: str) -> None:
+        """Stop publishing this engine's series, logging the reason once per process."""
+        _warn_once(
+            "stopped", "kvtax plugin: %s; recompute is no longer measured, only estimated", reason
+        )
+        counters, self._counters, self._children = self._counters, None, None
+        if counters is not None:
+            for family in counters.families():
+                with contextlib.suppress(KeyError):
+                    family.remove(*self.labels)
+
+
+def _model_name(vllm_config: Any) -> str:
+    # vLLM's own PrometheusStatLogger labels with model_config.served_model_name.
+    return str(vllm_config.model_config.served_model_name)
+
+
+def _prefix_caching(vllm_config: Any) -> bool | None:
+    cache_config = getattr(vllm_config, "cache_config", None)
+    value = getattr(cache_config, "enable_prefix_caching", None)
+    return value if isinstance(value, bool) else None
+
+
+def new_recorder(
+    vllm_config: Any,
+    engine_index: int,
+    *,
+    supported: bool,
+    registry: CollectorRegistry = REGISTRY,
+) -> Recorder:
+    """The recorder for one engine, or a silent one when measuring is impossible."""
+    model = _model_name(vllm_config)
+    engine = str(engine_index)
+    if not supported:
+        _warn_once(
+            "unsupported",
+            "kvtax plugin: this vLLM has no PrefixCacheStats.preempted_* fields (they arrived in "
+            "0.12); publishing nothing, kvtax will estimate recompute instead",
+        )
+        return Recorder(model, engine, None)
+    if _prefix_caching(vllm_config) is False:
+        # vLLM records cache lookups (preempted ones included) only with prefix caching on.
+        _warn_once(
+            "no_prefix_caching",
+            "kvtax plugin: prefix caching is disabled, so vLLM does not count re-prefilled "
+            "tokens; publishing nothing, kvtax will estimate recompute instead",
+        )
+        return Recorder(model, engine, None)
+    return Recorder(model, engine, PluginCounters.shared(registry))
+
+
+def build_stat_logger() -> type[Any]:
+    """Import vLLM and build the ``StatLoggerBase`` subclass vLLM instantiates per engine.
+
+    An ImportError here (no vLLM, or a vLLM without ``StatLoggerBase``) propagates to vLLM's
+    plugin loader, which logs it and starts the engine without the plugin.
+    """
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    try:
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
+        supported = has_preemption_fields(PrefixCacheStats)
+    except ImportError:
+        supported = False
+
+    # StatLoggerBase is untyped to mypy (vLLM is not in the sidecar's environment).
+    class _KvtaxStatLogger(StatLoggerBase):  # type: ignore[misc]
+        """Publishes resumed requests' re-prefilled tokens; one instance per engine.
+
+        Every method is an edge into vLLM's engine loop: nothing may escape it.
+        """
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self._recorder: Recorder | None = None
+            try:
+                self._recorder = new_recorder(vllm_config, engine_index, supported=supported)
+            except Exception as exc:
+                _warn_once("init", "kvtax plugin: could not start (%r); publishing nothing", exc)
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any = None,
+            *args: Any,
+            **kwargs: Any,
+        ) -> None:
+            # Extra arguments (mm_cache_stats, engine_idx) vary across versions and are unused:
+            # vLLM gives each engine its own instance, labelled at construction.
+            recorder = self._recorder
+            if recorder is None:
+                return
+            try:
+                recorder.record(scheduler_stats)
+            except Exception as exc:
+                self._recorder = None
+                _warn_once("record", "kvtax plugin: stopped after an error (%r)", exc)
+                with contextlib.suppress(Exception):
+                    recorder.stop(f"unexpected error {exc!r}")
+
+        def log_engine_initialized(self) -> None:
+            recorder = self._recorder
+            if recorder is not None and recorder.active:
+                log.info(
+                    "kvtax plugin: publishing exact recompute counters (%s) for "
+                    "model_name=%s engine=%s",
+                    family_name("recomputed_tokens"),
+                    *recorder.labels,
+                )
+
+    _KvtaxStatLogger.__name__ = _KvtaxStatLogger.__qualname__ = "KvtaxStatLogger"
+    _KvtaxStatLogger.__module__ = __name__
+    return _KvtaxStatLogger
+
+
+_BUILT: list[type[Any]] = []
+_BUILD_LOCK = threading.Lock()
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the StatLoggerBase subclass exists only once vLLM asks for it.
+    if name == "KvtaxStatLogger":
+        with _BUILD_LOCK:
+            if not _BUILT:
+                _BUILT.append(build_stat_logger())
+            return _BUILT[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
