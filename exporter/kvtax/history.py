@@ -138,7 +138,15 @@ class EngineHistory:
                 "recomputed_measured", max(0.0, deltas.get("prompt_tokens", 0.0) - sum_delta)
             )
         elif "recomputed_tokens" in m.values:
-            tracker.add("recomputed_measured", deltas.get("recomputed_tokens", 0.0))
+            # Mirror vLLM's lifetime from the first scrape, like the other totals, so the
+            # measured total equals the plugin's counter rather than starting at zero.
+            first_measured = tracker.total("recomputed_measured") is None
+            tracker.add(
+                "recomputed_measured",
+                m.values["recomputed_tokens"]
+                if first_measured
+                else deltas.get("recomputed_tokens", 0.0),
+            )
 
         if "preemptions" in m.values:
             first_seen = tracker.total("recomputed_estimated") is None
