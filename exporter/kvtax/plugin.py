@@ -265,8 +265,12 @@ def new_recorder(
     return Recorder(model, engine, PluginCounters.shared(registry))
 
 
-def build_stat_logger() -> type[Any]:
+def build_stat_logger(registry: CollectorRegistry = REGISTRY) -> type[Any]:
     """Import vLLM and build the ``StatLoggerBase`` subclass vLLM instantiates per engine.
+
+    ``registry`` is where its counters go: the default registry is the one vLLM's /metrics serves
+    (with one API server; with several, vLLM serves a multiprocess collector that reads what every
+    process's prometheus-client writes under ``PROMETHEUS_MULTIPROC_DIR``).
 
     An ImportError here (no vLLM, or a vLLM without ``StatLoggerBase``) propagates to vLLM's
     plugin loader, which logs it and starts the engine without the plugin.
@@ -290,7 +294,9 @@ def build_stat_logger() -> type[Any]:
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self._recorder: Recorder | None = None
             try:
-                self._recorder = new_recorder(vllm_config, engine_index, supported=supported)
+                self._recorder = new_recorder(
+                    vllm_config, engine_index, supported=supported, registry=registry
+                )
             except Exception as exc:
                 _warn_once("init", "kvtax plugin: could not start (%r); publishing nothing", exc)
 
@@ -310,7 +316,7 @@ def build_stat_logger() -> type[Any]:
                 recorder.record(scheduler_stats)
             except Exception as exc:
                 self._recorder = None
-                _warn_once("record", "kvtax plugin: stopped after an error (%r)", exc)
+                # stop() logs the reason once and removes the series; it must not raise either.
                 with contextlib.suppress(Exception):
                     recorder.stop(f"unexpected error {exc!r}")
 
