@@ -171,11 +171,11 @@ def derive_engine(points: Sequence[Point], settings: EngineSettings) -> EngineFi
     generated = increases.get("generation_tokens", 0.0)
     computed = increases.get("prompt_computed", 0.0)
     for method, key in (("measured", "recomputed_measured"), ("estimated", "recomputed_estimated")):
-        if key not in increases:
+        # A window of one scrape spans no time: its tax would be 0/0, not "no tax".
+        if key not in increases or span <= 0:
             continue
         recomputed = increases[key]
-        if span > 0:
-            recompute_rate[method] = recomputed / span
+        recompute_rate[method] = recomputed / span
         tax[method] = tax_ratio(recomputed, computed, generated)
 
     return EngineFigures(

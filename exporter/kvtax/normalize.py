@@ -64,7 +64,8 @@ def prefix_cache_counts_blocks(
     KV-usage name is 0.9.2+ (tokens); otherwise compare with prompt tokens: lookups are made for
     nearly every prompt token, so far fewer lookups than prompt tokens means blocks.
     """
-    if names.get("prefix_cache_queries") != "vllm:gpu_prefix_cache_queries_total":
+    # The block-counting name is the oldest one in the vocabulary (gpu_prefix_cache_queries).
+    if names.get("prefix_cache_queries") != CONCEPTS["prefix_cache_queries"].names[-1]:
         return False
     if version:
         try:

@@ -1,0 +1,347 @@
+"""derive: capacity, request-length quantiles, recommended max_num_seqs, thrash state and tax."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from kvtax.derive import (
+    EngineSettings,
+    ThrashState,
+    derive_engine,
+    kv_capacity_tokens,
+    recommended_max_num_seqs,
+    tax_ratio,
+    thrash_state,
+)
+from kvtax.history import EngineHistory, Point
+from kvtax.normalize import normalize
+from kvtax.snapshot import Histogram
+from tests.unit.conftest import read_fixture
+
+INF = float("inf")
+
+
+def point(
+    t: float,
+    counters: Mapping[str, float] | None = None,
+    gauges: Mapping[str, float] | None = None,
+    histograms: Mapping[str, Histogram] | None = None,
+    info: Mapping[str, str] | None = None,
+) -> Point:
+    return Point(
+        t, dict(counters or {}), dict(gauges or {}), dict(histograms or {}), dict(info or {})
+    )
+
+
+# -- capacity and the recommendation -----------------------------------------------------------
+
+
+def test_capacity_prefers_kv_cache_size_tokens() -> None:
+    info = {"kv_cache_size_tokens": "2048", "num_gpu_blocks": "10", "block_size": "16"}
+    assert kv_capacity_tokens(info) == 2048
+
+
+def test_capacity_from_blocks_times_block_size() -> None:
+    assert kv_capacity_tokens({"num_gpu_blocks": "2127", "block_size": "16"}) == 34_032
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        {},
+        {"block_size": "16"},
+        {"num_gpu_blocks": "None", "block_size": "16"},
+        {"num_gpu_blocks": "0", "block_size": "16"},
+        {"kv_cache_size_tokens": "nan"},
+    ],
+)
+def test_capacity_unknown_is_none_not_zero(info: dict[str, str]) -> None:
+    assert kv_capacity_tokens(info) is None
+
+
+@pytest.mark.parametrize(
+    ("capacity", "target", "p95", "expected"),
+    [
+        (2048, 0.9, 533.5, 3),  # floor(1843.2 / 533.5) = floor(3.45)
+        (34_032, 0.9, 970.0, 31),
+        (1000, 1.0, 100.0, 10),  # exact division stays 10
+        (1000, 0.5, 100.0, 5),
+        (2048, 0.9, 5000.0, 1),  # one request longer than the pool: still at least 1
+        (100, 0.9, 100.0, 1),  # floor(0.9) would be 0
+    ],
+)
+def test_recommended_max_num_seqs(
+    capacity: float, target: float, p95: float, expected: int
+) -> None:
+    assert recommended_max_num_seqs(capacity, target, p95) == expected
+
+
+@pytest.mark.parametrize("p95", [0.0, -3.0])
+def test_recommended_max_num_seqs_rejects_a_non_positive_length(p95: float) -> None:
+    with pytest.raises(ValueError, match="p95"):
+        recommended_max_num_seqs(2048, 0.9, p95)
+
+
+# -- tax -----------------------------------------------------------------------------------------
+
+
+def test_tax_ratio_from_the_measured_run_in_the_facts() -> None:
+    # 19,093 tokens recomputed against 34,624 useful tokens: a 36 % token tax.
+    assert tax_ratio(19_093, 2_624, 32_000) == pytest.approx(19_093 / 53_717)
+    assert round(tax_ratio(19_093, 2_624, 32_000), 2) == 0.36
+
+
+def test_tax_ratio_edge_cases() -> None:
+    assert tax_ratio(0, 0, 0) == 0.0
+    assert tax_ratio(0, 100, 100) == 0.0
+    assert tax_ratio(50, 0, 0) == 1.0
+
+
+def test_tax_and_recompute_rate_over_a_window() -> None:
+    first = point(
+        0.0,
+        {
+            "generation_tokens": 1_000,
+            "prompt_computed": 500,
+            "recomputed_measured": 0,
+            "recomputed_estimated": 100,
+        },
+    )
+    last = point(
+        10.0,
+        {
+            "generation_tokens": 1_600,  # G = 600
+            "prompt_computed": 800,  # Pc = 300
+            "recomputed_measured": 100,  # R = 100
+            "recomputed_estimated": 400,  # R-hat = 300
+        },
+    )
+    f = derive_engine([first, last], EngineSettings())
+    assert f.tax["measured"] == pytest.approx(100 / (300 + 600 + 100))
+    assert f.tax["estimated"] == pytest.approx(300 / (300 + 600 + 300))
+    assert f.recompute_rate == {"measured": 10.0, "estimated": 30.0}
+    assert f.generation_rate == 60.0
+    assert f.prompt_computed_rate == 30.0
+    assert f.window_seconds == 10.0
+    assert f.window_increase["generation_tokens"] == 600
+
+
+def test_a_single_scrape_publishes_no_rate_and_no_tax() -> None:
+    # One point spans no time: a rate or a tax of 0 would claim "no tax" before anything is known.
+    only = point(0.0, {"generation_tokens": 10, "preemptions": 3, "recomputed_estimated": 30})
+    f = derive_engine([only], EngineSettings())
+    assert f.generation_rate is None
+    assert f.preemption_rate is None
+    assert f.recompute_rate == {}
+    assert f.tax == {}
+    assert f.totals["generation_tokens"] == 10
+
+
+def test_no_points_no_figures() -> None:
+    f = derive_engine([], EngineSettings())
+    assert f.totals == {}
+    assert f.thrash_state is None
+    assert f.recommended_max_num_seqs is None
+
+
+def test_a_counter_new_in_the_window_counts_from_its_first_sighting() -> None:
+    first = point(0.0, {"generation_tokens": 10})
+    last = point(5.0, {"generation_tokens": 20, "recomputed_measured": 7})
+    f = derive_engine([first, last], EngineSettings())
+    assert f.window_increase["recomputed_measured"] == 0.0
+    assert f.tax["measured"] == 0.0
+
+
+# -- request length quantiles and the recommendation on a window -------------------------------
+
+
+def _h(buckets: Sequence[tuple[float, float]], total: float) -> Histogram:
+    return Histogram(tuple(buckets), total, buckets[-1][1])
+
+
+def test_length_quantiles_and_over_admission_on_a_window() -> None:
+    info = {"kv_cache_size_tokens": "2048"}
+    prompt0 = _h([(50.0, 0.0), (100.0, 0.0), (INF, 0.0)], 0.0)
+    gen0 = _h([(500.0, 0.0), (1000.0, 0.0), (INF, 0.0)], 0.0)
+    # 10 prompts all in (0, 50]; 10 generations all in (0, 500].
+    prompt1 = _h([(50.0, 10.0), (100.0, 10.0), (INF, 10.0)], 410.0)
+    gen1 = _h([(500.0, 10.0), (1000.0, 10.0), (INF, 10.0)], 5000.0)
+    points = [
+        point(
+            0.0, histograms={"request_prompt_tokens": prompt0, "request_generation_tokens": gen0}
+        ),
+        point(
+            5.0,
+            histograms={"request_prompt_tokens": prompt1, "request_generation_tokens": gen1},
+            info=info,
+        ),
+    ]
+    f = derive_engine(points, EngineSettings(configured_max_num_seqs=64))
+    assert f.length_p50 == pytest.approx(25 + 250)
+    assert f.length_p95 == pytest.approx(47.5 + 475)
+    assert f.kv_capacity_tokens == 2048
+    assert f.recommended_max_num_seqs == 3  # floor(1843.2 / 522.5)
+    assert f.over_admission_ratio == pytest.approx(64 / 3)
+    assert derive_engine(points, EngineSettings()).over_admission_ratio is None
+
+
+def test_a_quiet_window_falls_back_to_lifetime_histograms() -> None:
+    prompt = _h([(50.0, 10.0), (INF, 10.0)], 410.0)
+    gen = _h([(500.0, 10.0), (INF, 10.0)], 5000.0)
+    hists = {"request_prompt_tokens": prompt, "request_generation_tokens": gen}
+    f = derive_engine(
+        [point(0.0, histograms=hists), point(5.0, histograms=hists)], EngineSettings()
+    )
+    assert f.length_p50 == pytest.approx(25 + 250)
+
+
+def test_no_recommendation_without_capacity_or_lengths() -> None:
+    prompt = _h([(50.0, 10.0), (INF, 10.0)], 410.0)
+    only_prompt = point(0.0, histograms={"request_prompt_tokens": prompt})
+    f = derive_engine([only_prompt], EngineSettings(configured_max_num_seqs=8))
+    assert f.length_p95 is None
+    assert f.recommended_max_num_seqs is None
+    assert f.over_admission_ratio is None
+
+
+# -- histogram quantiles: Prometheus' histogram_quantile semantics ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("q", "expected"),
+    [
+        (0.5, 2.0),  # rank 20 lands exactly on the top of (1, 2]
+        (0.25, 1.0),  # rank 10 on the top of the first bucket
+        (0.1, 0.4),  # the first bucket interpolates from 0
+        (0.625, 3.0),  # rank 25 in (2, 4]: 2 + 2 * (25 - 20) / 10
+        (0.9, 4.0),  # rank 36 in +Inf: the highest finite bound
+    ],
+)
+def test_histogram_quantile_matches_prometheus(q: float, expected: float) -> None:
+    h = Histogram(((1.0, 10.0), (2.0, 20.0), (4.0, 30.0), (INF, 40.0)), 100.0, 40.0)
+    assert h.quantile(q) == pytest.approx(expected)
+
+
+def test_histogram_quantile_skips_empty_buckets_like_prometheus() -> None:
+    h = Histogram(((1.0, 0.0), (2.0, 0.0), (5.0, 4.0), (INF, 4.0)), 14.0, 4.0)
+    assert h.quantile(0.5) == pytest.approx(2.0 + 3.0 * 2.0 / 4.0)
+    assert h.quantile(1.0) == 5.0
+
+
+def test_histogram_quantile_without_observations_is_none() -> None:
+    assert Histogram(((1.0, 0.0), (INF, 0.0)), 0.0, 0.0).quantile(0.5) is None
+    assert Histogram((), 0.0, 0.0).quantile(0.5) is None
+
+
+def test_histogram_minus_and_reset() -> None:
+    before = Histogram(((1.0, 2.0), (INF, 4.0)), 10.0, 4.0)
+    after = Histogram(((1.0, 5.0), (INF, 9.0)), 25.0, 9.0)
+    assert after.minus(before) == Histogram(((1.0, 3.0), (INF, 5.0)), 15.0, 5.0)
+    assert before.minus(after) == before  # a restart: the newer histogram is the increase
+
+
+# -- thrash state on constructed windows --------------------------------------------------------
+
+
+def window(
+    usages: Sequence[float],
+    preemptions: Sequence[float],
+    waiting: Sequence[float] | None = None,
+    generated: Sequence[float] | None = None,
+    running: Sequence[float] | None = None,
+) -> list[Point]:
+    n = len(usages)
+    waiting = waiting or [0.0] * n
+    generated = generated or [100.0 * i for i in range(n)]
+    running = running or [4.0] * n
+    return [
+        point(
+            5.0 * i,
+            {"preemptions": preemptions[i], "generation_tokens": generated[i]},
+            {"kv_usage": usages[i], "requests_waiting": waiting[i], "requests_running": running[i]},
+        )
+        for i in range(n)
+    ]
+
+
+def test_thrash_ok() -> None:
+    pts = window([0.2, 0.4, 0.5], [3.0, 3.0, 3.0])
+    assert thrash_state(pts, EngineSettings()) is ThrashState.OK
+
+
+def test_thrash_at_risk_from_preemptions_alone() -> None:
+    pts = window([0.5, 0.6, 0.7], [3.0, 4.0, 6.0])
+    assert thrash_state(pts, EngineSettings()) is ThrashState.AT_RISK
+
+
+def test_thrash_at_risk_from_high_usage_alone() -> None:
+    pts = window([0.86, 0.88, 0.87], [3.0, 3.0, 3.0], waiting=[2.0, 2.0, 2.0])
+    assert thrash_state(pts, EngineSettings()) is ThrashState.AT_RISK
+
+
+def test_thrashing_when_full_preempting_and_waiting() -> None:
+    pts = window([0.8, 0.97, 1.0], [3.0, 9.0, 20.0], waiting=[0.0, 5.0, 12.0])
+    assert thrash_state(pts, EngineSettings()) is ThrashState.THRASHING
+
+
+def test_thrashing_when_throughput_falls_as_demand_rises() -> None:
+    # Nobody waits, but the second half generates slower while more requests run.
+    pts = window(
+        [0.95] * 6,
+        [0.0, 2.0, 4.0, 6.0, 8.0, 10.0],
+        generated=[0.0, 1000.0, 2000.0, 3000.0, 3300.0, 3600.0],
+        running=[4.0, 4.0, 4.0, 8.0, 12.0, 16.0],
+    )
+    assert thrash_state(pts, EngineSettings()) is ThrashState.THRASHING
+    # The same window with steady throughput is only at risk.
+    steady = window(
+        [0.95] * 6, [0.0, 2.0, 4.0, 6.0, 8.0, 10.0], running=[4.0, 4.0, 4.0, 8.0, 12.0, 16.0]
+    )
+    assert thrash_state(steady, EngineSettings()) is ThrashState.AT_RISK
+
+
+def test_thrash_unknown_without_usage_or_preemption_data() -> None:
+    no_usage = [point(0.0, {"preemptions": 1.0}), point(5.0, {"preemptions": 5.0})]
+    assert thrash_state(no_usage, EngineSettings()) is None
+    no_preemptions = [point(0.0, gauges={"kv_usage": 1.0})]
+    assert thrash_state(no_preemptions, EngineSettings()) is None
+
+
+def test_thrash_thresholds_come_from_settings() -> None:
+    pts = window([0.75, 0.8, 0.8], [1.0, 3.0, 5.0], waiting=[1.0, 1.0, 1.0])
+    assert thrash_state(pts, EngineSettings()) is ThrashState.AT_RISK
+    assert thrash_state(pts, EngineSettings(near_full=0.8)) is ThrashState.THRASHING
+
+
+# -- on fixtures -------------------------------------------------------------------------------
+
+
+def test_real_overload_window_is_thrashing_with_capacity_from_the_pool() -> None:
+    h = EngineHistory(window_seconds=300)
+    h.observe(normalize(read_fixture("0.32-idle.prom"), timestamp=0.0))
+    h.observe(normalize(read_fixture("0.32-preempting.prom"), timestamp=5.0))
+    f = derive_engine(h.points("tiny-llama"), EngineSettings(configured_max_num_seqs=64))
+    assert f.kv_capacity_tokens == 2048
+    assert f.preemption_rate is not None
+    assert f.preemption_rate > 0
+    assert f.thrash_state is ThrashState.THRASHING
+    assert f.recommended_max_num_seqs is not None
+    assert f.recommended_max_num_seqs < 64
+    assert f.over_admission_ratio is not None
+    assert f.over_admission_ratio > 1
+    assert "measured" not in f.tax
+    assert 0 < f.tax["estimated"] < 1
+
+
+def test_v0_window_has_measured_and_estimated_tax() -> None:
+    h = EngineHistory(window_seconds=300)
+    h.observe(normalize(read_fixture("0.6.6.prom"), timestamp=0.0))
+    h.observe(normalize(read_fixture("0.6.6-later.prom"), timestamp=10.0))
+    f = derive_engine(h.points("mistralai/Mistral-7B-Instruct-v0.3"), EngineSettings())
+    g = f.window_increase["generation_tokens"]
+    assert f.recompute_rate["measured"] == 260.0
+    assert f.tax["measured"] == pytest.approx(2_600 / (6_400 + g + 2_600))
+    assert f.kv_capacity_tokens == 2127 * 16
+    assert f.thrash_state is ThrashState.THRASHING
