@@ -1,0 +1,261 @@
+"""normalize() on every fixture: concepts present where the version has them, absent otherwise."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvtax.normalize import ParseError, normalize, prefix_cache_counts_blocks
+from kvtax.snapshot import ModelMetrics
+from tests.unit.conftest import read_fixture
+
+V0_MODEL = "mistralai/Mistral-7B-Instruct-v0.3"
+V08_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+V010_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+
+# Concepts every version since 0.6 exposes.
+COMMON = {
+    "kv_usage",
+    "requests_running",
+    "requests_waiting",
+    "preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "http_requests",
+    "ttft",
+    "itl",
+    "e2e_latency",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "cache_config",
+}
+V0_ONLY = {
+    "requests_swapped",
+    "prefix_cache_hit_rate",
+    "v0_prompt_throughput",
+    "v0_generation_throughput",
+}
+NEWER_THAN_0_10 = {
+    "prompt_tokens_local_compute",  # 0.16
+    "prefill_kv_computed",  # 0.13
+    "request_tpot",  # 0.11
+    "request_preemptions",  # 0.30
+    "requests_waiting_by_reason",  # 0.20
+    "admission_rejections",  # 0.32
+}
+PLUGIN = {
+    "recomputed_tokens",
+    "preempted_queried_tokens",
+    "preempted_hit_tokens",
+    "preempted_resumes",
+}
+PREFIX_COUNTERS = {"prefix_cache_queries", "prefix_cache_hits"}
+
+CASES = [
+    ("0.6.6.prom", V0_MODEL, COMMON | V0_ONLY, PREFIX_COUNTERS | NEWER_THAN_0_10 | PLUGIN),
+    ("0.6.6-later.prom", V0_MODEL, COMMON | V0_ONLY, PREFIX_COUNTERS | NEWER_THAN_0_10 | PLUGIN),
+    ("0.8.2.prom", V08_MODEL, COMMON | PREFIX_COUNTERS, V0_ONLY | NEWER_THAN_0_10 | PLUGIN),
+    ("0.8.5.prom", V08_MODEL, COMMON | PREFIX_COUNTERS, V0_ONLY | NEWER_THAN_0_10 | PLUGIN),
+    ("0.10.1.prom", V010_MODEL, COMMON | PREFIX_COUNTERS, V0_ONLY | NEWER_THAN_0_10 | PLUGIN),
+    (
+        "0.32-preempting.prom",
+        "tiny-llama",
+        COMMON | PREFIX_COUNTERS | NEWER_THAN_0_10,
+        V0_ONLY | PLUGIN,
+    ),
+]
+
+
+def _model(name: str, model: str, version: str | None = None) -> ModelMetrics:
+    snap = normalize(read_fixture(name), timestamp=0.0, version=version)
+    assert list(snap.models) == [model]
+    return snap.models[model]
+
+
+@pytest.mark.parametrize(("fixture", "model", "present", "absent"), CASES)
+def test_each_version_has_its_concepts_and_lacks_the_others(
+    fixture: str, model: str, present: set[str], absent: set[str]
+) -> None:
+    m = _model(fixture, model)
+    assert {c for c in present if not m.has(c)} == set()
+    assert {c for c in absent if m.has(c)} == set()
+    # Absent means absent from every mapping, not a zero somewhere.
+    for concept in absent:
+        assert concept not in m.values
+        assert concept not in m.split
+        assert concept not in m.histograms
+
+
+def test_fingerprints_date_each_scrape() -> None:
+    marks = {
+        name: normalize(read_fixture(name), timestamp=0.0).marks
+        for name in ("0.6.6.prom", "0.8.2.prom", "0.8.5.prom", "0.10.1.prom", "0.32-idle.prom")
+    }
+    assert marks["0.6.6.prom"] == {"v0"}
+    assert marks["0.8.2.prom"] == frozenset()
+    assert marks["0.8.5.prom"] == {"engine_label"}
+    assert marks["0.10.1.prom"] == {"engine_label", "0.9.2+"}
+    assert {"engine_label", "0.9.2+", "0.16+", "0.30+"} <= marks["0.32-idle.prom"]
+    assert "v0" not in marks["0.32-idle.prom"]
+
+
+def test_v0_values_and_names() -> None:
+    snap = normalize(read_fixture("0.6.6.prom"), timestamp=12.0)
+    assert snap.is_v0
+    assert snap.timestamp == 12.0
+    m = snap.models[V0_MODEL]
+    assert m.values["kv_usage"] == pytest.approx(0.9034)
+    assert m.values["prompt_tokens"] == 52_939
+    assert m.values["preemptions"] == 37
+    assert m.values["v0_generation_throughput"] == pytest.approx(702.4)
+    assert m.histograms["request_prompt_tokens"].sum == 48_459
+    assert snap.names["kv_usage"] == "vllm:gpu_cache_usage_perc"
+    assert snap.names["itl"] == "vllm:time_per_output_token_seconds"
+    assert m.info["block_size"] == "16"
+    assert m.info["num_gpu_blocks"] == "2127"
+
+
+def test_series_without_model_name_are_ignored() -> None:
+    # The V0 fixture carries vllm:num_requests_waiting{server=...} 41 beside the model's 2.
+    assert _model("0.6.6.prom", V0_MODEL).values["requests_waiting"] == 2
+    # 0.10.1 carries vllm:num_requests_running{server=...} 99 beside the engines' 17 + 26.
+    assert _model("0.10.1.prom", V010_MODEL).values["requests_running"] == 43
+
+
+def test_a_scrape_with_only_router_series_has_no_models() -> None:
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{server="http://10.0.0.1:8000"} 3\n'
+    )
+    assert normalize(text, timestamp=0.0).models == {}
+
+
+def test_newest_name_wins_when_a_scrape_carries_both() -> None:
+    snap = normalize(read_fixture("0.10.1.prom"), timestamp=0.0)
+    assert snap.names["kv_usage"] == "vllm:kv_cache_usage_perc"
+    assert snap.names["prefix_cache_queries"] == "vllm:prefix_cache_queries_total"
+    assert snap.names["prefix_cache_hits"] == "vllm:prefix_cache_hits_total"
+
+
+def test_newest_name_wins_even_when_the_values_differ() -> None:
+    text = (
+        "# TYPE vllm:gpu_cache_usage_perc gauge\n"
+        'vllm:gpu_cache_usage_perc{model_name="m"} 0.25\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.75\n'
+        "# TYPE vllm:inter_token_latency_seconds histogram\n"
+        'vllm:inter_token_latency_seconds_bucket{le="0.1",model_name="m"} 3\n'
+        'vllm:inter_token_latency_seconds_bucket{le="+Inf",model_name="m"} 4\n'
+        'vllm:inter_token_latency_seconds_sum{model_name="m"} 0.5\n'
+        'vllm:inter_token_latency_seconds_count{model_name="m"} 4\n'
+        "# TYPE vllm:time_per_output_token_seconds histogram\n"
+        'vllm:time_per_output_token_seconds_bucket{le="0.1",model_name="m"} 30\n'
+        'vllm:time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} 40\n'
+        'vllm:time_per_output_token_seconds_sum{model_name="m"} 5\n'
+        'vllm:time_per_output_token_seconds_count{model_name="m"} 40\n'
+    )
+    m = normalize(text, timestamp=0.0).models["m"]
+    assert m.values["kv_usage"] == 0.75
+    assert m.histograms["itl"].count == 4
+    assert m.histograms["itl"].buckets == ((0.1, 3.0), (float("inf"), 4.0))
+
+
+def test_kv_usage_across_two_engines_is_the_max_and_counters_sum() -> None:
+    m = _model("0.10.1.prom", V010_MODEL)
+    assert m.values["kv_usage"] == pytest.approx(0.9307)  # not 0.7133 + 0.9307
+    assert m.values["preemptions"] == 11 + 17
+    assert m.values["requests_waiting"] == 0 + 5
+    # Histograms add bucket by bucket across engines.
+    prompt = m.histograms["request_prompt_tokens"]
+    assert prompt.count == 220 + 260
+    assert prompt.buckets[-1] == (float("inf"), prompt.count)
+    # cache_config_info is one per engine with equal labels; the first is kept.
+    assert m.info["num_gpu_blocks"] == "3120"
+    assert "engine" not in m.info
+
+
+def _strip_engine(text: str) -> str:
+    return re.sub(r',?engine="\d+"', "", text).replace("{,", "{")
+
+
+@pytest.mark.parametrize("fixture", ["0.8.5.prom", "0.32-preempting.prom"])
+def test_engine_label_present_or_absent_gives_the_same_numbers(fixture: str) -> None:
+    text = read_fixture(fixture)
+    stripped = _strip_engine(text)
+    assert 'engine="' not in stripped
+    with_label = normalize(text, timestamp=0.0)
+    without = normalize(stripped, timestamp=0.0)
+    assert "engine_label" in with_label.marks
+    assert "engine_label" not in without.marks
+    assert with_label.models == without.models
+
+
+@pytest.mark.parametrize("version", [None, "0.8.2", "0.8.5"])
+def test_prefix_cache_blocks_become_tokens_in_0_8(version: str | None) -> None:
+    m = _model("0.8.2.prom", V08_MODEL, version=version)
+    # 6,040 query blocks and 1,510 hit blocks of 16 tokens.
+    assert m.values["prefix_cache_queries"] == 6_040 * 16
+    assert m.values["prefix_cache_hits"] == 1_510 * 16
+
+
+def test_prefix_cache_tokens_stay_tokens_from_0_9() -> None:
+    # Same names, but a /version of 0.9 or later means the counters are already in tokens.
+    m = _model("0.8.2.prom", V08_MODEL, version="0.9.1")
+    assert m.values["prefix_cache_queries"] == 6_040
+    tokens = _model("0.10.1.prom", V010_MODEL)
+    assert tokens.values["prefix_cache_queries"] == tokens.values["prompt_tokens"]
+
+
+def test_blocks_heuristic_without_a_version() -> None:
+    gpu_names = {"prefix_cache_queries": "vllm:gpu_prefix_cache_queries_total"}
+    new_names = {"prefix_cache_queries": "vllm:prefix_cache_queries_total"}
+    none: frozenset[str] = frozenset()
+    assert prefix_cache_counts_blocks(None, none, gpu_names, 16_000.0, 1_000.0)
+    assert not prefix_cache_counts_blocks(None, none, gpu_names, 16_000.0, 15_000.0)
+    assert not prefix_cache_counts_blocks(None, frozenset({"0.9.2+"}), gpu_names, 16_000.0, 1.0)
+    assert not prefix_cache_counts_blocks(None, none, new_names, 16_000.0, 1_000.0)
+    assert not prefix_cache_counts_blocks(None, none, gpu_names, None, 1_000.0)
+    # An unparsable version falls back to the heuristic.
+    assert prefix_cache_counts_blocks("main", none, gpu_names, 16_000.0, 1_000.0)
+
+
+def test_v1_0_32_capture() -> None:
+    m = _model("0.32-preempting.prom", "tiny-llama")
+    assert m.info["kv_cache_size_tokens"] == "2048"
+    assert m.values["kv_usage"] <= 1.0
+    assert m.values["preemptions"] > 0
+    assert m.values["prompt_tokens_local_compute"] <= m.values["prompt_tokens"]
+    assert set(m.split["request_success"]) >= {"stop", "length", "abort"}
+    assert m.split["requests_waiting_by_reason"]["capacity"] == m.values["requests_waiting"]
+
+
+def test_histograms_are_cumulative_and_end_at_inf() -> None:
+    for fixture, model in (("0.6.6.prom", V0_MODEL), ("0.32-after-overload.prom", "tiny-llama")):
+        for hist in _model(fixture, model).histograms.values():
+            les = [le for le, _ in hist.buckets]
+            counts = [c for _, c in hist.buckets]
+            assert les == sorted(les)
+            assert les[-1] == float("inf")
+            assert counts == sorted(counts)
+            assert counts[-1] == hist.count
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "<html><body>Bad gateway</body></html>\n",
+        'vllm:num_requests_running{model_name="m"} not-a-number\n',
+        "\x00\x01garbage {{{\n",
+    ],
+)
+def test_garbage_raises_parse_error(body: str) -> None:
+    with pytest.raises(ParseError):
+        normalize(body, timestamp=0.0)
+
+
+def test_empty_body_is_an_empty_snapshot() -> None:
+    snap = normalize("", timestamp=3.0)
+    assert snap.models == {}
+    assert snap.marks == frozenset()
