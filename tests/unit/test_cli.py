@@ -1,0 +1,122 @@
+"""The kvtax command line: bad configuration exits 2 naming the key; docs --check detects drift."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtax.cli import build_parser, main
+
+
+@pytest.fixture(autouse=True)
+def _no_kvtax_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Settings from the developer's shell must not leak into what these tests check.
+    for name in list(os.environ):
+        if name.startswith("KVTAX_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "value"),
+    [
+        (["serve", "--scrape.interval=-1"], "--scrape.interval", "-1"),
+        (["serve", "--vllm.url", "localhost:8000"], "--vllm.url", "localhost:8000"),
+        (["serve", "--scrape.interval=5s", "--scrape.timeout=6s"], "--scrape.timeout", "6"),
+        (["serve", "--web.listen-address=nowhere"], "--web.listen-address", "nowhere"),
+        # The underscore spelling of a flag is accepted too.
+        (["serve", "--web.listen_address=nowhere"], "--web.listen-address", "nowhere"),
+    ],
+)
+def test_bad_value_exits_2_naming_key_and_value(
+    argv: list[str], key: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "configuration error" in err
+    assert key in err
+    assert value in err
+
+
+def test_bad_env_value_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVTAX_SCRAPE_INTERVAL", "-1")
+    assert main(["serve"]) == 2
+    assert "KVTAX_SCRAPE_INTERVAL='-1'" in capsys.readouterr().err
+
+
+def test_config_file_with_an_unknown_key_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "kvtax.yaml"
+    path.write_text("scrape:\n  intervl: 5s\n")
+    assert main(["serve", "--config.file", str(path)]) == 2
+    assert "scrape.intervl" in capsys.readouterr().err
+
+
+def test_config_file_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "kvtax.yaml"
+    path.write_text("vllm:\n  url: not-a-url\n")
+    monkeypatch.setenv("KVTAX_CONFIG_FILE", str(path))
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "vllm.url" in err
+    assert "not-a-url" in err
+
+
+def test_no_subcommand_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "serve" in capsys.readouterr().out
+
+
+def test_unknown_flag_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--scrape.intervall=5"])
+    assert exit_info.value.code == 2
+    assert "--scrape.intervall" in capsys.readouterr().err
+
+
+def test_every_option_is_a_serve_flag() -> None:
+    from kvtax.config import OPTIONS
+
+    parser = build_parser()
+    for option in OPTIONS:
+        args = parser.parse_args(["serve", f"{option.flag}=x"])
+        assert getattr(args, option.key) == "x"
+
+
+def test_docs_check_fails_on_drift_and_passes_after_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "docs"
+    assert main(["docs", "--out", str(out), "--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert main(["docs", "--out", str(out)]) == 0
+    assert (out / "metrics.md").read_text().startswith("#")
+    assert main(["docs", "--out", str(out), "--check"]) == 0
+    (out / "configuration.md").write_text("stale\n")
+    assert main(["docs", "--out", str(out), "--check"]) == 1
+
+
+def test_installed_console_script_exits_2_on_a_bad_interval() -> None:
+    script = Path(sys.executable).parent / "kvtax"
+    assert script.exists(), "kvtax is not installed in this environment (pip install -e .)"
+    env = {"PATH": str(script.parent), "HOME": str(Path.home())}
+    done = subprocess.run(
+        [str(script), "serve", "--scrape.interval=-1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--scrape.interval" in done.stderr
+    assert "'-1'" in done.stderr
+    assert done.stdout == ""
