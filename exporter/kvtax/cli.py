@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import OPTIONS, Config, ConfigError, env_name, load_config
+from .rules.cli import add_rules_parser, run_rules
 
 __all__ = ["build_parser", "main"]
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Exit 1 if the committed files differ instead of writing them.",
     )
+    add_rules_parser(sub)
     return parser
 
 
@@ -111,21 +113,26 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _run_serve(config: Config) -> int:
+    from .delivery import Delivery
     from .sidecar import Sidecar
 
     sidecar = Sidecar(config)
+    delivery = Delivery(config, sidecar)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         await sidecar.start()
+        await delivery.start()
     except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", *config.web_listen_address, exc.strerror)
+        log.error("cannot listen: %s", exc.strerror)
+        await delivery.stop()
         await sidecar.stop()
         return 1
     await stop.wait()
     log.info("shutting down")
+    await delivery.stop()
     await sidecar.stop()
     return 0
 
@@ -135,6 +142,9 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args)
+
+
+command("rules")(run_rules)
 
 
 @command("docs")
