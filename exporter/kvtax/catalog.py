@@ -225,6 +225,13 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "delivery",
     ),
     _S(
+        "kvtax_joined_requests_total",
+        "counter",
+        "Requests in the ledger that reached vLLM (all sources): join coverage's numerator.",
+        (M,),
+        "delivery",
+    ),
+    _S(
         "kvtax_slo_met_requests_total",
         "counter",
         "Completed requests that met both the TTFT and the ITL SLO.",
@@ -292,6 +299,22 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "kvtax_slo_goodput_requests_per_second",
         "gauge",
         "Requests per second that met the SLOs (DistServe's goodput).",
+        (M,),
+        "join",
+    ),
+    _S(
+        "kvtax_undelivered_tokens_per_second",
+        "gauge",
+        "Generated tokens no client received, per second over the window: G - D when the join "
+        "covers all traffic, else the ledger's own count.",
+        (M,),
+        "join",
+    ),
+    _S(
+        "kvtax_engine_api_requests_total",
+        "counter",
+        "Completion and chat requests vLLM's HTTP server answered, aborted ones included "
+        "(reset-corrected; server-wide): join coverage's denominator.",
         (M,),
         "join",
     ),

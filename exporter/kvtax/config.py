@@ -113,6 +113,40 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
+_SIZE_UNIT = {
+    None: 1,
+    "B": 1,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+}
+
+
+def _size(value: Any) -> int:
+    match = _SIZE.match(str(value))
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError("expected a positive size such as 1048576, 512KiB or 32MiB")
+    return int(match.group(1)) * _SIZE_UNIT[match.group(2)]
+
+
+def _selector(value: Any) -> tuple[tuple[str, str], ...]:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), str(v)) for k, v in value.items()))
+    pairs = []
+    for part in str(value or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, wanted = part.partition("=")
+        if not sep or not name.strip():
+            raise ValueError("expected label=value pairs separated by commas")
+        pairs.append((name.strip(), wanted.strip().strip('"')))
+    return tuple(pairs)
+
+
 def _boolean(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -192,10 +226,73 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "proxy.listen_address",
-        None,
+        ":8001",
         _optional_address,
-        "Where the OpenAI-compatible proxy listens (e.g. :8001); unset turns it off.",
+        "Where the OpenAI-compatible proxy in front of vLLM listens; off turns it off.",
         "HOST:PORT",
+    ),
+    Option(
+        "proxy.max_body",
+        "32MiB",
+        _size,
+        "Largest request body the proxy accepts; larger ones get 413.",
+        "BYTES",
+    ),
+    Option(
+        "proxy.timeout",
+        300.0,
+        _positive(parse_duration),
+        "Longest wait for vLLM's response headers, or for the next chunk of a response.",
+        "DURATION",
+    ),
+    Option(
+        "proxy.stall_factor",
+        5.0,
+        _positive(float),
+        "A gap between stream chunks this many times the stream's median gap is a stall.",
+        "RATIO",
+    ),
+    Option(
+        "proxy.stall_min",
+        0.05,
+        _positive(parse_duration),
+        "No gap shorter than this counts as a stall, however small the median.",
+        "DURATION",
+    ),
+    Option(
+        "push.token",
+        None,
+        lambda v: None if v in (None, "") else str(v),
+        "Bearer token the delivered-tokens push endpoint requires; unset accepts any client.",
+        "TOKEN",
+    ),
+    Option(
+        "gateway.url",
+        None,
+        _optional_url,
+        "A gateway's Prometheus endpoint to read delivered tokens from (e.g. LiteLLM's).",
+        "URL",
+    ),
+    Option(
+        "gateway.metric",
+        "litellm_output_tokens_metric_total",
+        _text,
+        "The gateway's delivered-tokens counter (a histogram's _sum is used for histograms).",
+        "NAME",
+    ),
+    Option(
+        "gateway.model_label",
+        "model",
+        _text,
+        "The gateway metric's label that holds the model name.",
+        "LABEL",
+    ),
+    Option(
+        "gateway.selector",
+        "",
+        _selector,
+        "Extra label matches for the gateway metric, e.g. gen_ai_token_type=output.",
+        "LABEL=VALUE,...",
     ),
     Option(
         "slo.ttft",
@@ -239,7 +336,16 @@ class Config:
     window: float = 300.0
     target_usage: float = 0.9
     max_num_seqs: int | None = None
-    proxy_listen_address: tuple[str, int] | None = None
+    proxy_listen_address: tuple[str, int] | None = ("0.0.0.0", 8001)
+    proxy_max_body: int = 32 * 1024**2
+    proxy_timeout: float = 300.0
+    proxy_stall_factor: float = 5.0
+    proxy_stall_min: float = 0.05
+    push_token: str | None = None
+    gateway_url: str | None = None
+    gateway_metric: str = "litellm_output_tokens_metric_total"
+    gateway_model_label: str = "model"
+    gateway_selector: tuple[tuple[str, str], ...] = ()
     slo_ttft: float = 2.0
     slo_itl: float = 0.2
     log_level: str = "info"

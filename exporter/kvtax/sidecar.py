@@ -20,7 +20,7 @@ import asyncio
 import logging
 import platform
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -44,6 +44,8 @@ __all__ = ["ScrapeHealth", "Sidecar"]
 log = logging.getLogger("kvtax.sidecar")
 
 Producer = Callable[[], Iterable[Sample | HistogramSample]]
+Observer = Callable[[VllmSnapshot], None]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(slots=True)
@@ -75,6 +77,8 @@ class Sidecar:
         )
         self.scraper = Scraper(config.vllm_url, config.effective_timeout)
         self._producers: list[Producer] = [self._own_samples]
+        self._observers: list[Observer] = []
+        self._routes: list[tuple[str, str, Handler]] = []
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ReportCollector(self._report))
         self._scheduler: AsyncIOScheduler | None = None
@@ -85,6 +89,14 @@ class Sidecar:
     # -- the pipeline ------------------------------------------------------------------------
     def add_producer(self, producer: Producer) -> None:
         self._producers.append(producer)
+
+    def add_observer(self, observer: Observer) -> None:
+        """Called with each ingested snapshot, after the engine figures are updated."""
+        self._observers.append(observer)
+
+    def add_route(self, method: str, path: str, handler: Handler) -> None:
+        """An extra route on the web port (e.g. the push endpoint); add it before start()."""
+        self._routes.append((method, path, handler))
 
     def _report(self) -> Iterator[Sample | HistogramSample]:
         for producer in self._producers:
@@ -99,6 +111,8 @@ class Sidecar:
             for model in self.history.models()
         }
         self.snapshot = snap
+        for observer in self._observers:
+            observer(snap)
         return snap
 
     async def scrape_once(self) -> None:
@@ -181,6 +195,8 @@ class Sidecar:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        for method, path, handler in self._routes:
+            app.router.add_route(method, path, handler)
         return app
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""Wires delivered-token accounting into the sidecar: ledger, proxy, push, gateway and the join.
+
+:class:`Delivery` attaches to a :class:`~kvtax.sidecar.Sidecar` before it starts. At every
+scrape of vLLM it learns the served model names (the only label values the ledger accepts) and
+folds one aligned point into the join; on every scrape of kvtax it publishes the ledger's counters
+and the join's window figures. It starts the proxy when ``--proxy.listen_address`` is set and the
+gateway poller when ``--gateway.url`` is set; the push endpoint is always on the web port.
+
+Example::
+
+    sidecar = Sidecar(config)
+    delivery = Delivery(config, sidecar)
+    await sidecar.start()
+    await delivery.start()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from .config import Config
+from .join import SERVED_HANDLERS, JoinFigures, JoinHistory, join_samples
+from .ledger import DeliveryLedger, ModelNames
+from .proxy import Proxy, ProxySettings
+from .report import HistogramSample, Sample
+from .sidecar import Sidecar
+from .snapshot import VllmSnapshot
+from .sources import PUSH_PATH, GatewayPoller, push_handler
+
+__all__ = ["Delivery", "served_requests"]
+
+log = logging.getLogger("kvtax.delivery")
+
+
+def served_requests(snap: VllmSnapshot) -> float | None:
+    """vLLM's count of completion and chat requests, from its server-wide HTTP counter."""
+    for metrics in snap.models.values():
+        by_handler = metrics.split.get("http_requests")
+        if by_handler is not None:
+            return sum(by_handler.get(h, 0.0) for h in SERVED_HANDLERS)
+    return None
+
+
+class Delivery:
+    """The delivery side of one sidecar. See the module docstring."""
+
+    def __init__(self, config: Config, sidecar: Sidecar) -> None:
+        self.config = config
+        self.sidecar = sidecar
+        self.names = ModelNames()
+        self.ledger = DeliveryLedger(self.names)
+        self.join = JoinHistory(config.window)
+        self.figures: dict[str, JoinFigures] = {}
+        self.proxy = Proxy(
+            ProxySettings(
+                upstream=config.vllm_url,
+                max_body=config.proxy_max_body,
+                timeout=config.proxy_timeout,
+                stall_factor=config.proxy_stall_factor,
+                stall_min=config.proxy_stall_min,
+                slo_ttft=config.slo_ttft,
+                slo_itl=config.slo_itl,
+            ),
+            self.ledger,
+        )
+        self.gateway: GatewayPoller | None = None
+        if config.gateway_url is not None:
+            self.gateway = GatewayPoller(
+                self.ledger,
+                url=config.gateway_url,
+                metric=config.gateway_metric,
+                model_label=config.gateway_model_label,
+                selector=config.gateway_selector,
+                interval=config.scrape_interval,
+                timeout=config.effective_timeout,
+            )
+        sidecar.add_observer(self.observe)
+        sidecar.add_producer(self.samples)
+        sidecar.add_route("POST", PUSH_PATH, push_handler(self.ledger, config.push_token))
+
+    def observe(self, snap: VllmSnapshot) -> None:
+        """Fold one vLLM scrape into the join, aligned with the ledger at this instant."""
+        self.names.update(snap.models)
+        engine = {}
+        for model in snap.models:
+            point = self.sidecar.history.latest(model)
+            if point is not None:
+                engine[model] = point.counters
+        self.join.observe(snap.timestamp, engine, served_requests(snap), self.ledger.totals())
+        self.figures = self.join.figures()
+
+    def samples(self) -> Iterator[Sample | HistogramSample]:
+        yield from self.ledger.samples()
+        yield from join_samples(self.figures)
+
+    async def start(self) -> None:
+        if self.config.proxy_listen_address is not None:
+            await self.proxy.start(*self.config.proxy_listen_address)
+        if self.gateway is not None:
+            self.gateway.start()
+
+    async def stop(self) -> None:
+        await self.proxy.stop()
+        if self.gateway is not None:
+            await self.gateway.stop()

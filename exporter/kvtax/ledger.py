@@ -1,0 +1,273 @@
+"""The delivery ledger: per model and source, what reached clients and how it felt to them.
+
+Pure counting, no I/O. The proxy settles one :class:`RequestRecord` per request; the push
+endpoint and a gateway's counter add :class:`DeliveryCounts` increments. Every counter only grows,
+so the ledger publishes Prometheus counters and histograms directly, and the join reads its
+:class:`LedgerTotals` as plain values. Model labels go through :class:`ModelNames`: only models
+vLLM serves get their own label, anything else is counted as ``other``, so a client cannot
+create series by inventing model names.
+
+Example::
+
+    names = ModelNames()
+    names.update(["tiny-llama"])
+    ledger = DeliveryLedger(names)
+    ledger.settle(RequestRecord("tiny-llama", "completed", delivered_tokens=12, prompt_tokens=5))
+    ledger.totals()["tiny-llama"].delivered  # 12.0
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from .report import HistogramSample, Sample
+
+__all__ = [
+    "OTHER",
+    "OUTCOMES",
+    "SOURCES",
+    "DeliveryCounts",
+    "DeliveryLedger",
+    "HistogramAccumulator",
+    "LedgerTotals",
+    "ModelNames",
+    "RequestRecord",
+]
+
+OTHER = "other"
+OUTCOMES = ("completed", "client_disconnected", "upstream_error", "rejected")
+SOURCES = ("proxy", "push", "gateway")
+
+# Bucket bounds in seconds. Client-visible gaps on a GPU are tens of ms; a preemption stall is
+# hundreds of ms to seconds; TTFT under queueing can reach a minute.
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+STALL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ModelNames:
+    """The bounded set of model labels: names vLLM reports, plus names vLLM answered with 2xx.
+
+    ``limit`` caps learned names so a misbehaving upstream still cannot grow cardinality.
+    """
+
+    def __init__(self, limit: int = 256) -> None:
+        self._served: set[str] = set()
+        self._limit = limit
+
+    def update(self, served: Iterable[str]) -> None:
+        """Names seen on vLLM's /metrics (the scrape's model_name values)."""
+        for name in served:
+            self.learn(name)
+
+    def learn(self, name: str) -> None:
+        """A name vLLM accepted (it answered 2xx for it), so vLLM serves it."""
+        if name and name != OTHER and len(self._served) < self._limit:
+            self._served.add(name)
+
+    def label(self, name: str | None) -> str:
+        return name if name is not None and name in self._served else OTHER
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._served
+
+
+class HistogramAccumulator:
+    """A cumulative Prometheus histogram with fixed bounds (``+Inf`` is implied)."""
+
+    __slots__ = ("_bounds", "_counts", "_sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    @property
+    def sum(self) -> float:
+        return self._sum
+
+    def sample(self, metric: str, labels: tuple[str, ...]) -> HistogramSample:
+        running = 0
+        buckets: list[tuple[float, float]] = []
+        for le, n in zip((*self._bounds, float("inf")), self._counts, strict=True):
+            running += n
+            buckets.append((le, float(running)))
+        return HistogramSample(metric, labels, tuple(buckets), self._sum)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request through the proxy, settled once when it ends (however it ends).
+
+    ``forwarded`` says the request reached vLLM (vLLM's HTTP counter will count it);
+    ``gaps`` are the client-visible gaps between writes that carried tokens; ``stalls`` are
+    ``(seconds, context tokens at the stall's start)``.
+    """
+
+    model: str | None
+    outcome: str
+    delivered_tokens: int = 0
+    prompt_tokens: int = 0
+    undelivered_tokens: int = 0
+    forwarded: bool = True
+    duration: float | None = None
+    ttft: float | None = None
+    gaps: tuple[float, ...] = ()
+    stalls: tuple[tuple[float, int], ...] = ()
+    slo_met: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryCounts:
+    """Increments reported by another source (push endpoint, gateway counter)."""
+
+    delivered_tokens: float = 0.0
+    prompt_tokens: float = 0.0
+    undelivered_tokens: float = 0.0
+    requests: Mapping[str, float] = field(default_factory=dict)
+    slo_met_requests: float = 0.0
+    slo_met_tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerTotals:
+    """One model's lifetime totals over every source, as the join reads them."""
+
+    delivered: float = 0.0
+    prompt: float = 0.0
+    undelivered: float = 0.0
+    joined_requests: float = 0.0
+    slo_met_requests: float = 0.0
+    slo_met_tokens: float = 0.0
+    stalls: float = 0.0
+    stall_context: float = 0.0
+
+
+class _ModelBook:
+    """Mutable counters of one model label."""
+
+    def __init__(self) -> None:
+        self.delivered: dict[str, float] = {}
+        self.prompt: dict[str, float] = {}
+        self.undelivered: dict[str, float] = {}
+        self.outcomes: dict[str, float] = dict.fromkeys(OUTCOMES, 0.0)
+        self.joined_requests = 0.0
+        self.slo_met_requests = 0.0
+        self.slo_met_tokens = 0.0
+        self.stall_context = 0.0
+        self.ttft = HistogramAccumulator(TTFT_BUCKETS)
+        self.itl = HistogramAccumulator(ITL_BUCKETS)
+        self.stall = HistogramAccumulator(STALL_BUCKETS)
+        self.duration = HistogramAccumulator(DURATION_BUCKETS)
+
+    def add_tokens(self, source: str, delivered: float, prompt: float, undelivered: float) -> None:
+        self.delivered[source] = self.delivered.get(source, 0.0) + delivered
+        self.prompt[source] = self.prompt.get(source, 0.0) + prompt
+        self.undelivered[source] = self.undelivered.get(source, 0.0) + undelivered
+
+    def totals(self) -> LedgerTotals:
+        return LedgerTotals(
+            delivered=sum(self.delivered.values()),
+            prompt=sum(self.prompt.values()),
+            undelivered=sum(self.undelivered.values()),
+            joined_requests=self.joined_requests,
+            slo_met_requests=self.slo_met_requests,
+            slo_met_tokens=self.slo_met_tokens,
+            stalls=float(self.stall.count),
+            stall_context=self.stall_context,
+        )
+
+
+class DeliveryLedger:
+    """Counters of delivered work per model label and source. See the module docstring."""
+
+    def __init__(self, names: ModelNames) -> None:
+        self.names = names
+        self._books: dict[str, _ModelBook] = {}
+
+    def _book(self, model: str | None) -> _ModelBook:
+        label = self.names.label(model)
+        book = self._books.get(label)
+        if book is None:
+            book = self._books[label] = _ModelBook()
+        return book
+
+    def settle(self, record: RequestRecord) -> None:
+        """Count one finished proxy request."""
+        if record.outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {record.outcome!r}")
+        book = self._book(record.model)
+        book.outcomes[record.outcome] += 1
+        # Prompt tokens count only when some output reached the client.
+        prompt = record.prompt_tokens if record.delivered_tokens > 0 else 0
+        book.add_tokens("proxy", record.delivered_tokens, prompt, record.undelivered_tokens)
+        if record.forwarded:
+            book.joined_requests += 1
+        if record.slo_met and record.outcome == "completed":
+            book.slo_met_requests += 1
+            book.slo_met_tokens += record.delivered_tokens
+        if record.ttft is not None:
+            book.ttft.observe(record.ttft)
+        for gap in record.gaps:
+            book.itl.observe(gap)
+        for seconds, context in record.stalls:
+            book.stall.observe(seconds)
+            book.stall_context += context
+        if record.duration is not None:
+            book.duration.observe(record.duration)
+
+    def add(self, model: str | None, counts: DeliveryCounts, source: str) -> None:
+        """Add increments from another source (``push`` or ``gateway``)."""
+        if source not in SOURCES:
+            raise ValueError(f"unknown source {source!r}")
+        book = self._book(model)
+        book.add_tokens(
+            source, counts.delivered_tokens, counts.prompt_tokens, counts.undelivered_tokens
+        )
+        for outcome, n in counts.requests.items():
+            if outcome not in OUTCOMES:
+                raise ValueError(f"unknown outcome {outcome!r}")
+            book.outcomes[outcome] += n
+            if outcome != "rejected":
+                book.joined_requests += n
+        book.slo_met_requests += counts.slo_met_requests
+        book.slo_met_tokens += counts.slo_met_tokens
+
+    def models(self) -> list[str]:
+        return sorted(self._books)
+
+    def totals(self) -> dict[str, LedgerTotals]:
+        return {label: book.totals() for label, book in self._books.items()}
+
+    def samples(self) -> Iterator[Sample | HistogramSample]:
+        for label in sorted(self._books):
+            book = self._books[label]
+            m = (label,)
+            for metric, by_source in (
+                ("kvtax_delivered_tokens_total", book.delivered),
+                ("kvtax_delivered_prompt_tokens_total", book.prompt),
+                ("kvtax_undelivered_tokens_total", book.undelivered),
+            ):
+                for source, value in sorted(by_source.items()):
+                    yield Sample(metric, (label, source), value)
+            for outcome, n in book.outcomes.items():
+                yield Sample("kvtax_requests_total", (label, outcome), n)
+            yield Sample("kvtax_joined_requests_total", m, book.joined_requests)
+            yield Sample("kvtax_slo_met_requests_total", m, book.slo_met_requests)
+            yield Sample("kvtax_slo_met_tokens_total", m, book.slo_met_tokens)
+            yield Sample("kvtax_stall_context_tokens_total", m, book.stall_context)
+            yield book.ttft.sample("kvtax_client_ttft_seconds", m)
+            yield book.itl.sample("kvtax_client_itl_seconds", m)
+            yield book.stall.sample("kvtax_stream_stall_seconds", m)
+            yield book.duration.sample("kvtax_request_duration_seconds", m)

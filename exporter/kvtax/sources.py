@@ -1,0 +1,141 @@
+"""The I/O edges of the other delivered-token sources: a push endpoint and a gateway poller.
+
+:func:`push_handler` serves ``POST /api/v1/delivered`` on kvtax's web port. It is guarded by an
+optional bearer token and answers every problem with a 4xx and an OpenAI-style JSON message.
+:class:`GatewayPoller` reads a gateway's Prometheus counter on the scrape interval and turns its
+reset-corrected increases into ledger increments (source ``gateway``). Parsing and validation
+live in :mod:`kvtax.intake`. The token is compared in constant time and never logged.
+
+Example::
+
+    app.router.add_post(PUSH_PATH, push_handler(ledger, token="s3cret"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from .counters import CounterTracker
+from .intake import PushError, gateway_totals, parse_push
+from .ledger import DeliveryCounts, DeliveryLedger
+
+__all__ = ["MAX_PUSH_BODY", "PUSH_PATH", "GatewayPoller", "push_handler"]
+
+log = logging.getLogger("kvtax.sources")
+
+PUSH_PATH = "/api/v1/delivered"
+MAX_PUSH_BODY = 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def push_handler(ledger: DeliveryLedger, token: str | None) -> Handler:
+    """The push endpoint's handler; with ``token`` set, it requires ``Bearer <token>``."""
+    expected = f"Bearer {token}".encode() if token else None
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if expected is not None:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                response = _error(401, "missing or wrong bearer token", "authentication_error")
+                response.headers["WWW-Authenticate"] = 'Bearer realm="kvtax"'
+                return response
+        if request.content_length is not None and request.content_length > MAX_PUSH_BODY:
+            return _error(413, f"body exceeds {MAX_PUSH_BODY} bytes", "invalid_request_error")
+        body = await request.content.read(MAX_PUSH_BODY + 1)
+        if len(body) > MAX_PUSH_BODY:
+            return _error(413, f"body exceeds {MAX_PUSH_BODY} bytes", "invalid_request_error")
+        try:
+            reports = parse_push(body)
+        except PushError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        for model, counts in reports:
+            ledger.add(model, counts, "push")
+        return web.json_response({"accepted": len(reports)})
+
+    return handle
+
+
+class GatewayPoller:
+    """Polls a gateway's /metrics and adds its delivered-token increases to the ledger."""
+
+    def __init__(
+        self,
+        ledger: DeliveryLedger,
+        *,
+        url: str,
+        metric: str,
+        model_label: str,
+        selector: tuple[tuple[str, str], ...],
+        interval: float,
+        timeout: float,
+    ) -> None:
+        self.ledger = ledger
+        self.url = url
+        self.metric = metric
+        self.model_label = model_label
+        self.selector = selector
+        self.interval = interval
+        self.timeout = timeout
+        self.errors = 0
+        self._tracker = CounterTracker()
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def fold(self, text: str) -> None:
+        """Turn one gateway scrape into ledger increments (pure apart from the ledger)."""
+        totals = gateway_totals(text, self.metric, self.model_label, self.selector)
+        for model, raw in totals.items():
+            seen = self._tracker.total(model) is not None
+            increase = self._tracker.update(model, raw)
+            # The first reading is the gateway's lifetime, like kvtax's engine counters.
+            delivered = increase if seen else raw
+            if delivered > 0:
+                self.ledger.add(model, DeliveryCounts(delivered_tokens=delivered), "gateway")
+
+    async def poll_once(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            async with self._session.get(
+                self.url, timeout=aiohttp.ClientTimeout(total=self.timeout)
+            ) as resp:
+                resp.raise_for_status()
+                text = await resp.text()
+            self.fold(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if self.errors == 0:
+                log.warning("reading the gateway's counter at %s failed: %s", self.url, exc)
+            self.errors += 1
+        else:
+            self.errors = 0
+
+    async def _loop(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
