@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
@@ -39,3 +40,20 @@ def fixture_text() -> Callable[[str], str]:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+Labels = frozenset[tuple[str, str]]
+
+
+def parse_exposition(text: str) -> dict[str, dict[Labels, float]]:
+    """Sample name -> {label set: value}, read back with prometheus-client's parser."""
+    samples: dict[str, dict[Labels, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[frozenset(s.labels.items())] = s.value
+    return samples
+
+
+def one(samples: dict[str, dict[Labels, float]], name: str, **labels: str) -> float:
+    """The value of the one sample with this name and exactly these labels."""
+    return samples[name][frozenset(labels.items())]
