@@ -1,0 +1,265 @@
+"""The sidecar in-process, against an aiohttp server standing in for vLLM.
+
+The stand-in produces on demand what a real vLLM cannot: a refused connection, a stall past the
+timeout, a 500, a garbage body, and a comeback whose counters restarted lower. Tests drive
+``Sidecar.scrape_once()`` directly and move an injected clock; nothing sleeps on the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.exposition import generate_latest
+
+from kvtax.config import load_config
+from kvtax.sidecar import Sidecar
+from tests.unit.conftest import FakeClock, Labels, one, parse_exposition, read_fixture
+
+ServerFactory = Callable[..., Awaitable[TestServer]]
+ClientFactory = Callable[[web.Application], Awaitable[TestClient[web.Request, web.Application]]]
+
+
+@dataclass
+class FakeVllm:
+    """What the stand-in answers. ``mode``: ok, slow, status500 or garbage."""
+
+    body: str = field(default_factory=lambda: read_fixture("0.32-preempting.prom"))
+    version: str | None = "0.32.0"
+    mode: str = "ok"
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/version", self._version)
+        return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.mode == "slow":
+            # Held until the test releases it, well past the scraper's timeout.
+            await self.release.wait()
+        if self.mode == "status500":
+            return web.Response(status=500, text="Internal Server Error")
+        if self.mode == "garbage":
+            return web.Response(text="<html><body>upstream gone</body></html>\n")
+        return web.Response(text=self.body, content_type="text/plain")
+
+    async def _version(self, request: web.Request) -> web.Response:
+        if self.version is None:
+            return web.Response(status=404)
+        return web.Response(text=json.dumps({"version": self.version}))
+
+
+@pytest.fixture
+def vllm() -> FakeVllm:
+    return FakeVllm()
+
+
+@pytest.fixture
+async def server(vllm: FakeVllm, aiohttp_server: ServerFactory) -> TestServer:
+    return await aiohttp_server(vllm.app())
+
+
+def make_sidecar(port: int, clock: FakeClock) -> Sidecar:
+    config = load_config(
+        {
+            "vllm.url": f"http://127.0.0.1:{port}",
+            "scrape.interval": "1s",
+            "scrape.timeout": "200ms",
+            "window": "5m",
+        },
+        env={},
+        file=None,
+    )
+    return Sidecar(config, clock=clock)
+
+
+@pytest.fixture
+async def sidecar(server: TestServer, clock: FakeClock) -> AsyncIterator[Sidecar]:
+    assert server.port is not None
+    sc = make_sidecar(server.port, clock)
+    yield sc
+    await sc.stop()
+
+
+def metrics(sc: Sidecar) -> dict[str, dict[Labels, float]]:
+    return parse_exposition(generate_latest(sc.registry).decode())
+
+
+def errors(sc: Sidecar, reason: str) -> float:
+    return one(metrics(sc), "kvtax_scrape_errors_total", reason=reason)
+
+
+async def test_a_good_scrape_publishes_up_and_the_engine_figures(
+    sidecar: Sidecar, clock: FakeClock
+) -> None:
+    await sidecar.scrape_once()
+    clock.advance(5)
+    await sidecar.scrape_once()
+    m = metrics(sidecar)
+    assert one(m, "kvtax_vllm_up") == 1.0
+    assert one(m, "kvtax_scrapes_total") == 2.0
+    assert one(m, "kvtax_vllm_info", version="0.32.0", engine="v1") == 1.0
+    assert one(m, "kvtax_kv_capacity_tokens", model_name="tiny-llama") == 2048.0
+    assert one(m, "kvtax_last_scrape_success_timestamp_seconds") == clock.now
+    assert m["kvtax_scrape_duration_seconds"][frozenset()] >= 0
+    for reason in ("timeout", "connect", "http_status", "parse", "no_models"):
+        assert errors(sidecar, reason) == 0.0  # created up front, so rate() works at once
+
+
+async def test_vllm_down_is_up_0_and_connect_errors_rise(
+    server: TestServer, sidecar: Sidecar
+) -> None:
+    await server.close()
+    await sidecar.scrape_once()
+    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
+    assert errors(sidecar, "connect") == 1.0
+    await sidecar.scrape_once()
+    assert errors(sidecar, "connect") == 2.0
+    assert errors(sidecar, "timeout") == 0.0
+
+
+async def test_slow_vllm_is_a_timeout(vllm: FakeVllm, sidecar: Sidecar) -> None:
+    vllm.mode = "slow"
+    try:
+        await sidecar.scrape_once()
+    finally:
+        vllm.release.set()
+    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
+    assert errors(sidecar, "timeout") == 1.0
+    assert errors(sidecar, "connect") == 0.0
+
+
+async def test_http_500_is_http_status(vllm: FakeVllm, sidecar: Sidecar) -> None:
+    vllm.mode = "status500"
+    await sidecar.scrape_once()
+    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
+    assert errors(sidecar, "http_status") == 1.0
+
+
+async def test_garbage_body_is_parse(vllm: FakeVllm, sidecar: Sidecar) -> None:
+    vllm.mode = "garbage"
+    await sidecar.scrape_once()
+    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
+    assert errors(sidecar, "parse") == 1.0
+    assert sidecar.health.last_error is not None
+    assert sidecar.health.last_error.startswith("parse")
+
+
+async def test_a_page_without_models_is_no_models(vllm: FakeVllm, sidecar: Sidecar) -> None:
+    vllm.body = "# TYPE process_open_fds gauge\nprocess_open_fds 12\n"
+    await sidecar.scrape_once()
+    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
+    assert errors(sidecar, "no_models") == 1.0
+
+
+async def test_vllm_back_after_a_restart_is_up_within_one_scrape_with_no_negative_rate(
+    vllm: FakeVllm,
+    server: TestServer,
+    sidecar: Sidecar,
+    clock: FakeClock,
+    aiohttp_server: ServerFactory,
+) -> None:
+    vllm.body = read_fixture("0.32-after-overload.prom")
+    await sidecar.scrape_once()
+    clock.advance(5)
+    await sidecar.scrape_once()
+    before = metrics(sidecar)
+    assert one(before, "kvtax_vllm_up") == 1.0
+
+    port = server.port
+    await server.close()
+    clock.advance(5)
+    await sidecar.scrape_once()
+    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
+
+    # vLLM comes back on the same port, restarted: its counters start again from zero.
+    vllm.body = read_fixture("0.32-idle.prom")
+    await aiohttp_server(vllm.app(), port=port)
+    clock.advance(5)
+    await sidecar.scrape_once()
+    after = metrics(sidecar)
+    assert one(after, "kvtax_vllm_up") == 1.0
+    assert one(after, "kvtax_vllm_restarts_total") == 1.0
+    for name, series in after.items():
+        if name.endswith(("_per_second", "_total")):
+            for labels, value in series.items():
+                assert value >= 0, (name, labels)
+    # Totals never fall, and the restart adds no spike: the idle engine's raw values are small.
+    for name in (
+        "kvtax_engine_generation_tokens_total",
+        "kvtax_engine_preemptions_total",
+        "kvtax_engine_prompt_computed_tokens_total",
+    ):
+        old = one(before, name, model_name="tiny-llama")
+        new = one(after, name, model_name="tiny-llama")
+        assert old <= new <= old + 1_000, name
+    assert one(after, "kvtax_engine_preemptions_per_second", model_name="tiny-llama") == 0.0
+
+
+async def test_healthz_is_always_200_and_readyz_follows_the_scrapes(
+    vllm: FakeVllm,
+    sidecar: Sidecar,
+    clock: FakeClock,
+    aiohttp_client: ClientFactory,
+) -> None:
+    client = await aiohttp_client(sidecar.web_app())
+
+    async def status(path: str) -> int:
+        resp = await client.get(path)
+        await resp.read()
+        return resp.status
+
+    assert await status("/healthz") == 200
+    assert await status("/readyz") == 503  # no scrape yet
+
+    vllm.mode = "status500"
+    await sidecar.scrape_once()
+    assert await status("/readyz") == 503  # still no good scrape
+    assert await status("/healthz") == 200
+
+    vllm.mode = "ok"
+    await sidecar.scrape_once()
+    assert await status("/readyz") == 200
+
+    # A good scrape goes stale after three intervals of failures.
+    vllm.mode = "status500"
+    clock.advance(2)
+    await sidecar.scrape_once()
+    assert await status("/readyz") == 200
+    clock.advance(2)
+    await sidecar.scrape_once()
+    assert await status("/readyz") == 503
+    assert await status("/healthz") == 200
+
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    assert "kvtax_vllm_up 0.0" in await resp.text()
+
+
+async def test_version_and_engine_kind_are_published(vllm: FakeVllm, sidecar: Sidecar) -> None:
+    vllm.body = read_fixture("0.6.6.prom")
+    vllm.version = None  # V0 servers without /version still work
+    await sidecar.scrape_once()
+    m = metrics(sidecar)
+    assert one(m, "kvtax_vllm_up") == 1.0
+    assert one(m, "kvtax_vllm_info", version="unknown", engine="v0") == 1.0
+
+
+async def test_the_server_version_decides_prefix_cache_units(
+    vllm: FakeVllm, sidecar: Sidecar
+) -> None:
+    vllm.body = read_fixture("0.8.2.prom")
+    vllm.version = "0.8.2"
+    await sidecar.scrape_once()
+    assert sidecar.health.version == "0.8.2"
+    assert sidecar.snapshot is not None
+    model = sidecar.snapshot.models["meta-llama/Llama-3.1-8B-Instruct"]
+    assert model.values["prefix_cache_hits"] == 1_510 * 16
