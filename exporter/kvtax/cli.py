@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import OPTIONS, Config, ConfigError, env_name, load_config
+from .dashboards.cli import add_dashboards_parser, run_dashboards
 from .rules.cli import add_rules_parser, run_rules
 
 __all__ = ["build_parser", "main"]
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Exit 1 if the committed files differ instead of writing them.",
     )
     add_rules_parser(sub)
+    add_dashboards_parser(sub)
     return parser
 
 
@@ -145,6 +147,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 command("rules")(run_rules)
+command("dashboards")(run_dashboards)
 
 
 @command("docs")

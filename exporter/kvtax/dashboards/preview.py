@@ -1,0 +1,359 @@
+"""Dashboard previews as PNG: every panel's queries run against a live Prometheus, drawn with
+matplotlib in the dashboard's own grid layout.
+
+Grafana cannot run everywhere (it cannot run here), yet a picture belongs in bug reports and
+docs. :func:`fetch` fills in the template variables as Grafana would and runs every target
+through Prometheus' HTTP API; :func:`draw` lays the panels out by their ``gridPos`` and draws
+time series (stacking, dashed lines, threshold lines), stat tiles (value mappings and threshold
+colours) and bar gauges. It reads the dashboard JSON, not the Python definitions, so the picture
+is of what Grafana would load. matplotlib comes from the ``preview`` extra.
+
+Example::
+
+    api = PrometheusApi("http://127.0.0.1:9090")
+    data = fetch(dashboard, api, start=t0, end=t1, step=15, rate_interval="1m")
+    draw(dashboard, data, Path("overview.png"), start=t0, end=t1)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .lint import panels
+from .model import GRID_WIDTH, JSON
+from .promapi import PrometheusApi, QueryError, Series
+from .promql import expand
+
+__all__ = [
+    "PreviewUnavailableError",
+    "TargetData",
+    "draw",
+    "fetch",
+    "format_value",
+    "legend_text",
+    "rate_interval",
+]
+
+
+class PreviewUnavailableError(RuntimeError):
+    """matplotlib is not installed."""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetData:
+    """What one target of one panel returned (or the error Prometheus gave)."""
+
+    ref: str
+    legend: str
+    series: tuple[Series, ...]
+    error: str | None = None
+
+
+def rate_interval(step: float, scrape_interval: float) -> str:
+    """Grafana's ``$__rate_interval``: max(4 x scrape interval, step + scrape interval)."""
+    return f"{math.ceil(max(4 * scrape_interval, step + scrape_interval))}s"
+
+
+def legend_text(fmt: str, labels: Mapping[str, str]) -> str:
+    """A series name from a ``{{label}}`` legend format, as Grafana builds it."""
+    if fmt in ("", "__auto"):
+        inner = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "__name__")
+        return labels.get("__name__", "") + (f"{{{inner}}}" if inner else "") or "value"
+    text = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
+    return re.sub(r"\s+", " ", text).replace("()", "").replace(" /", "/").strip() or "value"
+
+
+def format_value(value: float, unit: str) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if unit == "percentunit":
+        return f"{value * 100:.1f}%"
+    if unit == "s":
+        return f"{value * 1000:.0f} ms" if abs(value) < 1 else f"{value:.2f} s"
+    suffix = {"reqps": " req/s"}.get(unit, "")
+    if unit.startswith("suffix:"):
+        suffix = " " + unit.removeprefix("suffix:")
+    number = f"{value:,.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.3g}"
+    return number + suffix
+
+
+def fetch(
+    dashboard: JSON,
+    api: PrometheusApi,
+    *,
+    start: float,
+    end: float,
+    step: float,
+    rate_interval: str,
+    values: Mapping[str, str] | None = None,
+) -> dict[int, list[TargetData]]:
+    """Panel id -> the data of each target, queried over [start, end] (instants at ``end``)."""
+    out: dict[int, list[TargetData]] = {}
+    for panel in panels(dashboard):
+        rows = out.setdefault(int(panel["id"]), [])
+        for target in panel.get("targets", []):
+            expr = expand(target["expr"], rate_interval=rate_interval, values=dict(values or {}))
+            try:
+                if target.get("instant") and not target.get("range"):
+                    series = api.query(expr, end)
+                else:
+                    series = api.query_range(expr, start, end, step)
+                rows.append(
+                    TargetData(target["refId"], target.get("legendFormat", ""), tuple(series))
+                )
+            except QueryError as exc:
+                rows.append(
+                    TargetData(target["refId"], target.get("legendFormat", ""), (), str(exc))
+                )
+    return out
+
+
+# -- drawing ---------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PreviewUnavailableError(
+            "kvtax dashboards preview needs matplotlib: pip install 'kvtax[preview]'"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _threshold_color(value: float, defaults: JSON) -> str:
+    color = "grey"
+    for step in defaults.get("thresholds", {}).get("steps", []):
+        if step.get("value") is None or value >= step["value"]:
+            color = step["color"]
+    return color
+
+
+def _mapped(value: float, defaults: JSON) -> tuple[str, str] | None:
+    for mapping in defaults.get("mappings", []):
+        hit = mapping.get("options", {}).get(str(int(value))) if value == int(value) else None
+        if hit:
+            return str(hit["text"]), str(hit["color"])
+    return None
+
+
+def _overrides(panel: JSON) -> dict[str, dict[str, Any]]:
+    """refId -> {"color", "stack", "dashed"} from byFrameRefID overrides."""
+    out: dict[str, dict[str, Any]] = {}
+    for o in panel.get("fieldConfig", {}).get("overrides", []):
+        if o.get("matcher", {}).get("id") != "byFrameRefID":
+            continue
+        props = out.setdefault(o["matcher"]["options"], {})
+        for p in o.get("properties", []):
+            if p["id"] == "color":
+                props["color"] = p["value"].get("fixedColor")
+            elif p["id"] == "custom.stacking":
+                props["stack"] = p["value"].get("mode") == "normal"
+            elif p["id"] == "custom.lineStyle":
+                props["dashed"] = True
+    return out
+
+
+def _last(series: Series) -> float | None:
+    return series.points[-1][1] if series.points else None
+
+
+def _no_data(ax: Any, data: list[TargetData]) -> None:
+    errors = [d.error for d in data if d.error]
+    ax.text(
+        0.5,
+        0.5,
+        "query error: " + errors[0][:80] if errors else "no data",
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        color="grey",
+        fontsize=8,
+    )
+
+
+def _draw_timeseries(ax: Any, panel: JSON, data: list[TargetData]) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    defaults = panel["fieldConfig"]["defaults"]
+    unit = defaults.get("unit", "short")
+    styles = _overrides(panel)
+    stack_base: dict[float, float] = {}
+    drawn = 0
+    for target in data:
+        style = styles.get(target.ref, {})
+        for series in target.series:
+            if not series.points:
+                continue
+            times = [datetime.fromtimestamp(t, UTC) for t, _ in series.points]
+            values = [v for _, v in series.points]
+            label = legend_text(target.legend, series.labels)
+            if style.get("stack"):
+                low = [stack_base.get(t, 0.0) for t, _ in series.points]
+                high = [lo + v for lo, v in zip(low, values, strict=True)]
+                ax.fill_between(times, low, high, alpha=0.45, color=style.get("color"), label=label)
+                for (t, _), h in zip(series.points, high, strict=True):
+                    stack_base[t] = h
+            else:
+                ax.plot(
+                    times,
+                    values,
+                    linewidth=1.2,
+                    linestyle="--" if style.get("dashed") else "-",
+                    color=style.get("color"),
+                    label=label,
+                )
+            drawn += 1
+    if not drawn:
+        _no_data(ax, data)
+    if defaults.get("custom", {}).get("thresholdsStyle", {}).get("mode") == "line":
+        for step in defaults.get("thresholds", {}).get("steps", []):
+            if step.get("value") is not None:
+                ax.axhline(step["value"], color=step["color"], linewidth=1, linestyle=":")
+    if "min" in defaults:
+        ax.set_ylim(bottom=defaults["min"])
+    if "max" in defaults:
+        ax.set_ylim(top=defaults["max"])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_value(v, unit)))
+    ax.xaxis.set_major_formatter(
+        # Matplotlib date numbers are days since its epoch, 1970-01-01 by default.
+        FuncFormatter(lambda v, _pos: f"{datetime.fromtimestamp(v * 86400, UTC):%H:%M:%S}")
+    )
+    ax.tick_params(labelsize=6)
+    ax.grid(True, alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=5.5, loc="upper left", framealpha=0.6, ncol=1 if drawn < 4 else 2)
+
+
+def _draw_stat(ax: Any, panel: JSON, data: list[TargetData]) -> None:
+    defaults = panel["fieldConfig"]["defaults"]
+    unit = defaults.get("unit", "none")
+    tiles = [
+        (legend_text(t.legend, s.labels), v)
+        for t in data
+        for s in t.series
+        if (v := _last(s)) is not None
+    ]
+    ax.set_axis_off()
+    if not tiles:
+        _no_data(ax, data)
+        return
+    width = 1 / len(tiles)
+    for i, (label, value) in enumerate(tiles):
+        mapped = _mapped(value, defaults)
+        text, color = mapped or (format_value(value, unit), _threshold_color(value, defaults))
+        ax.add_patch(_rect((i * width + 0.01, 0.02), width - 0.02, 0.96, color, ax.transAxes))
+        ax.text(
+            i * width + width / 2,
+            0.55,
+            text,
+            ha="center",
+            va="center",
+            fontsize=14,
+            color="white",
+            weight="bold",
+            transform=ax.transAxes,
+        )
+        ax.text(
+            i * width + width / 2,
+            0.18,
+            label,
+            ha="center",
+            va="center",
+            fontsize=6.5,
+            color="white",
+            transform=ax.transAxes,
+        )
+
+
+def _rect(xy: tuple[float, float], w: float, h: float, color: str, transform: Any) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle(xy, w, h, color=color, transform=transform, alpha=0.85)
+
+
+def _draw_bargauge(ax: Any, panel: JSON, data: list[TargetData]) -> None:
+    defaults = panel["fieldConfig"]["defaults"]
+    unit = defaults.get("unit", "short")
+    bars = [
+        (legend_text(t.legend, s.labels), v)
+        for t in data
+        for s in t.series
+        if (v := _last(s)) is not None
+    ]
+    if not bars:
+        ax.set_axis_off()
+        _no_data(ax, data)
+        return
+    bars.sort(key=lambda b: b[1])
+    labels = [b[0] for b in bars]
+    values = [b[1] for b in bars]
+    colors = [_threshold_color(v, defaults) for v in values]
+    ax.barh(range(len(bars)), values, color=colors)
+    ax.set_yticks(range(len(bars)), labels, fontsize=6.5)
+    top = defaults.get("max", max(values) * 1.1 if max(values) > 0 else 1)
+    ax.set_xlim(defaults.get("min", 0), top)
+    for i, v in enumerate(values):
+        ax.text(v, i, " " + format_value(v, unit), va="center", fontsize=7)
+    ax.tick_params(labelsize=6)
+
+
+def draw(
+    dashboard: JSON,
+    data: Mapping[int, list[TargetData]],
+    path: Path,
+    *,
+    start: float,
+    end: float,
+    width_inches: float = 16.0,
+    dpi: int = 72,
+) -> Path:
+    """Draw every panel at its grid position into one PNG at ``path``."""
+    plt = _pyplot()
+    every = dashboard.get("panels", [])
+    rows = max((p["gridPos"]["y"] + p["gridPos"]["h"] for p in every), default=1)
+    # A Grafana grid unit is about 30 px high, a column about 1/24 of ~1800 px wide.
+    unit_h = width_inches / GRID_WIDTH * 0.42
+    fig = plt.figure(figsize=(width_inches, rows * unit_h + 0.6), dpi=dpi)
+    grid = fig.add_gridspec(rows, GRID_WIDTH, hspace=1.6, wspace=1.2, top=0.95, bottom=0.02)
+    span = (
+        f"{datetime.fromtimestamp(start, UTC):%Y-%m-%d %H:%M:%S} to "
+        f"{datetime.fromtimestamp(end, UTC):%H:%M:%S} UTC"
+    )
+    fig.suptitle(f"{dashboard.get('title', '')}   ({span})", fontsize=11, x=0.01, ha="left")
+    for panel in every:
+        pos = panel["gridPos"]
+        ax = fig.add_subplot(grid[pos["y"] : pos["y"] + pos["h"], pos["x"] : pos["x"] + pos["w"]])
+        if panel["type"] == "row":
+            ax.set_axis_off()
+            ax.text(
+                0,
+                0.5,
+                panel["title"],
+                fontsize=10,
+                weight="bold",
+                va="center",
+                transform=ax.transAxes,
+            )
+            continue
+        ax.set_title(panel["title"], fontsize=8, loc="left")
+        rows_data = data.get(int(panel["id"]), [])
+        if panel["type"] == "timeseries":
+            _draw_timeseries(ax, panel, rows_data)
+        elif panel["type"] == "stat":
+            _draw_stat(ax, panel, rows_data)
+        else:
+            _draw_bargauge(ax, panel, rows_data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
