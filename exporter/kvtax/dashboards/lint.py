@@ -4,8 +4,9 @@
 empty and a negative test can assert which rule caught a broken dashboard. The rules: unique
 panel ids; panels inside the 24-column grid and never overlapping; every panel and target on the
 ``datasource`` variable and no data source uid anywhere; a ``$__rate_interval`` range in every
-range selector; a unit and a description linking an alert's runbook section on every panel; the shared tag; and every
-series a query names known to the catalog, the vLLM vocabulary or the recording rules.
+range selector; on every panel a unit and a description linking an alert's runbook section;
+the shared tag; and every series a query names known to the catalog, the vLLM vocabulary or
+the recording rules.
 Pure: no I/O.
 
 Example::

@@ -1,0 +1,329 @@
+"""The committed Grafana dashboards: schema, structure, names, drift and the ConfigMap."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from kvtax.catalog import METRICS
+from kvtax.cli import main
+from kvtax.dashboards import BOARDS, artifacts, dashboards, problems
+from kvtax.dashboards.generate import CONFIGMAP_FILE
+from kvtax.dashboards.lint import panels, queries
+from kvtax.dashboards.promql import expand, is_known_series, kvtax, series_names, vllm
+from kvtax.dashboards.schema import SCHEMA
+from kvtax.rules.recording import record_names
+from kvtax.vocabulary import CONCEPTS
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDER = ROOT / "dashboards"
+JSON_FILES = sorted(FOLDER.glob("kvtax-*.json"))
+
+
+def _load(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
+@pytest.fixture(params=[p.name for p in JSON_FILES])
+def committed(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return _load(FOLDER / request.param)
+
+
+def test_three_dashboards_are_committed() -> None:
+    assert [p.name for p in JSON_FILES] == [
+        "kvtax-capacity.json",
+        "kvtax-fleet.json",
+        "kvtax-overview.json",
+    ]
+    assert [b.title for b in BOARDS] == ["Overview", "Capacity", "Fleet"]
+
+
+# -- schema and structure -------------------------------------------------------------------
+
+
+def test_schema_is_a_valid_draft_2020_12_schema() -> None:
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+
+
+def test_committed_dashboards_match_the_schema(committed: dict[str, Any]) -> None:
+    jsonschema.Draft202012Validator(SCHEMA).validate(committed)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("panels", 1, "datasource"), {"type": "prometheus", "uid": "P1809F7CD0C75ACF3"}),
+        (("panels", 1, "fieldConfig", "defaults", "unit"), ""),
+        (("panels", 1, "gridPos", "w"), 25),
+        (("panels", 1, "type"), "graph"),
+        (("uid",), "Not A Stable Uid"),
+        (("tags",), ["vllm"]),
+    ],
+)
+def test_schema_rejects_what_kvtax_must_not_ship(path: tuple[Any, ...], value: Any) -> None:
+    doc = copy.deepcopy(dashboards()["kvtax-overview.json"])
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+
+
+def test_committed_dashboards_have_no_structural_problems(committed: dict[str, Any]) -> None:
+    assert problems(committed) == []
+
+
+def test_uids_are_stable_and_tagged() -> None:
+    docs = dashboards()
+    assert {d["uid"] for d in docs.values()} == {"kvtax-overview", "kvtax-capacity", "kvtax-fleet"}
+    assert all("kvtax" in d["tags"] for d in docs.values())
+
+
+def test_every_dashboard_offers_datasource_namespace_pod_and_model(
+    committed: dict[str, Any],
+) -> None:
+    variables = {v["name"]: v for v in committed["templating"]["list"]}
+    assert list(variables) == ["datasource", "namespace", "pod", "model"]
+    assert variables["datasource"]["type"] == "datasource"
+    for name in ("namespace", "pod", "model"):
+        # ".*" for All also matches a missing label (a static scrape has no namespace or pod).
+        assert variables[name]["allValue"] == ".*"
+        assert variables[name]["definition"].startswith("label_values(kvtax_")
+
+
+def test_every_panel_and_target_uses_the_datasource_variable(committed: dict[str, Any]) -> None:
+    text = json.dumps(committed)
+    assert '"uid": "${datasource}"' in text
+    for panel, target in queries(committed):
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+
+
+def test_every_rate_uses_rate_interval(committed: dict[str, Any]) -> None:
+    exprs = [t["expr"] for _, t in queries(committed)]
+    rates = [e for e in exprs if "rate(" in e or "increase(" in e]
+    assert rates or committed["uid"] != "kvtax-overview"
+    for expr in rates:
+        assert expr.count("rate(") == expr.count("[$__rate_interval]"), expr
+
+
+def test_every_panel_has_a_unit_and_a_runbook_link(committed: dict[str, Any]) -> None:
+    for panel in panels(committed):
+        assert panel["fieldConfig"]["defaults"]["unit"], panel["title"]
+        assert "docs/runbooks.md#kvtax" in panel["description"], panel["title"]
+
+
+def test_thrash_state_is_a_coloured_stat() -> None:
+    overview = dashboards()["kvtax-overview.json"]
+    thrash = next(p for p in panels(overview) if p["title"] == "Thrash state")
+    assert thrash["type"] == "stat"
+    options = thrash["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert {k: (v["text"], v["color"]) for k, v in options.items()} == {
+        "0": ("ok", "green"),
+        "1": ("at risk", "orange"),
+        "2": ("thrashing", "red"),
+    }
+
+
+def test_kv_usage_panel_draws_the_085_line() -> None:
+    overview = dashboards()["kvtax-overview.json"]
+    kv = next(p for p in panels(overview) if p["title"] == "KV cache usage")
+    steps = kv["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert {"color": "orange", "value": 0.85} in steps
+    assert kv["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "line"
+
+
+def test_overview_answers_the_issue_questions() -> None:
+    titles = {p["title"] for p in panels(dashboards()["kvtax-overview.json"])}
+    for wanted in (
+        "Thrash state",
+        "Preemption tax",
+        "Goodput against engine throughput",
+        "KV cache usage",
+        "Preemption rate",
+        "Running and waiting requests",
+        "Time to first token",
+        "Inter-token latency",
+        "Stream stalls",
+        "Recommended against configured max_num_seqs",
+        "429s and rejections",
+        "Join coverage",
+    ):
+        assert wanted in titles
+
+
+# -- negative structural checks: each rule catches its own mistake ----------------------------
+
+
+def _overview() -> dict[str, Any]:
+    return copy.deepcopy(dashboards()["kvtax-overview.json"])
+
+
+def test_duplicate_panel_ids_are_caught() -> None:
+    doc = _overview()
+    doc["panels"][2]["id"] = doc["panels"][1]["id"]
+    assert any("used more than once" in p for p in problems(doc))
+
+
+def test_overlapping_panels_are_caught() -> None:
+    doc = _overview()
+    doc["panels"][2]["gridPos"] = dict(
+        doc["panels"][1]["gridPos"], x=doc["panels"][1]["gridPos"]["x"] + 1
+    )
+    assert any("overlap" in p for p in problems(doc))
+
+
+def test_a_hard_coded_datasource_uid_is_caught() -> None:
+    doc = _overview()
+    doc["panels"][1]["targets"][0]["datasource"] = {"type": "prometheus", "uid": "abc123"}
+    found = problems(doc)
+    assert any("hard-coded data source at panels[1].targets[0].datasource" in p for p in found)
+    assert any("does not use the datasource variable" in p for p in found)
+
+
+def test_a_fixed_rate_window_is_caught() -> None:
+    doc = _overview()
+    panel = next(p for p in panels(doc) if p["title"] == "Preemption rate")
+    panel["targets"][0]["expr"] = panel["targets"][0]["expr"].replace("$__rate_interval", "5m")
+    assert any("range [5m]" in p for p in problems(doc))
+
+
+def test_a_panel_without_unit_or_runbook_is_caught() -> None:
+    doc = _overview()
+    doc["panels"][1]["fieldConfig"]["defaults"]["unit"] = ""
+    doc["panels"][1]["description"] = "No link here."
+    found = problems(doc)
+    assert any("has no unit" in p for p in found)
+    assert any("has no description linking a runbook" in p for p in found)
+
+
+def test_a_runbook_anchor_without_an_alert_is_caught() -> None:
+    doc = _overview()
+    doc["panels"][1]["description"] += " See docs/runbooks.md#kvtaxnosuchalert."
+    assert any("unknown runbook #kvtaxnosuchalert" in p for p in problems(doc))
+
+
+# -- every series a panel names exists --------------------------------------------------------
+
+
+def test_every_series_in_a_panel_is_catalog_vocabulary_or_recorded(
+    committed: dict[str, Any],
+) -> None:
+    recorded = record_names()
+    seen: set[str] = set()
+    for _, target in queries(committed):
+        names = series_names(target["expr"])
+        assert names, target["expr"]
+        for name in names:
+            assert is_known_series(name, recorded), name
+        seen |= names
+    # Not vacuous: the dashboards query all three sources between them.
+    assert seen
+
+
+def test_the_dashboards_use_all_three_sources_of_names() -> None:
+    seen = {
+        n for d in dashboards().values() for _, t in queries(d) for n in series_names(t["expr"])
+    }
+    assert seen & set(METRICS)
+    assert seen & {n + "_bucket" for c in CONCEPTS.values() for n in c.names}
+    assert seen & set(record_names())
+
+
+def test_a_misspelled_series_fails_the_name_check() -> None:
+    doc = _overview()
+    panel = next(p for p in panels(doc) if p["title"] == "Preemption rate")
+    expr = panel["targets"][0]["expr"]
+    # The classic public-example mistake: the counter without _total.
+    panel["targets"][0]["expr"] = expr.replace(
+        "kvtax_engine_preemptions_total", "vllm:num_preemptions"
+    )
+    assert any("unknown series vllm:num_preemptions" in p for p in problems(doc))
+    assert not is_known_series("vllm:num_preemptions", record_names())
+    assert not is_known_series("kvtax_client_ttft_seconds")  # a histogram needs its _bucket
+
+
+def test_a_misspelled_name_inside_a_name_regex_fails() -> None:
+    expr = '{__name__=~"vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_percent"}'
+    assert series_names(expr) == {"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_percent"}
+    assert not is_known_series("vllm:gpu_cache_usage_percent")
+
+
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        (
+            'sum by (model_name, le) (rate(a_total{x="by(y)", pod=~"$pod"}[$__rate_interval]))',
+            {"a_total"},
+        ),
+        ("b / ignoring (method) group_left c", {"b", "c"}),
+        ("histogram_quantile(0.99, sum without (engine) (rate(d_bucket[5m])))", {"d_bucket"}),
+        ("topk(5, e) or on (pod) f * 0 > bool 1e3", {"e", "f"}),
+        ('{__name__=~"g|h", model_name="x"} offset 5m', {"g", "h"}),
+        ("ns_pod:metric:rate5m", {"ns_pod:metric:rate5m"}),
+    ],
+)
+def test_series_names_reads_names_and_nothing_else(expr: str, names: set[str]) -> None:
+    assert series_names(expr) == names
+
+
+def test_selectors_refuse_names_outside_the_tables() -> None:
+    with pytest.raises(KeyError):
+        kvtax("kvtax_no_such_metric")
+    with pytest.raises(KeyError):
+        vllm("no_such_concept")
+    with pytest.raises(ValueError, match="histogram"):
+        kvtax("kvtax_client_ttft_seconds")
+
+
+def test_vllm_selectors_cover_every_name_of_a_concept() -> None:
+    itl = vllm("itl", part="_bucket")
+    for name in CONCEPTS["itl"].names:
+        assert f"{name}_bucket" in itl
+    assert 'source="local_compute"' in vllm("prompt_tokens_local_compute")
+
+
+def test_expand_fills_variables_as_grafana_does() -> None:
+    expr = 'rate(x{pod=~"$pod", model_name=~"${model}"}[$__rate_interval])'
+    assert expand(expr, rate_interval="1m", values={"model": "tiny-llama"}) == (
+        'rate(x{pod=~".*", model_name=~"tiny-llama"}[1m])'
+    )
+
+
+# -- drift and the ConfigMap ------------------------------------------------------------------
+
+
+def test_committed_files_equal_the_generator_output() -> None:
+    for name, text in artifacts().items():
+        path = FOLDER / name
+        assert path.exists(), f"{path} missing: run `kvtax dashboards generate`"
+        assert path.read_text() == text, f"{path} drifted: run `kvtax dashboards generate`"
+
+
+def test_generate_check_fails_on_drift(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dashboards", "generate", "--out", str(tmp_path)]) == 0
+    assert main(["dashboards", "generate", "--check", "--out", str(tmp_path)]) == 0
+    edited = tmp_path / "kvtax-fleet.json"
+    edited.write_text(edited.read_text().replace("Fleet goodput", "Fleet goodness"))
+    assert main(["dashboards", "generate", "--check", "--out", str(tmp_path)]) == 1
+    assert "kvtax-fleet.json" in capsys.readouterr().err
+
+
+def test_configmap_carries_every_dashboard_with_the_sidecar_label() -> None:
+    text = (FOLDER / CONFIGMAP_FILE).read_text()
+    doc = yaml.safe_load(text)
+    assert doc["kind"] == "ConfigMap"
+    assert doc["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert set(doc["data"]) == {p.name for p in JSON_FILES}
+    for name, body in doc["data"].items():
+        assert json.loads(body) == _load(FOLDER / name)
+    # kubectl apply keeps the whole object in an annotation capped at 256 KiB.
+    assert len(text.encode()) < 256 * 1024
