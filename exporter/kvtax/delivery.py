@@ -33,13 +33,16 @@ __all__ = ["Delivery", "served_requests"]
 log = logging.getLogger("kvtax.delivery")
 
 
-def served_requests(snap: VllmSnapshot) -> float | None:
-    """vLLM's count of completion and chat requests, from its server-wide HTTP counter."""
+def served_requests(snap: VllmSnapshot) -> float:
+    """vLLM's count of completion and chat requests, from its server-wide HTTP counter.
+
+    A server that has answered nothing yet exposes the family without samples: that is 0.
+    """
     for metrics in snap.models.values():
         by_handler = metrics.split.get("http_requests")
         if by_handler is not None:
             return sum(by_handler.get(h, 0.0) for h in SERVED_HANDLERS)
-    return None
+    return 0.0
 
 
 class Delivery:

@@ -1,0 +1,247 @@
+"""Delivered tokens against a real vLLM 0.32 CPU engine: exact counts, faithful streams,
+disconnects that abort, and traffic that bypasses the proxy.
+
+Each test runs its own ``kvtax serve`` (proxy on) so its ledger and join window start clean;
+the session's engine is shared, so engine figures are compared as deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvtax.testbed import VllmEngine
+from kvtax.testbed.sidecar import KvtaxProcess, parse_metrics, series_key
+
+M = "tiny-llama"
+PROMPT = "The quick brown fox jumps over the lazy dog and keeps on running"
+
+
+@pytest.fixture
+def kvtax(vllm_engine: VllmEngine) -> Iterator[KvtaxProcess]:
+    with KvtaxProcess(vllm_engine.url, proxy=True, scrape_interval="1s", window="120s") as proc:
+        proc.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
+        yield proc
+
+
+def _vllm(engine: VllmEngine) -> dict[str, float]:
+    """vLLM's own counters and gauges for the model, summed over engines."""
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as resp:
+        page = parse_metrics(resp.read().decode())
+    out: dict[str, float] = {}
+    for key, value in page.items():
+        name = key.split("{", 1)[0]
+        if f'model_name="{M}"' in key:
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _body(kind: str, stream: bool, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": M,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 7,
+        "stream": stream,
+        **extra,
+    }
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        body["prompt"] = PROMPT
+    return body
+
+
+def _path(kind: str) -> str:
+    return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[Any]:
+    """Every event of a stream, parsed ("[DONE]" kept as a string)."""
+    events: list[Any] = []
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        raw = (await resp.read()).decode()
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def _completion_tokens(
+    session: aiohttp.ClientSession, base: str, kind: str, stream: bool, max_tokens: int
+) -> int:
+    if stream:
+        body = _body(kind, True, max_tokens, stream_options={"include_usage": True})
+        events = await _stream(session, base + _path(kind), body)
+        usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        assert len(usage) == 1
+        return int(usage[0]["completion_tokens"])
+    async with session.post(base + _path(kind), json=_body(kind, False, max_tokens)) as resp:
+        assert resp.status == 200
+        return int((await resp.json())["usage"]["completion_tokens"])
+
+
+def test_delivered_tokens_equal_client_usage_and_join_is_complete(kvtax: KvtaxProcess) -> None:
+    assert kvtax.proxy_url is not None
+    base = kvtax.proxy_url
+    plan = [
+        (kind, stream, 8 + 5 * i)
+        for i, (kind, stream) in enumerate(
+            [(k, s) for k in ("completion", "chat") for s in (True, False)] * 3
+        )
+    ]
+
+    async def run() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(
+                *(_completion_tokens(session, base, k, s, n) for k, s, n in plan)
+            )
+
+    received = sum(asyncio.run(run()))
+    assert received > 0
+    delivered = series_key("kvtax_delivered_tokens_total", {"model_name": M, "source": "proxy"})
+    completed = series_key("kvtax_requests_total", {"model_name": M, "outcome": "completed"})
+    page = kvtax.metrics()
+    assert page[delivered] == received
+    assert page[completed] == len(plan)
+    coverage = series_key("kvtax_join_coverage_ratio", {"model_name": M})
+    goodput = series_key("kvtax_goodput_tokens_per_second", {"model_name": M})
+    page = kvtax.wait_for(
+        lambda m: m.get(coverage) == 1.0 and m.get(goodput, 0.0) > 0, what="goodput, coverage 1"
+    )
+    assert page[coverage] == 1.0
+    assert page[goodput] > 0
+
+
+def _shape(events: list[Any]) -> tuple[list[Any], str, Any, int]:
+    """Field names of every chunk, the concatenated text, the finish reason and usage chunks."""
+    fields: list[Any] = []
+    text, finish, usage_chunks = "", None, 0
+    for e in events:
+        if e == "[DONE]":
+            fields.append("[DONE]")
+            continue
+        choice_fields = sorted(
+            (k, sorted(c.get("delta", {}))) for c in e["choices"] for k in sorted(c)
+        )
+        fields.append((sorted(e), choice_fields))
+        for c in e["choices"]:
+            text += c.get("text") or c.get("delta", {}).get("content") or ""
+            finish = c.get("finish_reason") or finish
+        if not e["choices"] and e.get("usage"):
+            usage_chunks += 1
+    return fields, text, finish, usage_chunks
+
+
+def _chunk_kinds(fields: list[Any]) -> list[Any]:
+    # Chunk boundaries depend on timing, so compare the distinct chunk shapes in order of
+    # first appearance, plus the last two (terminal chunk, usage chunk or [DONE]).
+    seen: list[Any] = []
+    for f in fields:
+        if f not in seen:
+            seen.append(f)
+    return [seen, fields[-3:]]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize(
+    "options",
+    [None, {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}],
+)
+def test_stream_through_proxy_matches_direct(
+    vllm_engine: VllmEngine, kvtax: KvtaxProcess, kind: str, options: dict[str, Any] | None
+) -> None:
+    assert kvtax.proxy_url is not None
+    extra = {"stream_options": options} if options else {}
+    body = _body(kind, True, 40, **extra)
+
+    async def both() -> tuple[list[Any], list[Any]]:
+        async with aiohttp.ClientSession() as session:
+            direct = await _stream(session, vllm_engine.url + _path(kind), body)
+            proxied = await _stream(session, kvtax.proxy_url + _path(kind), body)  # type: ignore[operator]
+            return direct, proxied
+
+    direct, proxied = asyncio.run(both())
+    d_fields, d_text, d_finish, d_usage = _shape(direct)
+    p_fields, p_text, p_finish, p_usage = _shape(proxied)
+    assert p_text == d_text
+    assert p_finish == d_finish
+    assert p_usage == d_usage == (1 if options else 0)
+    assert _chunk_kinds(p_fields) == _chunk_kinds(d_fields)
+    if not (options or {}).get("continuous_usage_stats"):
+        assert all(e == "[DONE]" or not e["choices"] or "usage" not in e for e in proxied)
+
+
+def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> None:
+    assert kvtax.proxy_url is not None
+    max_tokens = 600
+    before = _vllm(vllm_engine)
+
+    async def read_a_little_then_leave() -> None:
+        body = _body("completion", True, max_tokens, ignore_eos=True)
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(kvtax.proxy_url + "/v1/completions", json=body)  # type: ignore[operator]
+            for _ in range(3):
+                await resp.content.readuntil(b"\n\n")
+            resp.close()
+
+    asyncio.run(read_a_little_then_leave())
+    left = time.monotonic()
+    # Wait (bounded only against hangs) for vLLM to drop the request from its batch.
+    deadline = left + 60
+    while _vllm(vllm_engine).get("vllm:num_requests_running", 1.0) > 0:
+        assert time.monotonic() < deadline, "vLLM kept running the abandoned request"
+        time.sleep(0.02)
+    abort_latency = time.monotonic() - left
+    settled = _vllm(vllm_engine)
+    time.sleep(1.5)
+    later = _vllm(vllm_engine)
+    generated = settled["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    # The generation counter stopped rising, well short of what the request asked for.
+    assert later["vllm:generation_tokens_total"] == settled["vllm:generation_tokens_total"]
+    assert 0 < generated < max_tokens
+    # vLLM 0.32 counts no finished_reason for an abort (shared/vllm-facts.md).
+    assert settled.get("vllm:request_success_total", 0.0) == before.get(
+        "vllm:request_success_total", 0.0
+    )
+    print(
+        f"abort: vLLM dropped the request {abort_latency:.3f}s after the client left; "
+        f"{generated:.0f} of {max_tokens} tokens generated"
+    )
+
+    disconnected = series_key(
+        "kvtax_requests_total", {"model_name": M, "outcome": "client_disconnected"}
+    )
+    undelivered = series_key("kvtax_undelivered_tokens_total", {"model_name": M, "source": "proxy"})
+    page = kvtax.wait_for(lambda m: m.get(disconnected) == 1.0, what="disconnect settled")
+    assert page[undelivered] > 0
+    rate = series_key("kvtax_undelivered_tokens_per_second", {"model_name": M})
+    page = kvtax.wait_for(lambda m: m.get(rate, 0.0) > 0, what="join sees undelivered tokens")
+    assert page[rate] > 0
+
+
+def test_traffic_bypassing_the_proxy_lowers_join_coverage(
+    vllm_engine: VllmEngine, kvtax: KvtaxProcess
+) -> None:
+    assert kvtax.proxy_url is not None
+
+    async def send() -> None:
+        async with aiohttp.ClientSession() as session:
+            for base in (kvtax.proxy_url, vllm_engine.url, kvtax.proxy_url, vllm_engine.url):
+                await _completion_tokens(session, base, "completion", False, 8)  # type: ignore[arg-type]
+
+    asyncio.run(send())
+    coverage = series_key("kvtax_join_coverage_ratio", {"model_name": M})
+    page = kvtax.wait_for(
+        lambda m: m.get(coverage) is not None and m[coverage] < 1.0, what="coverage below 1"
+    )
+    assert page[coverage] == pytest.approx(0.5)

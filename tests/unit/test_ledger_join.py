@@ -1,0 +1,205 @@
+"""The delivery ledger, stream timing, push/gateway intake and the join, on plain values."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtax.intake import PushError, gateway_totals, parse_push
+from kvtax.join import JoinHistory, join_samples
+from kvtax.ledger import DeliveryCounts, DeliveryLedger, LedgerTotals, ModelNames, RequestRecord
+from kvtax.report import HistogramSample, Sample
+from kvtax.timing import SloTargets, StreamTiming, meets_slo_unstreamed
+
+
+def _ledger() -> DeliveryLedger:
+    names = ModelNames()
+    names.update(["m"])
+    return DeliveryLedger(names)
+
+
+def _values(samples: object) -> dict[tuple[str, tuple[str, ...]], float]:
+    return {(s.metric, s.labels): s.value for s in samples if isinstance(s, Sample)}  # type: ignore[attr-defined]
+
+
+def test_unknown_models_share_the_other_label() -> None:
+    ledger = _ledger()
+    for name in ("m", "x", "y", None):
+        ledger.settle(RequestRecord(name, "completed", delivered_tokens=2))
+    assert ledger.models() == ["m", "other"]
+    assert ledger.totals()["other"].delivered == 6
+
+
+def test_settle_counts_outcomes_tokens_slo_and_stalls() -> None:
+    ledger = _ledger()
+    ledger.settle(
+        RequestRecord(
+            "m",
+            "completed",
+            delivered_tokens=10,
+            prompt_tokens=4,
+            ttft=0.1,
+            gaps=(0.01, 0.02),
+            stalls=((0.5, 40),),
+            duration=1.0,
+            slo_met=True,
+        )
+    )
+    ledger.settle(
+        RequestRecord("m", "client_disconnected", delivered_tokens=3, undelivered_tokens=2)
+    )
+    ledger.settle(RequestRecord("m", "rejected", forwarded=False))
+    t = ledger.totals()["m"]
+    assert (t.delivered, t.prompt, t.undelivered) == (13, 4, 2)
+    assert (t.joined_requests, t.slo_met_requests, t.slo_met_tokens) == (2, 1, 10)
+    assert (t.stalls, t.stall_context) == (1, 40)
+    v = _values(ledger.samples())
+    assert v[("kvtax_requests_total", ("m", "client_disconnected"))] == 1
+    assert v[("kvtax_requests_total", ("m", "upstream_error"))] == 0
+    itl = next(
+        s
+        for s in ledger.samples()
+        if isinstance(s, HistogramSample) and s.metric == "kvtax_client_itl_seconds"
+    )
+    assert itl.buckets[-1] == (float("inf"), 2.0)
+    assert itl.sum == pytest.approx(0.03)
+
+
+def test_other_sources_are_labelled() -> None:
+    ledger = _ledger()
+    ledger.add("m", DeliveryCounts(delivered_tokens=5, requests={"completed": 2}), "push")
+    ledger.add("m", DeliveryCounts(delivered_tokens=7), "gateway")
+    v = _values(ledger.samples())
+    assert v[("kvtax_delivered_tokens_total", ("m", "push"))] == 5
+    assert v[("kvtax_delivered_tokens_total", ("m", "gateway"))] == 7
+    assert ledger.totals()["m"].joined_requests == 2
+    with pytest.raises(ValueError, match="source"):
+        ledger.add("m", DeliveryCounts(), "carrier-pigeon")
+
+
+def test_stalls_are_gaps_far_above_the_running_median() -> None:
+    t = StreamTiming(started=0.0, factor=5.0, floor=0.05)
+    now = 0.3
+    t.tokens_written(now, context=10)
+    for i in range(6):
+        now += 0.02
+        t.tokens_written(now, context=11 + i)
+    now += 0.5
+    t.tokens_written(now, context=17)
+    assert t.ttft == pytest.approx(0.3)
+    assert t.stalls == [(pytest.approx(0.5), 17)]
+    assert not t.meets(SloTargets(ttft=1.0, itl=0.2))
+    assert t.meets(SloTargets(ttft=1.0, itl=0.6))
+
+
+def test_early_gaps_are_never_stalls() -> None:
+    t = StreamTiming(0.0, 5.0, 0.05)
+    for now in (0.1, 0.11, 2.0):
+        t.tokens_written(now, 1)
+    assert t.stalls == []
+
+
+def test_unstreamed_slo_allows_one_itl_per_further_token() -> None:
+    slo = SloTargets(ttft=1.0, itl=0.1)
+    assert meets_slo_unstreamed(1.9, 10, slo)
+    assert not meets_slo_unstreamed(2.0, 10, slo)
+
+
+def test_push_parsing_names_the_problem() -> None:
+    [(model, counts)] = parse_push(
+        b'{"model": "m", "delivered_tokens": 3, "requests": {"completed": 1}}'
+    )
+    assert (model, counts.delivered_tokens, dict(counts.requests)) == ("m", 3, {"completed": 1})
+    for body, message in (
+        (b"{", "not valid JSON"),
+        (b"[]", "empty"),
+        (b'{"model": "m"}', "delivered_tokens is required"),
+        (b'{"model": "m", "delivered_tokens": -1}', "negative"),
+        (b'{"model": "m", "delivered_tokens": "3"}', "must be a number"),
+        (b'{"model": "", "delivered_tokens": 1}', "model"),
+        (b'{"model": "m", "delivered_tokens": 1, "tokens": 2}', "unknown field 'tokens'"),
+        (b'{"model": "m", "delivered_tokens": 1, "requests": {"won": 1}}', "not an outcome"),
+    ):
+        with pytest.raises(PushError, match=message):
+            parse_push(body)
+
+
+LITELLM = """# TYPE litellm_output_tokens_metric counter
+litellm_output_tokens_metric_total{model="m",team="a"} 10
+litellm_output_tokens_metric_total{model="m",team="b"} 5
+litellm_output_tokens_metric_total{model="z"} 1
+"""
+ENVOY = """# TYPE gen_ai_client_token_usage histogram
+gen_ai_client_token_usage_bucket{gen_ai_request_model="m",gen_ai_token_type="output",le="+Inf"} 3
+gen_ai_client_token_usage_sum{gen_ai_request_model="m",gen_ai_token_type="output"} 42
+gen_ai_client_token_usage_count{gen_ai_request_model="m",gen_ai_token_type="output"} 3
+gen_ai_client_token_usage_sum{gen_ai_request_model="m",gen_ai_token_type="input"} 99
+"""
+
+
+def test_gateway_counters_litellm_and_envoy() -> None:
+    assert gateway_totals(LITELLM, "litellm_output_tokens_metric_total", "model") == {
+        "m": 15,
+        "z": 1,
+    }
+    envoy = gateway_totals(
+        ENVOY,
+        "gen_ai_client_token_usage",
+        "gen_ai_request_model",
+        (("gen_ai_token_type", "output"),),
+    )
+    assert envoy == {"m": 42}
+
+
+def _engine(g: float, pc: float, pre: float, est: float) -> dict[str, float]:
+    return {
+        "generation_tokens": g,
+        "prompt_computed": pc,
+        "preemptions": pre,
+        "recomputed_estimated": est,
+    }
+
+
+def test_join_window_figures() -> None:
+    join = JoinHistory(window_seconds=100)
+    join.observe(0.0, {"m": _engine(1000, 500, 10, 100)}, 50, {"m": LedgerTotals()})
+    ledger = LedgerTotals(
+        delivered=800,
+        joined_requests=10,
+        slo_met_requests=5,
+        slo_met_tokens=400,
+        stalls=2,
+        stall_context=300,
+    )
+    join.observe(10.0, {"m": _engine(2000, 700, 14, 300)}, 60, {"m": ledger})
+    f = join.figures()["m"]
+    assert f.goodput == pytest.approx(80)
+    assert f.slo_goodput_tokens == pytest.approx(40)
+    assert f.slo_goodput_requests == pytest.approx(0.5)
+    assert f.coverage == pytest.approx(1.0)
+    assert f.delivery_yield == pytest.approx(0.8)
+    # Full coverage: U = G - D = 200. Stall estimate: 4 preemptions x 150 mean context = 600.
+    assert f.undelivered_rate == pytest.approx(20)
+    assert f.stall_recomputed_total == pytest.approx(600)
+    assert f.waste["estimated"] == pytest.approx((200 + 200) / (200 + 1000 + 200))
+    assert f.waste["stall_estimated"] == pytest.approx((600 + 200) / (200 + 1000 + 600))
+    assert f.stall_tax == pytest.approx(600 / 1800)
+    names = {s.metric for s in join_samples(join.figures())}
+    assert {"kvtax_goodput_tokens_per_second", "kvtax_join_coverage_ratio"} <= names
+
+
+def test_join_coverage_below_one_when_traffic_bypasses() -> None:
+    join = JoinHistory(window_seconds=100)
+    join.observe(0.0, {"m": _engine(0, 0, 0, 0)}, 0, {})
+    ledger = LedgerTotals(delivered=50, undelivered=5, joined_requests=2)
+    join.observe(5.0, {"m": _engine(200, 10, 0, 0)}, 4, {"m": ledger})
+    f = join.figures()["m"]
+    assert f.coverage == pytest.approx(0.5)
+    # Partial join: only the ledger's own undelivered count is known.
+    assert f.undelivered_rate == pytest.approx(1.0)
+
+
+def test_join_survives_a_vllm_restart() -> None:
+    join = JoinHistory(window_seconds=100)
+    join.observe(0.0, {"m": _engine(0, 0, 0, 0)}, 100, {})
+    join.observe(5.0, {"m": _engine(10, 0, 0, 0)}, 3, {"m": LedgerTotals(joined_requests=3)})
+    assert join.figures()["m"].coverage == pytest.approx(1.0)

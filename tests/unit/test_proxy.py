@@ -1,0 +1,274 @@
+"""In-process tests of the proxy against a fake vLLM: relay fidelity, accounting and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvtax.ledger import DeliveryLedger, ModelNames
+from kvtax.proxy import Proxy, ProxySettings
+from kvtax.testbed.engine import free_port
+from tests.unit.fake_vllm import FakeVllm
+
+Start = Callable[..., Coroutine[Any, Any, tuple[str, Proxy]]]
+
+
+async def _serve(app: web.Application, port: int, **kwargs: Any) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None, **kwargs)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
+    vllm = FakeVllm()
+    port = free_port()
+    runner = await _serve(vllm.app(), port)
+    yield vllm, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[Start]:
+    started: list[Proxy] = []
+
+    async def start(upstream: str, **settings: Any) -> tuple[str, Proxy]:
+        names = ModelNames()
+        names.update(["m"])
+        proxy = Proxy(ProxySettings(upstream=upstream, **settings), DeliveryLedger(names))
+        port = free_port()
+        await proxy.start("127.0.0.1", port)
+        started.append(proxy)
+        return f"http://127.0.0.1:{port}", proxy
+
+    yield start
+    for proxy in started:
+        await proxy.stop()
+
+
+def _outcomes(proxy: Proxy, model: str = "m") -> dict[str, float]:
+    return {
+        s.labels[1]: s.value
+        for s in proxy.ledger.samples()
+        if getattr(s, "metric", "") == "kvtax_requests_total" and s.labels[0] == model
+    }
+
+
+def _delivered(proxy: Proxy) -> float:
+    return proxy.ledger.totals()["m"].delivered
+
+
+STREAM_OPTIONS: list[dict[str, Any] | None] = [
+    None,
+    {"include_usage": True},
+    {"include_usage": True, "continuous_usage_stats": True},
+    {"include_usage": False, "continuous_usage_stats": True},
+]
+
+
+@pytest.mark.parametrize("options", STREAM_OPTIONS)
+@pytest.mark.parametrize("per_chunk", [1, 3])
+async def test_stream_is_byte_identical_to_direct(
+    fake: tuple[FakeVllm, str], start_proxy: Start, options: dict[str, Any] | None, per_chunk: int
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.per_chunk = 7, per_chunk
+    url, proxy = await start_proxy(upstream)
+    body: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    async with aiohttp.ClientSession() as client:
+        async with client.post(upstream + "/v1/completions", json=body) as resp:
+            direct = await resp.read()
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            relayed = await resp.read()
+    assert relayed == direct
+    # vLLM was asked for usage on every chunk, whatever the client asked.
+    assert vllm.requests[-1]["stream_options"]["continuous_usage_stats"] is True
+    assert _delivered(proxy) == 7
+    assert _outcomes(proxy)["completed"] == 1
+    assert proxy.ledger.totals()["m"].prompt == 3
+
+
+async def test_non_streamed_counts_usage(fake: tuple[FakeVllm, str], start_proxy: Start) -> None:
+    vllm, upstream = fake
+    vllm.tokens = 11
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 11}
+        async with client.post(
+            url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer k-1"}
+        ) as resp:
+            answer = await resp.json()
+    assert answer["usage"]["completion_tokens"] == 11
+    assert "stream_options" not in vllm.requests[-1]
+    assert vllm.headers[-1]["Authorization"] == "Bearer k-1"
+    assert _delivered(proxy) == 11
+    assert _outcomes(proxy)["completed"] == 1
+
+
+async def test_other_paths_pass_through(fake: tuple[FakeVllm, str], start_proxy: Start) -> None:
+    _, upstream = fake
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client, client.get(url + "/v1/models") as resp:
+        assert resp.status == 200
+        assert resp.headers["X-Upstream"] == "yes"
+        assert (await resp.json())["data"][0]["id"] == "m"
+        async with client.get(url + "/nope") as missing:
+            assert missing.status == 404
+    assert proxy.ledger.models() == []
+
+
+async def test_upstream_5xx_reaches_client_untouched(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.status = 500
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 500
+            error = await resp.json()
+    assert error["error"]["message"] == "boom"
+    assert _outcomes(proxy)["upstream_error"] == 1
+
+
+async def test_unreachable_upstream_is_a_502_json_error(start_proxy: Start) -> None:
+    url, proxy = await start_proxy(f"http://127.0.0.1:{free_port()}")
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
+            assert resp.status == 502
+            error = await resp.json()
+        async with client.get(url + "/v1/models") as resp:
+            assert resp.status == 502
+    assert error["error"]["type"] == "upstream_unavailable"
+    assert "unreachable" in error["error"]["message"]
+    assert _outcomes(proxy)["upstream_error"] == 1
+    assert proxy.ledger.totals()["m"].joined_requests == 0
+
+
+async def test_upstream_timeout_is_a_504_json_error(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.hang = 5.0
+    url, proxy = await start_proxy(upstream, timeout=0.2)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 504
+            error = await resp.json()
+    assert error["error"]["type"] == "upstream_timeout"
+    assert _outcomes(proxy)["upstream_error"] == 1
+
+
+async def test_stream_that_times_out_midway_ends_with_an_error_event(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.delay = 3, 1.0
+    url, proxy = await start_proxy(upstream, timeout=0.3)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+    last = json.loads(text.strip().split("\n\n")[-1].removeprefix("data: "))
+    assert last["error"]["type"] == "upstream_error"
+    assert _outcomes(proxy)["upstream_error"] == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models"])
+async def test_oversized_body_is_rejected_with_413(
+    fake: tuple[FakeVllm, str], start_proxy: Start, path: str
+) -> None:
+    vllm, upstream = fake
+    url, proxy = await start_proxy(upstream, max_body=1000)
+    async with aiohttp.ClientSession() as client:
+        body = json.dumps({"model": "m", "prompt": "x" * 5000})
+        async with client.post(url + path, data=body) as resp:
+            assert resp.status == 413
+            error = await resp.json()
+    assert "1000 bytes" in error["error"]["message"]
+    assert vllm.requests == []
+    if path == "/v1/completions":
+        # The body was never read, so its model is unknown.
+        assert _outcomes(proxy, "other")["rejected"] == 1
+
+
+async def test_unknown_model_is_counted_as_other(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    _, upstream = fake
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        for i in range(3):
+            body = {"model": f"made-up-{i}", "prompt": "hi"}
+            async with client.post(url + "/v1/completions", json=body) as resp:
+                await resp.read()
+    # The fake answers 200 for any name, so vLLM "serves" them: each is learned. A 4xx would not.
+    assert set(proxy.ledger.models()) == {"made-up-0", "made-up-1", "made-up-2"}
+    names = ModelNames()
+    ledger = DeliveryLedger(names)
+    proxy.ledger = ledger
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", data=b"not json") as resp,
+    ):
+        await resp.read()
+    assert ledger.models() == ["other"]
+
+
+async def test_client_disconnect_closes_upstream_and_counts_undelivered(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.delay = 10**6, 0.002
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        resp = await client.post(url + "/v1/completions", json=body)
+        await resp.content.readuntil(b"\n\n")
+        resp.close()
+    await _until(lambda: proxy.in_flight == 0 and vllm.active == 0)
+    assert _outcomes(proxy)["client_disconnected"] == 1
+    assert _delivered(proxy) >= 1
+
+
+async def test_a_thousand_disconnects_leave_nothing_behind(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.delay = 10**6, 0.001
+    url, proxy = await start_proxy(upstream)
+    baseline = len(asyncio.all_tasks())
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        for _ in range(1000):
+            resp = await client.post(url + "/v1/completions", json=body)
+            await resp.content.readuntil(b"\n\n")
+            resp.close()
+    await _until(lambda: proxy.in_flight == 0 and vllm.active == 0)
+    await _until(lambda: len(asyncio.all_tasks()) <= baseline)
+    assert _outcomes(proxy)["client_disconnected"] == 1000
+    assert len(asyncio.all_tasks()) <= baseline
+    assert vllm.active == 0
+
+
+async def _until(condition: Callable[[], bool], limit: float = 30.0) -> None:
+    """Wait for a condition that must become true; the limit only guards against hangs."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not condition() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert condition()

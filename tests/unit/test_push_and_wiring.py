@@ -1,0 +1,96 @@
+"""The push endpoint on kvtax's web port, and the delivery side wired into a real Sidecar."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from aiohttp.test_utils import TestClient
+from prometheus_client.exposition import generate_latest
+
+from kvtax.config import load_config
+from kvtax.delivery import Delivery, served_requests
+from kvtax.ledger import RequestRecord
+from kvtax.sidecar import Sidecar
+from kvtax.sources import PUSH_PATH, GatewayPoller
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
+
+
+def _delivery(**flags: Any) -> tuple[Sidecar, Delivery]:
+    config = load_config(
+        {"proxy.listen_address": "off", "scrape.interval": "1s", "window": "60s", **flags},
+        env={},
+        file=None,
+    )
+    sidecar = Sidecar(config)
+    return sidecar, Delivery(config, sidecar)
+
+
+async def test_push_rejects_a_wrong_token(aiohttp_client: Any) -> None:
+    sidecar, delivery = _delivery(**{"push.token": "s3cret"})
+    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    body = {"model": "tiny-llama", "delivered_tokens": 5}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        resp = await client.post(PUSH_PATH, json=body, headers=headers)
+        assert resp.status == 401
+        assert (await resp.json())["error"]["message"] == "missing or wrong bearer token"
+    assert delivery.ledger.models() == []
+    resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": "Bearer s3cret"})
+    assert resp.status == 200
+    assert (await resp.json()) == {"accepted": 1}
+    # No scrape yet, so vLLM's model names are unknown: the push counts under "other".
+    assert delivery.ledger.totals()["other"].delivered == 5
+
+
+async def test_push_rejects_malformed_json_with_a_clear_message(aiohttp_client: Any) -> None:
+    sidecar, delivery = _delivery()
+    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    resp = await client.post(PUSH_PATH, data=b'{"model": "m", ')
+    assert resp.status == 400
+    assert "not valid JSON" in (await resp.json())["error"]["message"]
+    resp = await client.post(PUSH_PATH, json=[{"model": "m"}])
+    assert resp.status == 400
+    assert (await resp.json())["error"]["message"] == "report 0: delivered_tokens is required"
+    resp = await client.post(PUSH_PATH, data=io.BytesIO(b"x" * (2 * 1024 * 1024)))
+    assert resp.status == 413
+    assert delivery.ledger.models() == []
+
+
+def test_scrapes_feed_the_join_and_metrics_render() -> None:
+    sidecar, delivery = _delivery()
+    idle = sidecar.ingest((FIXTURES / "0.32-idle.prom").read_text(), timestamp=1000.0)
+    assert served_requests(idle) == 0
+    text = (FIXTURES / "0.32-preempting.prom").read_text()
+    snap = sidecar.ingest(text, timestamp=1001.0)
+    assert served_requests(snap) > 0
+    model = next(iter(snap.models))
+    delivery.ledger.settle(RequestRecord(model, "completed", delivered_tokens=9, prompt_tokens=2))
+    sidecar.ingest(text, timestamp=1006.0)
+    page = generate_latest(sidecar.registry).decode()
+    assert f'kvtax_delivered_tokens_total{{model_name="{model}",source="proxy"}} 9.0' in page
+    # 9 tokens over the 6 s window; vLLM served 8 requests in it, the ledger saw 1.
+    assert f'kvtax_goodput_tokens_per_second{{model_name="{model}"}} 1.5' in page
+    served = served_requests(snap) - served_requests(idle)
+    assert f'kvtax_join_coverage_ratio{{model_name="{model}"}} {1 / served}' in page
+    assert "kvtax_client_ttft_seconds_bucket" in page
+
+
+def test_gateway_poller_adds_increases_only() -> None:
+    _, delivery = _delivery()
+    delivery.names.update(["m"])
+    poller = GatewayPoller(
+        delivery.ledger,
+        url="http://127.0.0.1:1/metrics",
+        metric="litellm_output_tokens_metric_total",
+        model_label="model",
+        selector=(),
+        interval=1.0,
+        timeout=0.5,
+    )
+    page = "# TYPE litellm_output_tokens_metric counter\n"
+    poller.fold(page + 'litellm_output_tokens_metric_total{model="m"} 100\n')
+    poller.fold(page + 'litellm_output_tokens_metric_total{model="m"} 130\n')
+    poller.fold(page + 'litellm_output_tokens_metric_total{model="m"} 4\n')  # gateway restarted
+    assert delivery.ledger.totals()["m"].delivered == 134

@@ -1,0 +1,129 @@
+"""StreamRewriter: exact counts from continuous usage, and the client's stream restored."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvtax.sse import StreamRewriter, UsageWish, with_usage
+
+FP = '"system_fingerprint":"vllm-0.32.0-abc"'
+
+
+def _chunk(text: str, tokens: int, *, finish: str | None = None, index: int = 0) -> bytes:
+    finish_json = json.dumps(finish)
+    choice = f'{{"index":{index},"text":{json.dumps(text)},"finish_reason":{finish_json}}}'
+    usage = (
+        f'"usage":{{"prompt_tokens":4,"total_tokens":{4 + tokens},"completion_tokens":{tokens}}}'
+    )
+    return f'data: {{"id":"c","choices":[{choice}],{usage}}}\n\n'.encode()
+
+
+def _final(tokens: int) -> bytes:
+    usage = f'{{"prompt_tokens":4,"total_tokens":{4 + tokens},"completion_tokens":{tokens}}}'
+    return f'data: {{"id":"c","choices":[],"usage":{usage},{FP}}}\n\n'.encode()
+
+
+UPSTREAM = [
+    _chunk("he", 1),
+    _chunk('l"}{lo', 3),
+    _chunk("!", 4, finish="length"),
+    _final(4),
+    b"data: [DONE]\n\n",
+]
+
+
+def _run(wish: UsageWish, pieces: list[bytes]) -> tuple[bytes, StreamRewriter]:
+    rw = StreamRewriter(wish)
+    out = b"".join(rw.feed(p).payload for p in pieces) + rw.finish().payload
+    return out, rw
+
+
+def test_with_usage_records_the_wish_and_asks_for_everything() -> None:
+    wish, upstream = with_usage({"model": "m", "stream": True, "stream_options": {"x": 1}})
+    assert wish == UsageWish(include_usage=False, continuous=False)
+    assert upstream["stream_options"] == {
+        "x": 1,
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
+    wish, _ = with_usage({"stream_options": {"continuous_usage_stats": True}})
+    assert wish == UsageWish(False, False)  # vLLM ignores continuous without include
+
+
+def test_client_that_asked_for_everything_gets_the_bytes_unchanged() -> None:
+    out, rw = _run(UsageWish(True, True), UPSTREAM)
+    assert out == b"".join(UPSTREAM)
+    assert rw.completion_tokens == 4
+    assert rw.prompt_tokens == 4
+
+
+def test_usage_is_cut_and_fingerprint_moves_to_the_terminal_chunk() -> None:
+    out, rw = _run(UsageWish(False, False), UPSTREAM)
+    events = out.decode().split("\n\n")[:-1]
+    assert len(events) == 4  # three chunks and [DONE]: no usage chunk
+    assert all('"usage"' not in e for e in events)
+    assert events[2].endswith(f',"finish_reason":"length"}}],{FP}}}')
+    assert '"system_fingerprint"' not in events[0] + events[1]
+    assert json.loads(events[1].removeprefix("data: "))["choices"][0]["text"] == 'l"}{lo'
+    assert events[3] == "data: [DONE]"
+    assert rw.completion_tokens == 4
+    assert rw.final_completion_tokens == 4
+
+
+def test_include_usage_without_continuous_keeps_only_the_final_chunk() -> None:
+    out, _ = _run(UsageWish(True, False), UPSTREAM)
+    events = out.decode().split("\n\n")[:-1]
+    assert [('"usage"' in e) for e in events] == [False, False, False, True, False]
+    assert "system_fingerprint" not in events[2]
+
+
+@pytest.mark.parametrize("size", [1, 7, 50])
+def test_any_split_of_the_bytes_gives_the_same_output(size: int) -> None:
+    whole = b"".join(UPSTREAM)
+    pieces = [whole[i : i + size] for i in range(0, len(whole), size)]
+    assert _run(UsageWish(False, False), pieces)[0] == _run(UsageWish(False, False), [whole])[0]
+
+
+def test_tokens_count_only_once_handed_out() -> None:
+    rw = StreamRewriter(UsageWish(False, False))
+    first = rw.feed(UPSTREAM[0] + UPSTREAM[1][:10])
+    assert first.completion_tokens == 1
+    assert rw.upstream_completion_tokens == 1
+    held = rw.feed(UPSTREAM[1][10:] + UPSTREAM[2])
+    # The terminal chunk waits for the fingerprint: vLLM has sent 4, the client got 3.
+    assert held.completion_tokens == 3
+    assert rw.upstream_completion_tokens == 4
+
+
+def test_choices_are_counted_separately() -> None:
+    pieces = [
+        _chunk("a", 1, index=0),
+        _chunk("b", 1, index=1),
+        _chunk("c", 2, index=0, finish="stop"),
+        _chunk("d", 3, index=1, finish="stop"),
+        _final(5),
+        b"data: [DONE]\n\n",
+    ]
+    out, rw = _run(UsageWish(False, False), pieces)
+    assert rw.completion_tokens == 5
+    texts = [
+        json.loads(e.removeprefix("data: "))["choices"][0]["text"]
+        for e in out.decode().split("\n\n")[:-2]
+    ]
+    assert texts == ["a", "b", "c", "d"]  # order kept while terminal chunks were held
+
+
+def test_error_events_and_comments_pass_through() -> None:
+    error: dict[str, Any] = {"error": {"message": "x", "type": "BadRequestError", "code": 400}}
+    pieces = [b": ping\n\n", b"data: " + json.dumps(error).encode() + b"\n\n"]
+    out, rw = _run(UsageWish(False, False), pieces)
+    assert out == b"".join(pieces)
+    assert rw.completion_tokens == 0
+
+
+def test_unterminated_tail_is_released_at_the_end() -> None:
+    out, _ = _run(UsageWish(True, True), [b"data: [DONE]"])
+    assert out == b"data: [DONE]"
