@@ -74,9 +74,12 @@ class Scraper:
             ) as resp:
                 if resp.status != 200:
                     raise ScrapeError("http_status", f"GET {path} answered {resp.status}")
-                body = await resp.content.read(_MAX_BODY + 1)
-                if len(body) > _MAX_BODY:
-                    raise ScrapeError("parse", f"GET {path} body exceeds {_MAX_BODY} bytes")
+                # read(n) returns whatever has arrived, up to n bytes: read to the end in chunks.
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > _MAX_BODY:
+                        raise ScrapeError("parse", f"GET {path} body exceeds {_MAX_BODY} bytes")
                 return body.decode("utf-8", errors="replace")
         except TimeoutError as exc:
             raise ScrapeError("timeout", f"GET {path} took more than {self.timeout}s") from exc

@@ -263,3 +263,19 @@ async def test_the_server_version_decides_prefix_cache_units(
     assert sidecar.snapshot is not None
     model = sidecar.snapshot.models["meta-llama/Llama-3.1-8B-Instruct"]
     assert model.values["prefix_cache_hits"] == 1_510 * 16
+
+
+async def test_a_page_larger_than_one_read_is_read_whole(vllm: FakeVllm, sidecar: Sidecar) -> None:
+    # Regression: the scraper took the first chunk of a large body for the whole page, so a
+    # 1 MB page from a 30-model server failed as "parse" on every scrape.
+    lines = ["# TYPE unrelated_filler gauge"]
+    lines += [f'unrelated_filler{{index="{i:06d}",pad="{"x" * 16}"}} 1' for i in range(25_000)]
+    lines += ["# TYPE vllm:num_requests_running gauge"]
+    lines += ['vllm:num_requests_running{model_name="last-line"} 7']
+    vllm.body = "\n".join(lines) + "\n"
+    assert len(vllm.body) > 1_000_000
+    await sidecar.scrape_once()
+    assert sidecar.health.last_error is None
+    assert sidecar.health.up
+    assert sidecar.snapshot is not None
+    assert sidecar.snapshot.models["last-line"].values["requests_running"] == 7
