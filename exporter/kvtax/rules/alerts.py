@@ -30,6 +30,8 @@ __all__ = ["AlertRule", "alert_names", "alert_rules", "groups"]
 
 # Where an alert happened, for descriptions; empty labels read as "/" in a static scrape.
 WHERE = "{{ $labels.model_name }} on {{ $labels.namespace }}/{{ $labels.pod }}"
+# Rates and ratios to three significant digits: humanize would print 0.5 as "500m".
+VALUE = '{{ printf "%.3g" $value }}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,19 @@ def _vllm(config: RulesConfig, concept: str, suffix: str = "") -> str:
     return config.name_selector(names, config.vllm_selector)
 
 
+def _over_time(config: RulesConfig, function: str, concept: str, window: str) -> str:
+    """``function(name[window])`` for every name of ``concept``, newest name first.
+
+    One selector matching several names would collide: once a range function drops the
+    names, vLLM 0.10's two copies of KV usage carry identical labels and the query fails.
+    ``or`` keeps the newest name's series and adds an older name only where it is alone.
+    """
+    return " or ".join(
+        f"{function}({config.selector(name, config.vllm_selector)}[{window}])"
+        for name in CONCEPTS[concept].names
+    )
+
+
 def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
     """Every alert rule, in file order, with its runbook URL filled in."""
     c = config
@@ -72,7 +87,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
     pod = ", ".join(POD)
     k = c.kvtax_selector
     preemptions = f"sum by ({pod}) (rate({_vllm(c, 'preemptions')}[{w}]))"
-    usage_avg = f"max by ({pod}) (avg_over_time({_vllm(c, 'kv_usage')}[{w}]))"
+    usage_avg = f"max by ({pod}) ({_over_time(c, 'avg_over_time', 'kv_usage', w)})"
     rules: list[AlertRule] = []
 
     def add(  # noqa: PLR0917 - one call per alert reads best positionally
@@ -95,7 +110,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         c.preemption_for,
         "warning",
         "vLLM keeps preempting running sequences.",
-        f"{WHERE} has preempted {{{{ $value | humanize }}}} sequences/s for "
+        f"{WHERE} has preempted {VALUE} sequences/s for "
         f"{c.preemption_for}; every preemption throws away KV and prefills it again.",
     )
     add(
@@ -118,7 +133,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         c.thrash_for,
         "critical",
         "vLLM is thrashing: preempting with a full KV cache and a queue.",
-        f"{WHERE} preempts {{{{ $value | humanize }}}} sequences/s while its KV cache is above "
+        f"{WHERE} preempts {VALUE} sequences/s while its KV cache is above "
         f"{c.thrash_usage:.0%} and requests wait; throughput is going into recompute.",
     )
     waiting = _vllm(c, "requests_waiting")
@@ -135,7 +150,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         "warning",
         "vLLM's waiting queue keeps growing while completions stay flat.",
         f"{WHERE} has had requests waiting for {q}, the queue growing by "
-        f"{{{{ $value | humanize }}}} requests/s, and no more completions than the {q} before.",
+        f"{VALUE} requests/s, and no more completions than the {q} before.",
     )
 
     # -- the tax and the delivery join ---------------------------------------------------------
@@ -173,7 +188,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         c.over_admission_for,
         "warning",
         "vLLM admits more sequences than its KV cache can hold.",
-        f"{WHERE} runs with max_num_seqs {{{{ $value | humanize }}}}x the value its KV capacity "
+        f"{WHERE} runs with max_num_seqs {VALUE}x the value its KV capacity "
         f"supports at the p95 request length (threshold {c.over_admission_ratio}x).",
     )
     add(
@@ -217,7 +232,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         c.stalls_for,
         "warning",
         "Client streams stall mid-answer.",
-        f"Streams of {WHERE} stalled {{{{ $value | humanize }}}} times per request over {w} "
+        f"Streams of {WHERE} stalled {VALUE} times per request over {w} "
         f"(threshold {c.stalls_per_request:g}); a stall is usually a preempted sequence.",
     )
     rejected = c.selector("kvtax_requests_total", k, 'outcome="rejected"')
@@ -229,7 +244,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         c.shed_for,
         "warning",
         "Requests are being turned away for lack of capacity.",
-        f"{WHERE} has rejected {{{{ $value | humanize }}}} requests/s over {w} "
+        f"{WHERE} has rejected {VALUE} requests/s over {w} "
         "(kvtax 429s plus vLLM admission rejections).",
     )
 
