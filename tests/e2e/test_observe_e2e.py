@@ -10,7 +10,7 @@ import asyncio
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -74,6 +74,11 @@ def _rates(metrics: dict[str, float]) -> dict[str, float]:
     }
 
 
+def _scraped_after(page: dict[str, float]) -> Callable[[dict[str, float]], bool]:
+    seen = page["kvtax_scrapes_total"]
+    return lambda m: m["kvtax_scrapes_total"] > seen
+
+
 def _readyz_status(kvtax: KvtaxProcess) -> int:
     try:
         with urllib.request.urlopen(kvtax.base_url + "/readyz", timeout=5) as resp:
@@ -117,9 +122,6 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
     assert page["kvtax_vllm_restarts_total"] == before["kvtax_vllm_restarts_total"] + 1
     # vLLM restarted from zero: kvtax's totals stay monotonic and no rate goes negative.
     for _ in range(3):
-        seen = page["kvtax_scrapes_total"]
-        page = kvtax.wait_for(
-            lambda m, n=seen: m["kvtax_scrapes_total"] > n, timeout=10, what="another scrape"
-        )
+        page = kvtax.wait_for(_scraped_after(page), timeout=10, what="another scrape")
         assert all(v >= 0 for v in _rates(page).values()), _rates(page)
         assert page[gen] >= before[gen]

@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -76,7 +77,10 @@ class KvtaxProcess:
             f"--web.listen_address=127.0.0.1:{self.port}",
             f"--scrape.interval={scrape_interval}",
             f"--window={window}",
-            *([f"--proxy.listen_address=127.0.0.1:{self.proxy_port}"] if proxy else []),
+            # The proxy is on by default (:8001); a test that does not want it must say off.
+            f"--proxy.listen_address=127.0.0.1:{self.proxy_port}"
+            if proxy
+            else "--proxy.listen_address=off",
             *extra_args,
         ]
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / (
@@ -84,6 +88,7 @@ class KvtaxProcess:
         )
         self._env = {**os.environ, **(env or {})}
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
 
     def __enter__(self) -> KvtaxProcess:
         self.start()
@@ -98,14 +103,15 @@ class KvtaxProcess:
         self.stop()
 
     def start(self, timeout: float = 30.0) -> None:
-        log = self.log_path.open("wb")
+        self._log = self.log_path.open("wb")
         self._proc = subprocess.Popen(
-            self.args, stdout=log, stderr=subprocess.STDOUT, env=self._env
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self._env
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"kvtax exited with {self._proc.returncode}:\n{self.log_tail()}")
+                code = self.stop()
+                raise RuntimeError(f"kvtax exited with {code}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/healthz", timeout=2):
                     return
@@ -153,6 +159,15 @@ class KvtaxProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return None
+        try:
+            return self._terminate(proc, signum, timeout)
+        finally:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    @staticmethod
+    def _terminate(proc: subprocess.Popen[bytes], signum: int, timeout: float) -> int:
         if proc.poll() is None:
             proc.send_signal(signum)
             try:
