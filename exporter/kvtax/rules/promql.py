@@ -10,8 +10,8 @@ series Prometheus makes itself. Pure: no I/O.
 
 Example::
 
-    >>> sorted(series_names('sum by (pod) (rate(vllm:num_preemptions_total{a="b"}[5m]))'))
-    ['vllm:num_preemptions_total']
+    >>> sorted(series_names('sum by (pod) (rate(kvtax_engine_preemptions_total{a="b"}[5m]))'))
+    ['kvtax_engine_preemptions_total']
 """
 
 from __future__ import annotations

@@ -1,0 +1,258 @@
+"""The generated rules: no drift from the generator, mixin conventions, and only known series."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvtax import catalog
+from kvtax.catalog import MetricSpec
+from kvtax.cli import main
+from kvtax.rules import DEFAULT, TEST_PROFILE, record_names, recording_rules, short_profile
+from kvtax.rules.alertmanager import alertmanager_config
+from kvtax.rules.alerts import alert_names, alert_rules
+from kvtax.rules.promql import series_names, unknown_series
+from kvtax.rules.render import render_files
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTS = ROOT / "alerts"
+RULE_FILES = ("kvtax-recording.yaml", "kvtax-alerts.yaml")
+
+
+def _load(name: str) -> Any:
+    return yaml.safe_load((ALERTS / name).read_text())
+
+
+def _committed_rules() -> list[dict[str, Any]]:
+    """Every rule in the committed rule files and in the PrometheusRule wrapper."""
+    groups = [g for name in RULE_FILES for g in _load(name)["groups"]]
+    groups += _load("kvtax-prometheusrule.yaml")["spec"]["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+# -- drift -------------------------------------------------------------------------------------
+
+
+def test_committed_files_match_the_generator() -> None:
+    for name, text in render_files().items():
+        assert (ALERTS / name).read_text() == text, f"alerts/{name} is stale: run `kvtax rules`"
+
+
+def test_rules_check_exits_1_on_drift(tmp_path: Path) -> None:
+    assert main(["rules", "--out", str(tmp_path), "--check"]) == 1  # nothing written yet
+    assert main(["rules", "--out", str(tmp_path)]) == 0
+    assert main(["rules", "--out", str(tmp_path), "--check"]) == 0
+    alerts = tmp_path / "kvtax-alerts.yaml"
+    alerts.write_text(alerts.read_text().replace("for: 10m", "for: 11m"))
+    assert main(["rules", "--out", str(tmp_path), "--check"]) == 1
+
+
+# -- recording rules ---------------------------------------------------------------------------
+
+
+def test_recording_rules_are_named_level_metric_operations() -> None:
+    for record in record_names():
+        level, metric, operation = record.split(":")
+        assert level in {"namespace_pod_model_name", "model_name"}, record
+        assert not metric.endswith("_total"), record
+        assert re.fullmatch(r"(rate5m|ratio_rate5m|max|min|sum|avg)", operation), record
+
+
+def test_every_recording_rule_exists_per_pod_and_fleet_wide() -> None:
+    metrics = {(r.split(":")[0], r.split(":")[1]) for r in record_names()}
+    pod = {m for level, m in metrics if level == "namespace_pod_model_name"}
+    fleet = {m for level, m in metrics if level == "model_name"}
+    assert pod == fleet
+    for needed in (
+        "kvtax_delivered_tokens",  # goodput
+        "kvtax_engine_generation_tokens",  # engine throughput
+        "kvtax_preemption_tax",
+        "kvtax_waste",
+        "vllm_kv_cache_usage",
+        "kvtax_kv_capacity_tokens",
+    ):
+        assert needed in pod
+
+
+def test_fleet_rules_only_read_per_pod_records_defined_before_them() -> None:
+    seen: set[str] = set()
+    for rule in recording_rules():
+        if rule.record.startswith("model_name:"):
+            reads = {s for s in series_names(rule.expr) if ":" in s and not s.startswith("vllm:")}
+            assert reads, rule.record
+            assert reads <= seen, rule.record
+        seen.add(rule.record)
+
+
+def test_recompute_prefers_the_measured_method() -> None:
+    expr = next(r.expr for r in recording_rules() if "kvtax_recomputed_tokens:rate" in r.record)
+    order = [expr.index(f'method="{m}"') for m in ("measured", "estimated", "stall_estimated")]
+    assert order == sorted(order)
+    assert expr.count(" or on (namespace, pod, model_name) ") == 2
+
+
+def test_short_profile_shrinks_every_window_and_for() -> None:
+    assert {r.for_ for r in alert_rules(TEST_PROFILE)} == {"5s"}
+    assert all("[20s]" in r.expr or "[" not in r.expr for r in recording_rules(TEST_PROFILE))
+    assert "model_name:kvtax_preemption_tax:ratio_rate20s" in record_names(TEST_PROFILE)
+    custom = short_profile(window="1m", hold="30s")
+    assert {r.for_ for r in alert_rules(custom)} == {"30s"}
+
+
+# -- alert conventions -------------------------------------------------------------------------
+
+REQUIRED_ALERTS = {
+    "KvtaxVllmPreempting",
+    "KvtaxKvCacheNearFull",
+    "KvtaxPreemptionTaxHigh",
+    "KvtaxGoodputDiverging",
+    "KvtaxThrashing",
+    "KvtaxQueueGrowing",
+    "KvtaxOverAdmitted",
+    "KvtaxTtftSloBreach",
+    "KvtaxStreamStalls",
+    "KvtaxLoadShedding",
+    "KvtaxJoinCoverageLow",
+    "KvtaxVllmScrapeFailing",
+    "KvtaxVllmMetricsAbsent",
+    "KvtaxSidecarDown",
+}
+
+
+def test_the_issue_alerts_all_exist() -> None:
+    assert set(alert_names()) == REQUIRED_ALERTS
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=lambda r: f"{r.alert}-{r.severity}")
+def test_alert_follows_mixin_conventions(rule: Any) -> None:
+    assert re.fullmatch(r"Kvtax([A-Z][a-z0-9]+)+", rule.alert)
+    assert rule.severity in {"critical", "warning", "info"}
+    assert rule.summary.endswith(".")
+    assert "{{" not in rule.summary
+    assert "$labels." in rule.description
+    assert rule.runbook_url == f"{DEFAULT.runbook_url_base}#{rule.alert.lower()}"
+    assert re.fullmatch(r"\d+[smh]", rule.for_)
+
+
+def test_descriptions_name_model_pod_and_value_where_there_is_one() -> None:
+    # The health alerts are about a pod or a target, not a model, and their value is a flag.
+    no_model = {"KvtaxVllmScrapeFailing", "KvtaxVllmMetricsAbsent", "KvtaxSidecarDown"}
+    for rule in alert_rules():
+        assert "$labels.pod" in rule.description, rule.alert
+        if rule.alert not in no_model:
+            assert "$labels.model_name" in rule.description, rule.alert
+            assert "$value" in rule.description, rule.alert
+
+
+def test_pairs_share_name_and_summary_and_differ_by_severity() -> None:
+    by_name: dict[str, list[Any]] = {}
+    for rule in alert_rules():
+        by_name.setdefault(rule.alert, []).append(rule)
+    pairs = {name: rules for name, rules in by_name.items() if len(rules) > 1}
+    assert set(pairs) == {"KvtaxPreemptionTaxHigh", "KvtaxGoodputDiverging"}
+    for rules in pairs.values():
+        assert sorted(r.severity for r in rules) == ["critical", "warning"]
+        assert len({r.summary for r in rules}) == 1
+
+
+def test_thresholds_come_from_the_config() -> None:
+    from dataclasses import replace
+
+    cfg = replace(DEFAULT, tax_warning=0.07, tax_critical=0.3, severity_overrides={})
+    exprs = {(r.alert, r.severity): r.expr for r in alert_rules(cfg)}
+    assert exprs[("KvtaxPreemptionTaxHigh", "warning")].endswith("> 0.07")
+    assert exprs[("KvtaxPreemptionTaxHigh", "critical")].endswith("> 0.3")
+    loud = replace(DEFAULT, severity_overrides={"KvtaxSidecarDown": "critical"})
+    assert {r.alert: r.severity for r in alert_rules(loud)}["KvtaxSidecarDown"] == "critical"
+
+
+def test_vllm_names_come_from_the_vocabulary_only() -> None:
+    # Both KV-usage names, generated from the vocabulary, never one hard-coded name.
+    near_full = next(r.expr for r in alert_rules() if r.alert == "KvtaxKvCacheNearFull")
+    assert {"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"} <= series_names(near_full)
+    for path in (ROOT / "exporter/kvtax/rules").glob("*.py"):
+        assert not re.search(r"[\"']vllm:\w", path.read_text()), path
+
+
+# -- every series a rule names is known --------------------------------------------------------
+
+
+def _committed_exprs() -> dict[str, str]:
+    exprs = {}
+    for i, rule in enumerate(_committed_rules()):
+        exprs[f"{rule.get('record') or rule.get('alert')}#{i}"] = rule["expr"]
+    return exprs
+
+
+def test_every_series_in_every_committed_rule_is_known() -> None:
+    exprs = _committed_exprs()
+    assert len(exprs) > 90  # recording + alerts, twice (plain files and the wrapper)
+    assert unknown_series(exprs) == {}
+
+
+def test_a_renamed_catalog_metric_breaks_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    renamed = {
+        ("kvtax_delivered_completion_tokens_total" if n == "kvtax_delivered_tokens_total" else n): (
+            MetricSpec("kvtax_delivered_completion_tokens_total", "counter", "renamed")
+            if n == "kvtax_delivered_tokens_total"
+            else spec
+        )
+        for n, spec in catalog.METRICS.items()
+    }
+    monkeypatch.setattr(catalog, "METRICS", renamed)
+    broken = unknown_series(_committed_exprs())
+    assert broken
+    assert all(names == {"kvtax_delivered_tokens_total"} for names in broken.values())
+    assert any(
+        rule.startswith("namespace_pod_model_name:kvtax_delivered_tokens") for rule in broken
+    )
+
+
+def test_the_check_catches_the_classic_wrong_vllm_name() -> None:
+    # Published vLLM alert examples query vllm:num_preemptions, which does not exist.
+    broken = unknown_series({"example": "rate(vllm:num_preemptions[5m]) > 0"})
+    assert broken == {"example": {"vllm:num_preemptions"}}
+
+
+def test_series_names_skips_functions_labels_keywords_and_durations() -> None:
+    expr = (
+        'sum by (pod, le) (rate(a_bucket{job="x", le=~"1|2"}[5m] offset 15m)) > bool 1e3 '
+        'and on (pod) b or {__name__=~"c|d:e", x="y"} unless ignoring (x) group_left (y) f'
+    )
+    assert series_names(expr) == {"a_bucket", "b", "c", "d:e", "f"}
+
+
+# -- the PrometheusRule wrapper and the Alertmanager example -----------------------------------
+
+
+def test_prometheusrule_wraps_both_rule_files_for_kube_prometheus_stack() -> None:
+    wrapper = _load("kvtax-prometheusrule.yaml")
+    assert wrapper["apiVersion"] == "monitoring.coreos.com/v1"
+    assert wrapper["kind"] == "PrometheusRule"
+    assert wrapper["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    plain = [g for name in RULE_FILES for g in _load(name)["groups"]]
+    assert wrapper["spec"]["groups"] == plain
+    assert "# kube-prometheus-stack ignores" in (ALERTS / "kvtax-prometheusrule.yaml").read_text()
+
+
+def test_alertmanager_example_routes_groups_and_inhibits() -> None:
+    committed = _load("alertmanager.yml")
+    assert committed == alertmanager_config()
+    route = committed["route"]
+    assert route["group_by"] == ["namespace", "model_name"]
+    receivers = {r["matchers"][0]: r["receiver"] for r in route["routes"]}
+    assert receivers == {
+        'severity="critical"': "pager",
+        'severity="warning"': "ticket",
+        'severity="info"': "blackhole",
+    }
+    thrash = committed["inhibit_rules"][0]
+    assert thrash["source_matchers"] == ['alertname="KvtaxThrashing"']
+    assert thrash["equal"] == ["namespace", "pod", "model_name"]
+    for target in ("KvtaxKvCacheNearFull", "KvtaxVllmPreempting"):
+        assert target in thrash["target_matchers"][0]
+        assert target in alert_names()
