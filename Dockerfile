@@ -31,13 +31,13 @@ ENV PATH="/opt/kvtax/bin:$PATH" \
 # A fixed numeric UID, so Kubernetes' runAsNonRoot can verify it without /etc/passwd.
 USER 10001:10001
 
-# 9464: /metrics, /healthz, /readyz (--web.listen_address). 8001: the OpenAI-compatible
-# proxy, when --proxy.listen_address=:8001 is set.
+# 9464: /metrics, /healthz, /readyz (--web.listen-address). 8001: the OpenAI-compatible
+# proxy in front of vLLM (--proxy.listen-address; off for observe-only).
 EXPOSE 9464 8001
 
 # /healthz answers while the process serves, whether or not vLLM is up (that is /readyz).
 # Standard library only: the slim base has no curl. It follows KVTAX_WEB_LISTEN_ADDRESS's port;
-# a port set with the --web.listen_address flag instead needs the same value in that variable.
+# a port set with the --web.listen-address flag instead needs the same value in that variable.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as r; p = os.environ.get('KVTAX_WEB_LISTEN_ADDRESS', ':9464').rpartition(':')[2]; r.urlopen('http://127.0.0.1:' + p + '/healthz', timeout=4)"]
 

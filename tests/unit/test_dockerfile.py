@@ -142,7 +142,7 @@ def _default_port(key: str) -> int:
 def test_exposes_the_metrics_port_and_the_proxy_port() -> None:
     final = dict(stages(DOCKERFILE)[-1])
     exposed = {int(p) for p in final["EXPOSE"].split()}
-    assert exposed == {_default_port("web.listen_address"), 8001}
+    assert exposed == {_default_port("web.listen_address"), _default_port("proxy.listen_address")}
 
 
 def test_healthcheck_probes_healthz_on_the_default_port_with_the_stdlib_only() -> None:
