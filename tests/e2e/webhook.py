@@ -1,0 +1,86 @@
+"""A webhook receiver the alerting tests run: it records every notification Alertmanager sends.
+
+Each POST body is Alertmanager's webhook payload (``receiver``, ``status``, ``groupLabels``,
+``alerts`` with ``labels`` and ``annotations``); it is kept with the request path, so a test
+can give the pager and the ticket receivers different URLs and tell them apart.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any
+
+from kvtax.testbed import free_port
+
+__all__ = ["Notification", "WebhookReceiver"]
+
+Notification = tuple[str, dict[str, Any]]
+
+
+class WebhookReceiver:
+    """``with WebhookReceiver() as hook:`` then point receivers at ``hook.url + "/pager"``."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._received: list[Notification] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                with receiver._lock:
+                    receiver._received.append((self.path, body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # keep test output clean
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> WebhookReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    @property
+    def received(self) -> list[Notification]:
+        with self._lock:
+            return list(self._received)
+
+    def alerts(self, path: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """Every alert received, as (path, alert), optionally only those sent to ``path``."""
+        return [
+            (p, alert)
+            for p, body in self.received
+            if path is None or p == path
+            for alert in body.get("alerts", [])
+        ]
+
+    def wait_for(
+        self, condition: Callable[[list[Notification]], bool], timeout: float, what: str
+    ) -> list[Notification]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            received = self.received
+            if condition(received):
+                return received
+            time.sleep(0.25)
+        raise AssertionError(f"webhook: {what} not received in {timeout}s; got {self.received}")
