@@ -221,7 +221,8 @@ def test_the_check_catches_the_classic_wrong_vllm_name() -> None:
 def test_series_names_skips_functions_labels_keywords_and_durations() -> None:
     expr = (
         'sum by (pod, le) (rate(a_bucket{job="x", le=~"1|2"}[5m] offset 15m)) > bool 1e3 '
-        'and on (pod) b or {__name__=~"c|d:e", x="y"} unless ignoring (x) group_left (y) f'
+        'and on (pod) b or {__name__=~"c|d:e", x="y"} unless ignoring (x) group_left (y) f '
+        'or {__name__=~"g.*"}'
     )
     assert series_names(expr) == {"a_bucket", "b", "c", "d:e", "f"}
 
@@ -256,3 +257,33 @@ def test_alertmanager_example_routes_groups_and_inhibits() -> None:
     for target in ("KvtaxKvCacheNearFull", "KvtaxVllmPreempting"):
         assert target in thrash["target_matchers"][0]
         assert target in alert_names()
+
+
+# -- runbooks ----------------------------------------------------------------------------------
+
+
+def _runbook_sections() -> dict[str, str]:
+    text = (ROOT / "docs/runbooks.md").read_text()
+    parts = re.split(r"^## (\S+)\n", text, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+@pytest.mark.parametrize("alert", sorted(REQUIRED_ALERTS))
+def test_every_alert_has_a_runbook_section_with_the_four_parts(alert: str) -> None:
+    sections = _runbook_sections()
+    assert alert in sections, f"docs/runbooks.md has no '## {alert}' (anchor #{alert.lower()})"
+    headings = re.findall(r"^### (\w+)$", sections[alert], flags=re.MULTILINE)
+    assert headings == ["Meaning", "Impact", "Diagnosis", "Mitigation"]
+    diagnosis = sections[alert].split("### Diagnosis")[1].split("### Mitigation")[0]
+    assert "```promql" in diagnosis or "```sh" in diagnosis
+
+
+def test_runbook_promql_names_only_known_series() -> None:
+    text = (ROOT / "docs/runbooks.md").read_text()
+    blocks = re.findall(r"```promql\n(.*?)```", text, flags=re.DOTALL)
+    exprs = {
+        f"runbook#{i}": line.split("#")[0].replace("$POD", "x").replace("$MODEL", "x")
+        for i, line in enumerate(line for block in blocks for line in block.splitlines())
+    }
+    assert len(exprs) > 40
+    assert unknown_series(exprs) == {}

@@ -35,6 +35,7 @@ _KEYWORDS = frozenset(
     | {"offset", "bool", "inf", "nan", "atan2"}
 )
 _NAME_MATCHER = re.compile(r'__name__\s*=~?\s*"([^"]*)"')
+_PLAIN_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _BRACES = re.compile(r"\{[^}]*\}")
 _RANGE = re.compile(r"\[[^\]]*\]")
@@ -47,7 +48,8 @@ def series_names(expr: str) -> set[str]:
     """Every metric name ``expr`` selects."""
     names: set[str] = set()
     for pattern in _NAME_MATCHER.findall(expr):
-        names.update(part for part in pattern.split("|") if part)
+        # Alternatives of plain names count; a wildcard such as "vllm:.*" names nothing.
+        names.update(part for part in pattern.split("|") if _PLAIN_NAME.fullmatch(part))
     text = _STRING.sub('""', expr)
     text = _BRACES.sub(" ", text)
     text = _RANGE.sub(" ", text)
