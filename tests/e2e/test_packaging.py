@@ -2,18 +2,23 @@
 
 No Docker engine runs here, so the image is never built. Instead hadolint lints both Dockerfiles,
 and scripts/check-dockerfile-install.sh runs the Dockerfile's own install steps in a fresh venv
-and starts the installed ``kvtax``. Slow-ish (it builds wheels from the package index), hence e2e.
+and starts the installed ``kvtax``; the Deployment's vLLM args go through the real vLLM 0.32
+``vllm serve`` parser of the testbed's venv (no engine starts). Slow-ish, hence e2e.
 Each check is paired with a fault it must catch, so a silent tool cannot pass for a clean one.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from kvtax.testbed.engine import ensure_vllm_venv
 
 pytestmark = pytest.mark.e2e
 
@@ -88,3 +93,48 @@ def test_install_check_fails_loudly_when_the_image_would_lack_the_package(tmp_pa
     assert result.returncode != 0
     assert "check-dockerfile-install: FAILED" in result.stderr
     assert "check-dockerfile-install: OK" not in result.stderr
+
+
+# Parses argv as the vLLM image's entrypoint (`vllm serve`) would, with vLLM's own parser, and
+# prints the values kvtax's manifests depend on, or the parser's exit code for bad argv.
+_PARSE_WITH_VLLM = """
+import contextlib, io, json, sys
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+from vllm.entrypoints.cli.serve import ServeSubcommand
+
+def parse(argv):
+    root = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(root.add_subparsers(dest="subparser"))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = root.parse_args(["serve", *argv])
+    except SystemExit as exc:
+        return {"exit": exc.code}
+    return {k: getattr(args, k) for k in ("model_tag", "port", "max_num_seqs", "shutdown_timeout")}
+
+good = json.loads(sys.argv[1])
+print(json.dumps({"good": parse(good), "bad": parse([*good, "--shutdown-timeoutt=3"])}))
+"""
+
+
+def test_vllm_container_args_parse_with_vllm_s_own_cli() -> None:
+    deployment = yaml.safe_load((ROOT / "deploy/kubernetes/deployment.yaml").read_text())
+    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    args = containers["vllm"]["args"]
+    python = ensure_vllm_venv() / "bin" / "python"
+    result = _run([str(python), "-c", _PARSE_WITH_VLLM, json.dumps(args)])
+    assert result.returncode == 0, result.stderr[-4000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert parsed["bad"] == {"exit": 2}, "vLLM's parser accepted a misspelt flag"
+    good = parsed["good"]
+    assert good["model_tag"] == args[0]
+    assert good["port"] == containers["vllm"]["ports"][0]["containerPort"]
+    kvtax_seqs = [a for a in containers["kvtax"]["args"] if a.startswith("--max-num-seqs=")]
+    assert kvtax_seqs == [f"--max-num-seqs={good['max_num_seqs']}"]
+    assert (
+        good["shutdown_timeout"]
+        == deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] - 5
+    )
