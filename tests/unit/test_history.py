@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from kvtax.history import EngineHistory, computed_prompt_raw, mean_context
+from kvtax.history import WINDOW_HISTOGRAMS, EngineHistory, computed_prompt_raw, mean_context
 from kvtax.normalize import normalize
 from kvtax.snapshot import Histogram, ModelMetrics, VllmSnapshot
 from tests.unit.conftest import read_fixture
@@ -179,3 +179,18 @@ def test_mean_context_needs_both_histograms() -> None:
     assert mean_context({"request_prompt_tokens": hist(41.0)}) is None
     empty = Histogram(((float("inf"), 0.0),), 0.0, 0.0)
     assert mean_context({**both, "request_generation_tokens": empty}) is None
+
+
+def test_points_keep_only_what_derive_reads_and_share_what_did_not_change() -> None:
+    # Points live for a whole window per model; see bench/README.md for the memory this saves.
+    h = EngineHistory(window_seconds=300)
+    h.observe(normalize(read_fixture("0.32-idle.prom"), timestamp=0.0))
+    h.observe(normalize(read_fixture("0.32-preempting.prom"), timestamp=5.0))
+    h.observe(normalize(read_fixture("0.32-preempting.prom"), timestamp=10.0))
+    idle, busy, same = h.points("tiny-llama")
+    assert set(busy.histograms) == set(WINDOW_HISTOGRAMS)
+    assert "ttft" not in busy.histograms
+    assert same.histograms["request_prompt_tokens"] is busy.histograms["request_prompt_tokens"]
+    assert busy.histograms["request_prompt_tokens"] != idle.histograms["request_prompt_tokens"]
+    assert same.info is busy.info
+    assert busy.info["kv_cache_size_tokens"] == "2048"
