@@ -1,0 +1,1 @@
+"""Benchmarks of kvtax, run as modules: ``.venv/bin/python -m bench.pipeline``."""
