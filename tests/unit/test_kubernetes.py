@@ -33,6 +33,7 @@ from tests.unit.test_dockerfile import DOCKERFILE, stages
 
 ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZATION = ROOT / "deploy" / "kubernetes"
+OBSERVE_ONLY = ROOT / "deploy" / "observe-only"
 SCHEMAS = ROOT / "deploy" / "schemas"
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 # The oldest Kubernetes minor still in wide support, and the newest the package knows.
@@ -56,14 +57,14 @@ def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
 
 
 @cache
-def rendered_text() -> str:
-    result = run([dev_tool("kubectl"), "kustomize", str(KUSTOMIZATION)])
+def rendered_text(folder: Path = KUSTOMIZATION) -> str:
+    result = run([dev_tool("kubectl"), "kustomize", str(folder)])
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
-def rendered() -> list[Obj]:
-    return [doc for doc in yaml.safe_load_all(rendered_text()) if doc]
+def rendered(folder: Path = KUSTOMIZATION) -> list[Obj]:
+    return [doc for doc in yaml.safe_load_all(rendered_text(folder)) if doc]
 
 
 def one(kind: str) -> Obj:
@@ -367,3 +368,28 @@ def test_quick_start_overlay_renders_as_the_docs_say(tmp_path: Path) -> None:
     assert "--shutdown-timeout=30" in by_name["vllm"]["args"]
     # Everything the base sets and the patch does not mention survives the merge.
     assert by_name["kvtax"]["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+# -- the observe-only variant -------------------------------------------------------------
+
+
+def test_observe_only_variant_sends_clients_to_vllm_and_turns_the_proxy_off() -> None:
+    objects = {o["kind"]: o for o in rendered(OBSERVE_ONLY)}
+    assert objects.keys() == {o["kind"] for o in rendered()}
+    (port,) = objects["Service"]["spec"]["ports"]
+    assert port["targetPort"] == "vllm"
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    by_name = {c["name"]: c for c in pod["containers"]}
+    config = config_from_args(build_parser().parse_args(by_name["kvtax"]["args"]), env={})
+    assert config.proxy_listen_address is None
+    # Only those two lines differ from the base.
+    base_args = container("kvtax")["args"]
+    changed = [(a, b) for a, b in zip(base_args, by_name["kvtax"]["args"], strict=True) if a != b]
+    assert changed == [("--proxy.listen-address=:8001", "--proxy.listen-address=off")]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_observe_only_plain_objects_match_the_kubernetes_api_schemas(version: str) -> None:
+    for obj in rendered(OBSERVE_ONLY):
+        if obj["kind"] not in CRD_SCHEMAS:
+            kubernetes_validate.validate(obj, desired_version=version, strict=True)
