@@ -122,7 +122,7 @@ class Sidecar:
             self.health.scrapes += 1
             try:
                 text = await self.scraper.fetch_metrics()
-                if not self.health.up or self.health.version is None:
+                if not self.health.up:
                     # (Re)connected: the server may have been upgraded in between.
                     self.health.version = await self.scraper.fetch_version()
                 snap = self.ingest(text, self.clock())
