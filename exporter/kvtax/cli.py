@@ -111,6 +111,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if config.log_level != "debug":
+        # APScheduler logs two INFO lines per job run: one scrape a second would drown the log.
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
     return asyncio.run(_run_serve(config))
 
 
