@@ -26,12 +26,14 @@ from kvtax.testbed import VllmEngine
 from kvtax.testbed.load import RequestResult, drive
 from kvtax.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
 from kvtax.testbed.sidecar import KvtaxProcess, parse_metrics
+from kvtax.vocabulary import CONCEPTS
 from tests.e2e.webhook import Notification, WebhookReceiver
 
 pytestmark = pytest.mark.e2e
 
 HANG_GUARD_S = 420.0  # fails a hung run; not a performance claim
 ALERT = "KvtaxVllmPreempting"
+PREEMPTIONS = CONCEPTS["preemptions"].names[0]
 TAX = per_pod("kvtax_preemption_tax", f"ratio_rate{TEST_PROFILE.rate_window}")
 
 
@@ -93,7 +95,8 @@ def test_preemption_alert_reaches_the_webhook(vllm_engine: VllmEngine, tmp_path:
 
             assert results
             assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-            assert _preemptions_after(vllm_engine) > preempted_before
+            preempted = _preemptions_after(vllm_engine) - preempted_before
+            assert preempted > 0
 
     path, alert = _preempting(received)[0]
     # A warning: routed to the ticket receiver, not the pager.
@@ -115,7 +118,12 @@ def test_preemption_alert_reaches_the_webhook(vllm_engine: VllmEngine, tmp_path:
     assert annotations["description"].startswith(f"{vllm_engine.model_name} on / has preempted ")
     # The tax record saw recompute while the alert fired, and says how it was counted.
     assert tax_seen, f"{TAX} never rose above 0"
-    assert {labels["method"] for labels in tax_seen} <= {"measured", "estimated"}
+    assert {labels["method"] for labels, _ in tax_seen} <= {"measured", "estimated"}
+    peak, method = max((value, labels["method"]) for labels, value in tax_seen)
+    print(
+        f"\nalerting e2e: {preempted:.0f} preemptions; {ALERT} delivered: "
+        f"{annotations['description']!r}; peak {TAX} {peak:.1%} ({method})"
+    )
 
 
 def _overload(engine: VllmEngine) -> list[RequestResult]:
@@ -125,7 +133,7 @@ def _overload(engine: VllmEngine) -> list[RequestResult]:
 
 
 def _preemptions(prom: PrometheusProcess) -> float:
-    result = prom.query('sum(vllm:num_preemptions_total{job="vllm"})')
+    result = prom.query(f'sum({PREEMPTIONS}{{job="vllm"}})')
     return float(result[0]["value"][1]) if result else 0.0
 
 
@@ -133,18 +141,20 @@ def _preemptions_after(engine: VllmEngine) -> float:
     return sum(
         value
         for key, value in parse_metrics(engine.metrics_text()).items()
-        if key.startswith("vllm:num_preemptions_total")
+        if key.split("{")[0] == PREEMPTIONS
     )
 
 
 def _wait_for_alert(
     hook: WebhookReceiver, prom: PrometheusProcess
-) -> tuple[list[Notification], list[dict[str, str]]]:
+) -> tuple[list[Notification], list[tuple[dict[str, str], float]]]:
     """Poll until the alert reaches the webhook, noting every positive tax sample on the way."""
-    tax_seen: list[dict[str, str]] = []
+    tax_seen: list[tuple[dict[str, str], float]] = []
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
-        tax_seen += [r["metric"] for r in prom.query(TAX) if float(r["value"][1]) > 0]
+        tax_seen += [
+            (r["metric"], float(r["value"][1])) for r in prom.query(TAX) if float(r["value"][1]) > 0
+        ]
         received = hook.received
         if _preempting(received):
             return received, tax_seen
