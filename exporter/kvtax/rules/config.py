@@ -38,10 +38,11 @@ class RulesConfig:
     # The production-stack router re-exports vllm: names without model_name: requiring the
     # label keeps those copies out of every sum.
     vllm_selector: str = 'model_name!=""'
-    # Picks kvtax's scrape targets for the sidecar-down alert (``up`` has no other clue). With a
-    # PodMonitor that scrapes vLLM and kvtax together, use the endpoint label instead,
-    # e.g. 'endpoint="kvtax"'.
-    kvtax_job_selector: str = 'job=~".*kvtax.*"'
+    # Picks kvtax's scrape targets for the sidecar-down alert (``up`` has no other clue). The
+    # PodMonitor in deploy/ scrapes vLLM and kvtax under one job, so the default keys on the
+    # container label the Prometheus Operator attaches; with static scrape configs use the
+    # job instead, e.g. 'job="kvtax"'.
+    kvtax_job_selector: str = 'container="kvtax"'
 
     # -- windows -------------------------------------------------------------------------------
     # Range of every rate() in recording rules and alerts. 5m holds enough scrapes at 30s.
@@ -130,5 +131,6 @@ def short_profile(
     return replace(base, rate_window=window, queue_window=window, **holds)
 
 
-# The profile the end-to-end test evaluates: 1s scrape and evaluation intervals assumed.
-TEST_PROFILE = short_profile()
+# The profile the end-to-end test evaluates: 1s scrape and evaluation intervals assumed, and a
+# static scrape whose kvtax job is called "kvtax".
+TEST_PROFILE = short_profile(replace(DEFAULT, kvtax_job_selector='job="kvtax"'))
