@@ -168,7 +168,7 @@ _goodput_vs_engine = Panel(
         Target(_gen_rate(), "engine generated {{model_name}}", color="blue", dashed=True),
         Target(_goodput(), "delivered (goodput) {{model_name}}", color="green", stack=True),
         Target(
-            f"clamp_min({_gen_rate()} - {_goodput()}, 0)",
+            f"{_sum_rate('kvtax_undelivered_tokens_total')} or {_goodput()} * 0",
             "undelivered (waste) {{model_name}}",
             color="red",
             stack=True,
@@ -176,8 +176,10 @@ _goodput_vs_engine = Panel(
     ),
     TOK_S,
     "Tokens per second the engine generated (dashed) against tokens that reached a connected "
-    "client (green). The red band stacked on top is the gap: tokens generated for clients that "
-    "had gone. Recompute is not in this picture; see the tax panel.",
+    "client (green), with the tokens generated for clients that had gone stacked on top (red): "
+    "that band is the waste. The ledger counts a request when it ends, so over short ranges "
+    "the stack trails the engine line while requests are in flight. Recompute is not in this "
+    "picture; see the tax panel.",
     "KvtaxGoodputDiverging",
     min=0,
 )

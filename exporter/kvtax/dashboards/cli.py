@@ -3,7 +3,8 @@ every dashboard as PNG from a live Prometheus.
 
 Registered by :mod:`kvtax.cli` (``add_dashboards_parser`` + ``command("dashboards")``), like
 ``kvtax rules``; this module does not import :mod:`kvtax.cli` back, so ``python -m kvtax.cli
-dashboards`` works too. ``preview`` needs matplotlib (the ``preview`` extra) and says so.
+dashboards`` works too. ``preview`` needs matplotlib (the ``preview`` extra) and says so; it
+exits 1 when any query failed, after drawing every dashboard anyway.
 """
 
 from __future__ import annotations
@@ -121,8 +122,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _preview(args: argparse.Namespace) -> int:
-    from .preview import PreviewUnavailableError, draw, fetch, rate_interval
+    from .preview import PreviewUnavailableError, draw, fetch, rate_interval, require_matplotlib
     from .promapi import PrometheusApi
+
+    try:
+        require_matplotlib()
+    except PreviewUnavailableError as exc:
+        print(f"kvtax: {exc}", file=sys.stderr)
+        return 2
 
     try:
         end = _time(args.end) if args.end else time.time()
@@ -143,19 +150,20 @@ def _preview(args: argparse.Namespace) -> int:
         if not args.dashboard or doc["uid"] in args.dashboard
     }
     interval = rate_interval(math.ceil(step), scrape)
-    try:
-        for doc in chosen.values():
-            data = fetch(
-                doc, api, start=start, end=end, step=step, rate_interval=interval, values=values
-            )
-            path = draw(doc, data, args.out / f"{doc['uid']}.png", start=start, end=end)
-            errors = sum(1 for rows in data.values() for d in rows if d.error)
-            empty = sum(1 for rows in data.values() for d in rows if not d.series and not d.error)
-            print(f"{path}: {errors} query errors, {empty} queries without data")
-    except PreviewUnavailableError as exc:
-        print(f"kvtax: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    failed = 0
+    for doc in chosen.values():
+        data = fetch(
+            doc, api, start=start, end=end, step=step, rate_interval=interval, values=values
+        )
+        path = draw(doc, data, args.out / f"{doc['uid']}.png", start=start, end=end)
+        errors = [d.error for rows in data.values() for d in rows if d.error]
+        empty = sum(1 for rows in data.values() for d in rows if not d.series and not d.error)
+        print(f"{path}: {len(errors)} query errors, {empty} queries without data")
+        if errors:
+            print(f"kvtax dashboards preview: first error: {errors[0]}", file=sys.stderr)
+        failed += len(errors)
+    # The pictures are written either way (a bug report wants them); the status tells CI.
+    return 1 if failed else 0
 
 
 def run_dashboards(args: argparse.Namespace) -> int:

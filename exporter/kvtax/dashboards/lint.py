@@ -23,9 +23,9 @@ from typing import Any
 
 from ..rules.alerts import alert_names
 from ..rules.config import DEFAULT as RULES
-from ..rules.recording import record_names
+from ..rules.promql import known_series, series_names
 from .model import DATASOURCE, GRID_WIDTH, JSON, TAG
-from .promql import RATE_INTERVAL, is_known_series, series_names
+from .promql import RATE_INTERVAL
 
 __all__ = ["panels", "problems", "queries"]
 
@@ -75,9 +75,13 @@ def _overlaps(a: JSON, b: JSON) -> bool:
     )
 
 
-def problems(dashboard: JSON, *, recorded: Iterable[str] | None = None) -> list[str]:
-    """Every structural problem of ``dashboard``; empty when it is sound."""
-    known = tuple(record_names(RULES) if recorded is None else recorded)
+def problems(dashboard: JSON, *, known: Iterable[str] | None = None) -> list[str]:
+    """Every structural problem of ``dashboard``; empty when it is sound.
+
+    ``known`` defaults to :func:`kvtax.rules.promql.known_series`: the catalog, the vLLM
+    vocabulary, the recording rules and Prometheus' own series.
+    """
+    names = set(known_series(RULES) if known is None else known)
     anchors = {RULES.runbook_url(a).rpartition("#")[2] for a in alert_names(RULES)}
     out: list[str] = []
     uid = str(dashboard.get("uid", ""))
@@ -125,7 +129,5 @@ def problems(dashboard: JSON, *, recorded: Iterable[str] | None = None) -> list[
         for window in _RANGE.findall(expr):
             if window != RATE_INTERVAL:
                 out.append(f"{title!r}: range [{window}] instead of [{RATE_INTERVAL}]")
-        for name in sorted(series_names(expr)):
-            if not is_known_series(name, known):
-                out.append(f"{title!r}: unknown series {name}")
+        out += [f"{title!r}: unknown series {n}" for n in sorted(series_names(expr) - names)]
     return out

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ __all__ = [
     "format_value",
     "legend_text",
     "rate_interval",
+    "require_matplotlib",
 ]
 
 
@@ -66,7 +68,9 @@ def legend_text(fmt: str, labels: Mapping[str, str]) -> str:
         inner = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "__name__")
         return labels.get("__name__", "") + (f"{{{inner}}}" if inner else "") or "value"
     text = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
-    return re.sub(r"\s+", " ", text).replace("()", "").replace(" /", "/").strip() or "value"
+    text = re.sub(r"\s+", " ", text).replace("()", "").strip()
+    # Empty labels (no namespace or pod in a static scrape) leave a stray separator.
+    return text.removeprefix("/").strip() or "value"
 
 
 def format_value(value: float, unit: str) -> str:
@@ -117,6 +121,11 @@ def fetch(
 # -- drawing ---------------------------------------------------------------------------------
 
 
+def require_matplotlib() -> None:
+    """Raise :class:`PreviewUnavailableError` with the install hint unless matplotlib imports."""
+    _pyplot()
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
@@ -163,6 +172,24 @@ def _overrides(panel: JSON) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _with_gaps(points: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
+    """The points with a NaN wherever samples are missing, so lines break as in Grafana.
+
+    A missed scrape leaves a hole in a range query's steps; bridging it would draw a trend
+    that was never measured.
+    """
+    if len(points) < 3:
+        return list(points)
+    steps = sorted(b[0] - a[0] for a, b in itertools.pairwise(points))
+    usual = steps[len(steps) // 2]
+    out = [points[0]]
+    for prev, point in itertools.pairwise(points):
+        if point[0] - prev[0] > 1.5 * usual:
+            out.append(((prev[0] + point[0]) / 2, math.nan))
+        out.append(point)
+    return out
+
+
 def _last(series: Series) -> float | None:
     return series.points[-1][1] if series.points else None
 
@@ -194,14 +221,15 @@ def _draw_timeseries(ax: Any, panel: JSON, data: list[TargetData]) -> None:
         for series in target.series:
             if not series.points:
                 continue
-            times = [datetime.fromtimestamp(t, UTC) for t, _ in series.points]
-            values = [v for _, v in series.points]
+            points = _with_gaps(series.points)
+            times = [datetime.fromtimestamp(t, UTC) for t, _ in points]
+            values = [v for _, v in points]
             label = legend_text(target.legend, series.labels)
             if style.get("stack"):
-                low = [stack_base.get(t, 0.0) for t, _ in series.points]
+                low = [stack_base.get(t, 0.0) for t, _ in points]
                 high = [lo + v for lo, v in zip(low, values, strict=True)]
                 ax.fill_between(times, low, high, alpha=0.45, color=style.get("color"), label=label)
-                for (t, _), h in zip(series.points, high, strict=True):
+                for (t, _), h in zip(points, high, strict=True):
                     stack_base[t] = h
             else:
                 ax.plot(
@@ -248,7 +276,13 @@ def _draw_stat(ax: Any, panel: JSON, data: list[TargetData]) -> None:
         _no_data(ax, data)
         return
     width = 1 / len(tiles)
-    for i, (label, value) in enumerate(tiles):
+    # Scale text to the tile: a panel split into three tiles gets smaller print.
+    span = ax.get_position().width * len(tiles) ** -1
+    big, small = min(16.0, 130 * span), min(8.0, 75 * span)
+    # Characters that fit across one tile at the label's size (about 0.55 em per character).
+    fits = max(8, int(span * ax.figure.get_figwidth() * 72 / (0.55 * small)))
+    for i, (name, value) in enumerate(tiles):
+        label = name.replace(" (", "\n(", 1) if len(name) > fits else name
         mapped = _mapped(value, defaults)
         text, color = mapped or (format_value(value, unit), _threshold_color(value, defaults))
         ax.add_patch(_rect((i * width + 0.01, 0.02), width - 0.02, 0.96, color, ax.transAxes))
@@ -258,7 +292,7 @@ def _draw_stat(ax: Any, panel: JSON, data: list[TargetData]) -> None:
             text,
             ha="center",
             va="center",
-            fontsize=14,
+            fontsize=big,
             color="white",
             weight="bold",
             transform=ax.transAxes,
@@ -269,7 +303,7 @@ def _draw_stat(ax: Any, panel: JSON, data: list[TargetData]) -> None:
             label,
             ha="center",
             va="center",
-            fontsize=6.5,
+            fontsize=small,
             color="white",
             transform=ax.transAxes,
         )
@@ -282,6 +316,8 @@ def _rect(xy: tuple[float, float], w: float, h: float, color: str, transform: An
 
 
 def _draw_bargauge(ax: Any, panel: JSON, data: list[TargetData]) -> None:
+    from matplotlib.ticker import FuncFormatter
+
     defaults = panel["fieldConfig"]["defaults"]
     unit = defaults.get("unit", "short")
     bars = [
@@ -298,13 +334,25 @@ def _draw_bargauge(ax: Any, panel: JSON, data: list[TargetData]) -> None:
     labels = [b[0] for b in bars]
     values = [b[1] for b in bars]
     colors = [_threshold_color(v, defaults) for v in values]
-    ax.barh(range(len(bars)), values, color=colors)
-    ax.set_yticks(range(len(bars)), labels, fontsize=6.5)
+    ax.barh(range(len(bars)), values, color=colors, height=0.6)
+    ax.set_yticks([])
     top = defaults.get("max", max(values) * 1.1 if max(values) > 0 else 1)
     ax.set_xlim(defaults.get("min", 0), top)
-    for i, v in enumerate(values):
-        ax.text(v, i, " " + format_value(v, unit), va="center", fontsize=7)
-    ax.tick_params(labelsize=6)
+    for i, (label, v) in enumerate(zip(labels, values, strict=True)):
+        ax.text(0, i + 0.32, label, va="bottom", fontsize=7)
+        ax.text(v, i, " " + format_value(v, unit), va="center", fontsize=8, weight="bold")
+    ax.set_ylim(-0.5, len(bars) - 0.1)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_value(v, unit)))
+    ax.tick_params(labelsize=6.5)
+
+
+# Inches around a panel's plot area inside its grid cell: left, bottom, right, top (title).
+_PADDING = {
+    "timeseries": (0.62, 0.28, 0.08, 0.26),
+    "stat": (0.06, 0.06, 0.06, 0.26),
+    "bargauge": (0.08, 0.22, 0.5, 0.26),
+    "row": (0.0, 0.0, 0.0, 0.0),
+}
 
 
 def draw(
@@ -314,38 +362,47 @@ def draw(
     *,
     start: float,
     end: float,
-    width_inches: float = 16.0,
-    dpi: int = 72,
+    width_inches: float = 14.0,
+    dpi: int = 80,
 ) -> Path:
     """Draw every panel at its grid position into one PNG at ``path``."""
     plt = _pyplot()
     every = dashboard.get("panels", [])
     rows = max((p["gridPos"]["y"] + p["gridPos"]["h"] for p in every), default=1)
-    # A Grafana grid unit is about 30 px high, a column about 1/24 of ~1800 px wide.
-    unit_h = width_inches / GRID_WIDTH * 0.42
-    fig = plt.figure(figsize=(width_inches, rows * unit_h + 0.6), dpi=dpi)
-    grid = fig.add_gridspec(rows, GRID_WIDTH, hspace=1.6, wspace=1.2, top=0.95, bottom=0.02)
+    # Grafana's grid unit is 30 px high against columns 1/24 of a ~1,800 px screen.
+    unit_w = width_inches / GRID_WIDTH
+    unit_h = unit_w * 0.45
+    header = 0.45
+    height = header + rows * unit_h
+    fig = plt.figure(figsize=(width_inches, height), dpi=dpi)
     span = (
         f"{datetime.fromtimestamp(start, UTC):%Y-%m-%d %H:%M:%S} to "
         f"{datetime.fromtimestamp(end, UTC):%H:%M:%S} UTC"
     )
-    fig.suptitle(f"{dashboard.get('title', '')}   ({span})", fontsize=11, x=0.01, ha="left")
+    fig.text(0.005, 1 - 0.3 / height, f"{dashboard.get('title', '')}   ({span})", fontsize=12)
     for panel in every:
         pos = panel["gridPos"]
-        ax = fig.add_subplot(grid[pos["y"] : pos["y"] + pos["h"], pos["x"] : pos["x"] + pos["w"]])
+        left, bottom, right, top = _PADDING.get(panel["type"], _PADDING["timeseries"])
+        x0 = pos["x"] * unit_w + left
+        y_top = header + pos["y"] * unit_h + top
+        w = pos["w"] * unit_w - left - right
+        h = pos["h"] * unit_h - top - bottom
+        ax = fig.add_axes(
+            (x0 / width_inches, 1 - (y_top + h) / height, w / width_inches, h / height)
+        )
         if panel["type"] == "row":
             ax.set_axis_off()
-            ax.text(
-                0,
-                0.5,
-                panel["title"],
-                fontsize=10,
-                weight="bold",
-                va="center",
-                transform=ax.transAxes,
-            )
+            ax.text(0.005, 0.3, panel["title"], fontsize=10, weight="bold", transform=ax.transAxes)
             continue
-        ax.set_title(panel["title"], fontsize=8, loc="left")
+        # The title sits in the top padding, like a Grafana panel header.
+        ax.text(
+            -left / w if panel["type"] == "timeseries" else 0,
+            1 + 0.06 / h,
+            panel["title"],
+            fontsize=8.5,
+            weight="bold",
+            transform=ax.transAxes,
+        )
         rows_data = data.get(int(panel["id"]), [])
         if panel["type"] == "timeseries":
             _draw_timeseries(ax, panel, rows_data)

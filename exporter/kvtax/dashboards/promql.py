@@ -3,8 +3,8 @@
 Every series a panel queries comes from one of three places: :data:`kvtax.catalog.METRICS`
 (kvtax's own metrics), :data:`kvtax.vocabulary.CONCEPTS` (vLLM's names, every version at once)
 or the recording rules. The helpers here refuse a name outside those tables at generation
-time, and :func:`series_names` reads the names back out of a finished expression so a test
-can prove the committed JSON agrees. Pure string work; no I/O.
+time; :func:`kvtax.rules.promql.series_names` reads them back out of the finished JSON so a
+test can prove the committed dashboards agree. Pure string work; no I/O.
 
 Example::
 
@@ -21,20 +21,17 @@ from collections.abc import Iterable
 from ..catalog import METRICS
 from ..rules.config import DEFAULT as RULES
 from ..rules.recording import fleet, per_pod, record_names
-from ..vocabulary import CONCEPTS, Kind, concept_for
+from ..vocabulary import CONCEPTS, Kind
 
 __all__ = [
-    "HISTOGRAM_PARTS",
     "RATE_INTERVAL",
     "SELECTOR",
     "by",
     "expand",
     "histogram_quantile",
-    "is_known_series",
     "kvtax",
     "rate",
     "recorded",
-    "series_names",
     "vllm",
 ]
 
@@ -42,7 +39,6 @@ RATE_INTERVAL = "$__rate_interval"
 # With "All" the variables expand to ".*", which also matches an absent label: the same
 # queries work on a Kubernetes Prometheus (namespace and pod labels) and on a static scrape.
 SELECTOR = 'namespace=~"$namespace", pod=~"$pod", model_name=~"$model"'
-HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
 
 
 def _matchers(extra: Iterable[tuple[str, str]]) -> str:
@@ -115,67 +111,3 @@ def expand(expr: str, *, rate_interval: str, values: dict[str, str] | None = Non
         return values.get(name, ".*")
 
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, expr)
-
-
-# -- reading names back out of an expression ------------------------------------------------
-
-_KEYWORDS = {
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "group_left",
-    "group_right",
-    "and",
-    "or",
-    "unless",
-    "bool",
-    "offset",
-    "inf",
-    "nan",
-}
-_NAME_REGEX = re.compile(r'__name__\s*=~?\s*"([^"]*)"')
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-
-
-def series_names(expr: str) -> set[str]:
-    """Every metric name an expression selects, including ``__name__`` matchers.
-
-    Label names, label values, functions, keywords and durations are not series and are
-    dropped: strings first, then ``by (...)``-style label lists, then ``{...}`` matchers and
-    ``[...]`` ranges, then anything called like a function.
-    """
-    names: set[str] = set()
-    for pattern in _NAME_REGEX.findall(expr):
-        names.update(p for p in pattern.split("|") if p)
-    text = _STRING.sub('""', expr)
-    text = _LABEL_LIST.sub(" ", text)
-    text = re.sub(r"\{[^}]*\}", " ", text)
-    text = re.sub(r"\[[^\]]*\]", " ", text)
-    for match in _IDENT.finditer(text):
-        word = match.group(0)
-        rest = text[match.end() :].lstrip()
-        if rest.startswith("(") or word.lower() in _KEYWORDS:
-            continue
-        # A digit run like 1e3 never reaches here (idents cannot start with a digit), but
-        # an exponent tail such as "e3" in "1e3" can: skip words glued to a preceding digit.
-        if match.start() > 0 and text[match.start() - 1].isdigit():
-            continue
-        names.add(word)
-    return names
-
-
-def is_known_series(name: str, recorded: Iterable[str] = ()) -> bool:
-    """True if ``name`` is a catalog metric (or histogram part), a vLLM name, or recorded."""
-    if name in set(recorded) or concept_for(name) is not None:
-        return True
-    spec = METRICS.get(name)
-    if spec is not None:
-        return spec.type != "histogram"
-    for part in HISTOGRAM_PARTS:
-        base = METRICS.get(name.removesuffix(part))
-        if name.endswith(part) and base is not None and base.type == "histogram":
-            return True
-    return False

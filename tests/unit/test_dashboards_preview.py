@@ -1,0 +1,274 @@
+"""The preview's pure parts, its drawing on synthetic data, its Prometheus client and its CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import pytest
+
+from kvtax.cli import main
+from kvtax.dashboards import dashboards
+from kvtax.dashboards.lint import panels, queries
+from kvtax.dashboards.preview import (
+    TargetData,
+    draw,
+    fetch,
+    format_value,
+    legend_text,
+    rate_interval,
+)
+from kvtax.dashboards.promapi import PrometheusApi, QueryError, Series
+
+T0 = 1_800_000_000.0
+
+
+def test_rate_interval_follows_grafana() -> None:
+    assert rate_interval(step=1, scrape_interval=15) == "60s"
+    assert rate_interval(step=120, scrape_interval=15) == "135s"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "labels", "text"),
+    [
+        ("{{model_name}} ({{method}})", {"model_name": "m", "method": "measured"}, "m (measured)"),
+        ("{{namespace}}/{{pod}} {{model_name}}", {"model_name": "m"}, "m"),
+        (
+            "{{namespace}}/{{pod}} {{model_name}}",
+            {"namespace": "a", "pod": "b", "model_name": "m"},
+            "a/b m",
+        ),
+        ("__auto", {"__name__": "up", "job": "x"}, 'up{job="x"}'),
+        ("recommended", {}, "recommended"),
+    ],
+)
+def test_legend_text(fmt: str, labels: dict[str, str], text: str) -> None:
+    assert legend_text(fmt, labels) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "unit", "text"),
+    [
+        (0.281, "percentunit", "28.1%"),
+        (0.25, "s", "250 ms"),
+        (7.5, "s", "7.50 s"),
+        (2048, "suffix:tok", "2,048 tok"),
+        (3, "suffix:seqs", "3 seqs"),
+        (0.05, "reqps", "0.05 req/s"),
+        (math.nan, "short", "NaN"),
+    ],
+)
+def test_format_value(value: float, unit: str, text: str) -> None:
+    assert format_value(value, unit) == text
+
+
+class _FakeApi:
+    """Answers every query with one series; remembers what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+
+    def query(self, expr: str, time: float | None = None) -> list[Series]:
+        self.asked.append(("instant", expr))
+        return [Series({"model_name": "m", "method": "measured"}, ((T0 + 60, 2.0),))]
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
+        self.asked.append(("range", expr))
+        if "bad" in expr:
+            raise QueryError("bad_data: parse error")
+        points = [(start + i * step, float(i % 7)) for i in range(int((end - start) / step))]
+        # A missed scrape: the preview must break the line there, not bridge it.
+        del points[20:25]
+        return [Series({"model_name": "m", "pod": "p"}, tuple(points))]
+
+
+def _fetch_all(doc: dict[str, Any], api: _FakeApi) -> dict[int, list[TargetData]]:
+    return fetch(
+        doc,
+        api,  # type: ignore[arg-type]
+        start=T0,
+        end=T0 + 300,
+        step=5,
+        rate_interval="20s",
+        values={"model": "m"},
+    )
+
+
+def test_fetch_runs_every_target_with_variables_filled() -> None:
+    doc = dashboards()["kvtax-overview.json"]
+    api = _FakeApi()
+    data = _fetch_all(doc, api)
+    assert len(api.asked) == sum(1 for _ in queries(doc))
+    assert all("$" not in expr for _, expr in api.asked)
+    assert all('model_name=~"m"' in expr for _, expr in api.asked if "model_name=~" in expr)
+    # Stat and bar gauge panels ask for the latest value, time series for a range.
+    expected = ["range" if p["type"] == "timeseries" else "instant" for p, _ in queries(doc)]
+    assert [kind for kind, _ in api.asked] == expected
+    assert set(data) == {p["id"] for p in panels(doc)}
+
+
+def test_fetch_keeps_prometheus_errors_per_target() -> None:
+    doc = json.loads(json.dumps(dashboards()["kvtax-capacity.json"]))
+    target = next(t for p, t in queries(doc) if p["type"] == "timeseries")
+    target["expr"] = "bad(" + target["expr"]
+    data = _fetch_all(doc, _FakeApi())
+    errors = [d.error for rows in data.values() for d in rows if d.error]
+    assert errors == ["bad_data: parse error"]
+
+
+@pytest.mark.parametrize("name", ["kvtax-overview.json", "kvtax-capacity.json", "kvtax-fleet.json"])
+def test_draw_writes_a_png_of_every_dashboard(name: str, tmp_path: Path) -> None:
+    doc = dashboards()[name]
+    data = _fetch_all(doc, _FakeApi())
+    path = draw(doc, data, tmp_path / "out.png", start=T0, end=T0 + 300)
+    body = path.read_bytes()
+    assert body.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(body) > 30_000
+
+
+def test_draw_says_no_data_instead_of_failing(tmp_path: Path) -> None:
+    doc = dashboards()["kvtax-fleet.json"]
+    empty = {p["id"]: [TargetData("A", "", ())] for p in panels(doc)}
+    path = draw(doc, empty, tmp_path / "empty.png", start=T0, end=T0 + 300)
+    assert path.exists()
+
+
+# -- the Prometheus client against a stand-in HTTP server -------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        length = int(self.headers["Content-Length"])
+        form = parse_qs(self.rfile.read(length).decode())
+        expr = form["query"][0]
+        if expr == "broken(":
+            status, body = 400, {"status": "error", "errorType": "bad_data", "error": "parse error"}
+        elif self.path == "/api/v1/query_range":
+            values = [[float(form["start"][0]), "1"], [float(form["end"][0]), "2"]]
+            status = 200
+            body = {
+                "status": "success",
+                "data": {
+                    "resultType": "matrix",
+                    "result": [{"metric": {"a": "b"}, "values": values}],
+                },
+            }
+        else:
+            status = 200
+            body = {"status": "success", "data": {"resultType": "scalar", "result": [T0, "3"]}}
+        raw = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+
+@pytest.fixture
+def stand_in() -> Iterator[str]:
+    server = HTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_promapi_reads_matrices_and_scalars(stand_in: str) -> None:
+    api = PrometheusApi(stand_in)
+    assert api.query_range("x", T0, T0 + 10, 5) == [Series({"a": "b"}, ((T0, 1.0), (T0 + 10, 2.0)))]
+    assert api.query("1+2") == [Series({}, ((T0, 3.0),))]
+
+
+def test_promapi_raises_prometheus_reason(stand_in: str) -> None:
+    with pytest.raises(QueryError, match="bad_data: parse error"):
+        PrometheusApi(stand_in).query("broken(")
+
+
+def test_promapi_unreachable_is_a_query_error() -> None:
+    with pytest.raises(QueryError, match="cannot query"):
+        PrometheusApi("http://127.0.0.1:9", timeout=2).query("up")
+
+
+# -- the CLI --------------------------------------------------------------------------------
+
+
+def test_preview_cli_draws_every_dashboard(
+    stand_in: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["dashboards", "preview", "--prometheus", stand_in, "--out", str(tmp_path), "--range", "5m"]
+    )
+    assert code == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "kvtax-capacity.png",
+        "kvtax-fleet.png",
+        "kvtax-overview.png",
+    ]
+    assert capsys.readouterr().out.count("0 query errors") == 3
+
+
+def test_preview_cli_needs_matplotlib(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # None in sys.modules makes "import matplotlib" raise ImportError, as if not installed.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code = main(
+        ["dashboards", "preview", "--prometheus", "http://127.0.0.1:9", "--out", str(tmp_path)]
+    )
+    assert code == 2
+    assert "pip install 'kvtax[preview]'" in capsys.readouterr().err
+
+
+def test_preview_cli_rejects_a_backwards_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "dashboards",
+            "preview",
+            "--prometheus",
+            "http://127.0.0.1:9",
+            "--out",
+            str(tmp_path),
+            "--from",
+            "2026-11-29T19:00:00+00:00",
+            "--to",
+            "2026-11-29T18:00:00+00:00",
+        ]
+    )
+    assert code == 2
+    assert "--from must be before --to" in capsys.readouterr().err
+
+
+def test_preview_cli_fails_when_queries_fail_but_still_draws(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "dashboards",
+            "preview",
+            "--prometheus",
+            "http://127.0.0.1:9",
+            "--out",
+            str(tmp_path),
+            "--dashboard",
+            "kvtax-fleet",
+        ]
+    )
+    assert code == 1
+    assert [p.name for p in tmp_path.glob("*.png")] == ["kvtax-fleet.png"]
+    assert "cannot query" in capsys.readouterr().err
