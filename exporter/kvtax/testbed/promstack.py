@@ -150,9 +150,10 @@ class _Server:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        # The TSDB goes; the config and log stay for a post-mortem unless the stop was clean.
+        # The TSDB goes; config and log stay for a post-mortem unless the stop was clean (a log
+        # written elsewhere is the caller's to keep).
         shutil.rmtree(self.dir / "data", ignore_errors=True)
-        if proc.returncode == 0 and self.log_path.is_relative_to(self.dir):
+        if proc.returncode == 0:
             shutil.rmtree(self.dir, ignore_errors=True)
         return proc.returncode
 
