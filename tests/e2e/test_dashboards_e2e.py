@@ -1,0 +1,176 @@
+"""Every dashboard query against a real Prometheus holding a real overload, and the PNG preview.
+
+A real ``kvtax serve`` (with its proxy) watches the session's real vLLM CPU engine; a real
+Prometheus scrapes both every 3 s and evaluates the committed recording rules
+(``alerts/kvtax-recording.yaml``). The load is the known overload (64 concurrent streams x 500
+tokens against a 2,048-token pool), twice, sent through the proxy, with a few clients that
+hang up early. Then every target of every panel, with the template variables
+filled in as Grafana would, must parse and return at least one series, and ``kvtax dashboards
+preview`` must draw each dashboard from that Prometheus.
+
+Set ``KVTAX_SAVE_PREVIEW=DIR`` to keep the PNGs (the README's picture comes from this run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvtax.cli import main
+from kvtax.config import parse_duration
+from kvtax.dashboards import dashboards
+from kvtax.dashboards.lint import queries
+from kvtax.dashboards.promapi import PrometheusApi
+from kvtax.dashboards.promql import expand
+from kvtax.testbed import VllmEngine, repo_root
+from kvtax.testbed.load import drive
+from kvtax.testbed.promstack import PrometheusProcess, prometheus_config
+from kvtax.testbed.sidecar import KvtaxProcess
+
+pytestmark = pytest.mark.e2e
+
+RECORDING_RULES = repo_root() / "alerts" / "kvtax-recording.yaml"
+# Two cores run vLLM, the proxy, kvtax and Prometheus at once: at 1 s many scrapes time out
+# mid-overload and leave holes; 3 s holds.
+SCRAPE_INTERVAL = "3s"
+# Well above 4 x the scrape interval, as Grafana's $__rate_interval would be, and long enough
+# to span the whole overload.
+RATE_INTERVAL = "1m"
+ROUNDS = 2
+# The query's recording rule that settles last (it reads other records).
+LAST_RECORD = "model_name:kvtax_waste:ratio_rate5m"
+
+
+@dataclass(frozen=True, slots=True)
+class Overload:
+    api: PrometheusApi
+    url: str
+    model: str
+    start: float
+    end: float
+
+
+async def _overload(url: str, model: str, rounds: int) -> None:
+    for _ in range(rounds):
+        await asyncio.gather(
+            drive(url, model, concurrency=64, max_tokens=500, stream=True),
+            # Clients that leave mid-stream: their tokens are generated but never delivered.
+            drive(
+                url, model, concurrency=6, max_tokens=500, stream=True, disconnect_after_chunks=3
+            ),
+        )
+
+
+@pytest.fixture(scope="module")
+def overload(vllm_engine: VllmEngine) -> Iterator[Overload]:
+    with KvtaxProcess(
+        vllm_engine.url,
+        proxy=True,
+        scrape_interval="1s",
+        window="60s",
+        extra_args=[f"--max-num-seqs={vllm_engine.max_num_seqs}"],
+    ) as kvtax:
+        kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
+        assert kvtax.proxy_url is not None
+        jobs = {
+            "kvtax": [kvtax.base_url.removeprefix("http://")],
+            "vllm": [vllm_engine.url.removeprefix("http://")],
+        }
+        config = prometheus_config(jobs, interval=SCRAPE_INTERVAL)
+        with PrometheusProcess(config, rule_files=[RECORDING_RULES]) as prometheus:
+            prometheus.wait_for(
+                lambda: len(prometheus.query("up == 1")) == len(jobs), what="both targets up"
+            )
+            # One small request first, so the delivery counters exist before the overload
+            # and rate() sees their whole increase.
+            asyncio.run(
+                drive(
+                    kvtax.proxy_url,
+                    vllm_engine.model_name,
+                    concurrency=1,
+                    max_tokens=8,
+                    stream=True,
+                )
+            )
+            prometheus.wait_for(
+                lambda: prometheus.query("kvtax_delivered_tokens_total"), what="delivery counters"
+            )
+            start = time.time()
+            asyncio.run(_overload(kvtax.proxy_url, vllm_engine.model_name, ROUNDS))
+            # kvtax's window figures (tax, waste, coverage) land a scrape or two later, and
+            # Prometheus needs a scrape and a rule evaluation after that.
+            kvtax.wait_for(
+                lambda m: any(k.startswith("kvtax_waste_ratio{") for k in m),
+                timeout=30,
+                what="the waste ratio",
+            )
+            prometheus.wait_for(lambda: prometheus.query(LAST_RECORD), what=LAST_RECORD)
+            time.sleep(2 * parse_duration(SCRAPE_INTERVAL))
+            api = PrometheusApi(prometheus.url)
+            yield Overload(api, prometheus.url, vllm_engine.model_name, start, time.time())
+
+
+def _cases() -> list[tuple[str, str, str, str]]:
+    return [
+        (doc["uid"], panel["title"], target["refId"], target["expr"])
+        for doc in dashboards().values()
+        for panel, target in queries(doc)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("uid", "title", "ref", "expr"),
+    _cases(),
+    ids=[f"{c[0]}:{c[1]}:{c[2]}" for c in _cases()],
+)
+def test_every_panel_query_returns_data(
+    overload: Overload, uid: str, title: str, ref: str, expr: str
+) -> None:
+    for values in ({}, {"model": overload.model}):
+        filled = expand(expr, rate_interval=RATE_INTERVAL, values=values)
+        series = overload.api.query(filled, overload.end)
+        assert series, f"{uid} / {title} / {ref}: no series for\n{filled}"
+
+
+def test_preview_draws_every_dashboard(
+    overload: Overload, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "dashboards",
+            "preview",
+            "--prometheus",
+            overload.url,
+            "--out",
+            str(tmp_path),
+            "--from",
+            str(overload.start - 20),
+            "--to",
+            str(overload.end),
+            "--scrape-interval",
+            SCRAPE_INTERVAL,
+            "--var",
+            f"model={overload.model}",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert [p.name for p in pngs] == ["kvtax-capacity.png", "kvtax-fleet.png", "kvtax-overview.png"]
+    for png in pngs:
+        data = png.read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n")
+        # A drawn dashboard, not an empty canvas.
+        assert len(data) > 30_000, (png.name, len(data))
+    assert out.count(": 0 query errors") == 3, out
+    save = os.environ.get("KVTAX_SAVE_PREVIEW")
+    if save:
+        for png in pngs:
+            shutil.copy(png, Path(save) / png.name)
