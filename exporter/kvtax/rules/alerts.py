@@ -28,8 +28,10 @@ from .recording import per_pod
 
 __all__ = ["AlertRule", "alert_names", "alert_rules", "groups"]
 
-# Where an alert happened, for descriptions; empty labels read as "/" in a static scrape.
-WHERE = "{{ $labels.model_name }} on {{ $labels.namespace }}/{{ $labels.pod }}"
+# Where an alert happened, for descriptions. A static scrape has no pod label: the
+# "on namespace/pod" part then drops out instead of reading "on /".
+ON_POD = "{{ with $labels.pod }} on {{ $labels.namespace }}/{{ . }}{{ end }}"
+WHERE = "{{ $labels.model_name }}" + ON_POD
 # Rates and ratios to three significant digits: humanize would print 0.5 as "500m".
 VALUE = '{{ printf "%.3g" $value }}'
 
@@ -256,7 +258,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         c.vllm_scrape_for,
         "warning",
         "kvtax cannot read vLLM's metrics.",
-        "kvtax on {{ $labels.namespace }}/{{ $labels.pod }} ({{ $labels.instance }}) has failed "
+        f"kvtax{ON_POD} ({{{{ $labels.instance }}}}) has failed "
         f"to scrape vLLM for {c.vllm_scrape_for}; every kvtax number for it is stale.",
     )
     add(
@@ -267,7 +269,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         c.vllm_absent_for,
         "warning",
         "Prometheus holds no vLLM KV-cache metrics for a pod kvtax watches.",
-        "kvtax reads vLLM on {{ $labels.namespace }}/{{ $labels.pod }}, but Prometheus has no "
+        f"kvtax reads vLLM{ON_POD}, but Prometheus has no "
         "vLLM KV-usage series for it: vLLM is not scraped, or it renamed the metric.",
     )
     add(
@@ -277,8 +279,8 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         c.sidecar_down_for,
         "warning",
         "The kvtax sidecar cannot be scraped.",
-        "Prometheus has failed to scrape kvtax at {{ $labels.instance }} on "
-        f"{{{{ $labels.namespace }}}}/{{{{ $labels.pod }}}} for {c.sidecar_down_for}; "
+        f"Prometheus has failed to scrape kvtax at {{{{ $labels.instance }}}}{ON_POD} "
+        f"for {c.sidecar_down_for}; "
         "kvtax's alerts are blind there.",
     )
 
