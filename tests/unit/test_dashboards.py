@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,21 @@ def test_every_panel_has_a_unit_and_a_runbook_link(committed: dict[str, Any]) ->
     for panel in panels(committed):
         assert panel["fieldConfig"]["defaults"]["unit"], panel["title"]
         assert "docs/runbooks.md#kvtax" in panel["description"], panel["title"]
+
+
+def test_every_linked_runbook_section_exists() -> None:
+    headings = {
+        line.removeprefix("## ").strip().lower()
+        for line in (ROOT / "docs" / "runbooks.md").read_text().splitlines()
+        if line.startswith("## ")
+    }
+    linked = {
+        re.search(r"runbooks\.md#([\w-]+)", p["description"]).group(1)  # type: ignore[union-attr]
+        for d in dashboards().values()
+        for p in panels(d)
+    }
+    assert linked
+    assert linked <= headings, linked - headings
 
 
 def test_thrash_state_is_a_coloured_stat() -> None:
