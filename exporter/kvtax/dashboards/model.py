@@ -9,7 +9,7 @@ what to show, not how Grafana stores it. Pure: no I/O.
 Example::
 
     board = Board("Overview", "...", rows=(Row("Now", (Panel(...),)),))
-    render(board, runbook_url=lambda anchor: f"https://example/runbooks.md#{anchor}")
+    render(board, runbook_url=RULES.runbook_url, anchor_metric="kvtax_kv_capacity_tokens")
 """
 
 from __future__ import annotations
@@ -74,14 +74,14 @@ class ValueText:
 
 @dataclass(frozen=True, slots=True)
 class Panel:
-    """What one panel shows. ``runbook`` is an anchor in docs/runbooks.md ("" for the page)."""
+    """What one panel shows. ``runbook`` names the alert whose runbook section explains it."""
 
     title: str
     kind: PanelKind
     targets: tuple[Target, ...]
     unit: str
     description: str
-    runbook: str = ""
+    runbook: str
     width: int = 12
     height: int = 8
     min: float | None = None
