@@ -38,7 +38,7 @@ def add_dashboards_parser(sub: Any) -> None:
         "generate",
         help="Write dashboards/*.json and the Grafana-sidecar ConfigMap.",
         description="Write each dashboard's JSON and kvtax-dashboards-configmap.yaml "
-        '(labelled grafana_dashboard: "1") from exporter/kvtax/dashboards/boards.py.',
+        '(labelled grafana_dashboard: "1") from exporter/kvtax/dashboards/.',
     )
     gen.add_argument("--out", type=Path, default=Path("dashboards"), help="Folder to write into.")
     gen.add_argument(
