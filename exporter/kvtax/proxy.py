@@ -6,7 +6,8 @@ Streams are relayed chunk by chunk: each write waits for the client's socket to 
 upstream reader pauses when its buffer is full, so a slow client slows vLLM's TCP stream instead
 of growing memory. The proxy asks vLLM for usage on every chunk and trims it back to what the
 client asked for (:mod:`kvtax.sse`); tokens count as delivered once the bytes carrying them were
-written to the client. A client that goes away cancels its handler (aiohttp's handler
+written to the client and its TCP stack acknowledged them (bytes still queued in our socket when a
+stalled client leaves never reached it). A client that goes away cancels its handler (aiohttp's handler
 cancellation), which closes the upstream connection at once, so vLLM aborts the request and frees
 its KV. Each request settles one :class:`~kvtax.ledger.RequestRecord` in a ``finally``.
 
@@ -26,9 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
+import struct
+import termios
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -395,7 +400,9 @@ class Proxy:
             headers=_response_headers(upstream.headers),
         )
         await response.prepare(request)
+        acks = _Acks(request.transport)
         clock = self.clock
+        written = 0
         try:
             try:
                 async for data in upstream.content.iter_any():
@@ -403,10 +410,11 @@ class Proxy:
                     ex.upstream_tokens = rewriter.upstream_completion_tokens
                     if out.payload:
                         await response.write(out.payload)
-                        if out.completion_tokens > ex.delivered:
-                            timing.tokens_written(clock(), rewriter.prompt_tokens + ex.delivered)
-                            ex.delivered = out.completion_tokens
+                        if out.completion_tokens > written:
+                            timing.tokens_written(clock(), rewriter.prompt_tokens + written)
+                            written = out.completion_tokens
                             ex.prompt = rewriter.prompt_tokens
+                        ex.delivered = acks.wrote(len(out.payload), written)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # The headers are gone; tell the client in the stream, the way vLLM does.
                 reason = "timed out" if isinstance(exc, TimeoutError) else "broke off"
@@ -414,13 +422,14 @@ class Proxy:
                 ex.upstream_tokens = rewriter.upstream_completion_tokens
                 await response.write(_sse_error(f"vLLM's stream {reason}", "upstream_error", 502))
                 await response.write_eof()
+                ex.delivered = written
                 return response
             out = rewriter.finish()
             if out.payload:
                 await response.write(out.payload)
-                if out.completion_tokens > ex.delivered:
-                    timing.tokens_written(clock(), rewriter.prompt_tokens + ex.delivered)
-                    ex.delivered = out.completion_tokens
+                if out.completion_tokens > written:
+                    timing.tokens_written(clock(), rewriter.prompt_tokens + written)
+                    written = out.completion_tokens
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             ex.outcome = "client_disconnected"
@@ -433,11 +442,57 @@ class Proxy:
             return response
         ex.outcome = "completed"
         ex.prompt = rewriter.prompt_tokens
+        ex.delivered = written
         if rewriter.final_completion_tokens is not None:
             # Every byte reached the client, so every token did.
             ex.upstream_tokens = ex.delivered = rewriter.final_completion_tokens
         ex.slo_met = timing.meets(self.settings.slo)
         return response
+
+
+class _Acks:
+    """Which written tokens the client's TCP stack has acknowledged.
+
+    A write hands bytes to the kernel, not to the client: a client that stopped reading
+    leaves them queued in our socket. After each write we ask the kernel how many bytes are
+    still unacknowledged (Linux ``SIOCOUTQ``; plus what the transport still buffers) and confirm
+    the tokens of every write whose bytes have all been acknowledged. Where the kernel cannot
+    tell (not a TCP socket, not Linux), a write counts as soon as it returns.
+    """
+
+    __slots__ = ("_fd", "_pending", "_transport", "_written", "confirmed")
+
+    def __init__(self, transport: asyncio.Transport | None) -> None:
+        self._transport = transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        self._fd: int = sock.fileno() if sock is not None else -1
+        self._written = 0
+        self._pending: deque[tuple[int, int]] = deque()
+        self.confirmed = 0
+
+    def wrote(self, nbytes: int, tokens: int) -> int:
+        """Record a finished write that brought the client up to ``tokens``; return the
+        tokens confirmed so far."""
+        self._written += nbytes
+        self._pending.append((self._written, tokens))
+        unacked = self._unacked()
+        acked = self._written - unacked if unacked is not None else self._written
+        while self._pending and self._pending[0][0] <= acked:
+            self.confirmed = self._pending.popleft()[1]
+        return self.confirmed
+
+    def _unacked(self) -> int | None:
+        transport = self._transport
+        # Never ask about a closed socket: its descriptor may already belong to another.
+        if self._fd < 0 or transport is None or transport.is_closing():
+            return None
+        try:
+            queued = fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0")
+        except OSError:
+            self._fd = -1
+            return None
+        outq: int = struct.unpack("i", queued)[0]
+        return outq + transport.get_write_buffer_size()
 
 
 def _usage_of(body: bytes) -> tuple[int, int] | None:
