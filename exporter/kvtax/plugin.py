@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -94,12 +95,17 @@ class PreemptionDeltas(NamedTuple):
 
 
 def _count(value: object, what: str) -> int:
-    # bool is an int subclass; a flag where a count belongs means the shape changed.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} is {type(value).__name__}, expected int")
-    if value < 0:
-        raise ValueError(f"{what} is negative ({value})")
-    return value
+    # Any integer type (numpy's too) is a count; a float is not, and neither is a bool, which
+    # would mean the field now holds a flag: either way the shape changed.
+    if isinstance(value, bool):
+        raise TypeError(f"{what} is bool, expected an integer count")
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} is {type(value).__name__}, expected an integer count") from None
+    if count < 0:
+        raise ValueError(f"{what} is negative ({count})")
+    return count
 
 
 def read_deltas(scheduler_stats: Any) -> PreemptionDeltas:

@@ -155,6 +155,21 @@ def test_connector_hits_of_resumed_requests_are_not_recompute() -> None:
     assert plugin.read_deltas(stats).recomputed == 100
 
 
+class IntLike:
+    """An integer type that is not int (numpy's are like this): usable as a count."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_any_integer_type_is_a_count() -> None:
+    stats = resumed(queries=IntLike(40), hits=IntLike(8), resumes=IntLike(1))  # type: ignore[arg-type]
+    assert plugin.read_deltas(stats) == plugin.PreemptionDeltas(40, 8, 1)
+
+
 @pytest.mark.parametrize(
     ("stats", "error"),
     [
