@@ -5,8 +5,8 @@ Prometheus scrapes both every 3 s and evaluates the committed recording rules
 (``alerts/kvtax-recording.yaml``). The load is the known overload (64 concurrent streams x 500
 tokens against a 2,048-token pool), twice, sent through the proxy, with a few clients that
 hang up early. Then every target of every panel, with the template variables
-filled in as Grafana would, must parse and return at least one series, and ``kvtax dashboards
-preview`` must draw each dashboard from that Prometheus.
+filled in as Grafana would, must parse and return at least one series with a number in it,
+and ``kvtax dashboards preview`` must draw each dashboard from that Prometheus.
 
 Set ``KVTAX_SAVE_PREVIEW=DIR`` to keep the PNGs (the README's picture comes from this run).
 """
@@ -14,6 +14,7 @@ Set ``KVTAX_SAVE_PREVIEW=DIR`` to keep the PNGs (the README's picture comes from
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 import time
@@ -137,6 +138,9 @@ def test_every_panel_query_returns_data(
         filled = expand(expr, rate_interval=RATE_INTERVAL, values=values)
         series = overload.api.query(filled, overload.end)
         assert series, f"{uid} / {title} / {ref}: no series for\n{filled}"
+        # A series of NaN (a quantile of empty buckets) would prove nothing.
+        numbers = [v for s in series for _, v in s.points]
+        assert any(math.isfinite(v) for v in numbers), (uid, title, ref, numbers)
 
 
 def test_preview_draws_every_dashboard(
