@@ -29,6 +29,7 @@ class FakeVllm:
     delay: float = 0.0
     status: int = 200
     hang: float = 0.0
+    filler: int = 0
     active: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -38,7 +39,14 @@ class FakeVllm:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
         return app
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        return web.Response(
+            body=body[::-1], status=201, headers={"X-Auth-Seen": request.headers["Authorization"]}
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -91,7 +99,13 @@ class FakeVllm:
                 "object": "text_completion",
                 "created": 1,
                 "model": body["model"],
-                "choices": [{"index": 0, "text": 'ab"c}{' * step, "finish_reason": finish}],
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": 'ab"c}{' * step + "." * self.filler,
+                        "finish_reason": finish,
+                    }
+                ],
             }
             if continuous:
                 chunk["usage"] = {

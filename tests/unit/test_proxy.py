@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -126,6 +127,48 @@ async def test_other_paths_pass_through(fake: tuple[FakeVllm, str], start_proxy:
         async with client.get(url + "/nope") as missing:
             assert missing.status == 404
     assert proxy.ledger.models() == []
+
+
+async def test_request_bodies_and_statuses_pass_through(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    _, upstream = fake
+    url, _ = await start_proxy(upstream)
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/tokenize", data=b"abc", headers={"Authorization": "Bearer t"}) as resp,
+    ):
+        assert resp.status == 201
+        assert await resp.read() == b"cba"
+        assert resp.headers["X-Auth-Seen"] == "Bearer t"
+
+
+async def test_client_that_stalls_then_leaves_has_undelivered_tokens(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    # About 6 MB of stream: far more than the socket buffers between proxy and client hold.
+    vllm.tokens, vllm.filler = 4000, 1500
+    url, proxy = await start_proxy(upstream)
+
+    def small_socket(addr_info: Any) -> socket.socket:
+        family, kind, proto, _, _ = addr_info
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        return sock
+
+    connector = aiohttp.TCPConnector(socket_factory=small_socket)
+    async with aiohttp.ClientSession(connector=connector, read_bufsize=4096) as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        resp = await client.post(url + "/v1/completions", json=body)
+        await resp.content.readuntil(b"\n\n")
+        await asyncio.sleep(0.3)
+        resp.close()
+    await _until(lambda: proxy.in_flight == 0)
+    totals = proxy.ledger.totals()["m"]
+    assert _outcomes(proxy)["client_disconnected"] == 1
+    assert totals.undelivered > 0
+    assert totals.delivered + totals.undelivered <= 4000
 
 
 async def test_upstream_5xx_reaches_client_untouched(
