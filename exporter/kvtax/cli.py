@@ -85,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--short", action="store_true", help="Smaller loads, for CI and slow machines."
     )
+    demo.add_argument(
+        "--with-prometheus",
+        action="store_true",
+        help="Also run Prometheus and Alertmanager with kvtax's rules, show the preemption "
+        "alert firing, and render dashboard previews.",
+    )
+    demo.add_argument(
+        "--previews-out",
+        type=Path,
+        default=Path("kvtax-demo-previews"),
+        metavar="DIR",
+        help="Where --with-prometheus writes the dashboard PNGs (default kvtax-demo-previews).",
+    )
     docs = sub.add_parser("docs", help="Write the generated metrics and configuration references.")
     docs.add_argument("--out", type=Path, default=Path("docs"), help="Folder to write into.")
     docs.add_argument(

@@ -16,15 +16,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .testbed.engine import VllmEngine
 from .testbed.load import drive
+from .testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
 from .testbed.sidecar import KvtaxProcess
+from .testbed.webhook import WebhookReceiver
 
 __all__ = ["PHASES", "Phase", "PhaseResult", "phase_result", "render_status", "run_demo"]
 
@@ -43,6 +49,8 @@ class Phase:
 # engine must preempt. Four at a time fit.
 PHASES = (Phase("overload", 64, 64, 500), Phase("calm", 4, 8, 200))
 SHORT_PHASES = (Phase("overload", 32, 32, 300), Phase("calm", 2, 4, 100))
+CONFIGURED_MAX_NUM_SEQS = 64
+PREEMPTION_ALERT = "KvtaxVllmPreempting"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +141,13 @@ def render_status(metrics: Mapping[str, float], phase: str, elapsed: float) -> l
 
 
 def render_summary(
-    results: list[PhaseResult], metrics_url: str, previews: Path | None, configured: int
+    results: list[PhaseResult],
+    metrics_url: str,
+    previews: Path | None,
+    configured: int,
+    last: Mapping[str, float],
 ) -> str:
+    """The closing summary: each phase's figures, then what to change."""
     lines = ["", "== kvtax demo summary =="]
     lines.append(
         f"{'phase':<10}{'seconds':>8}{'preemptions':>13}{'generated':>11}"
@@ -146,15 +159,21 @@ def render_summary(
             f"{_fmt(r.delivered):>11}{r.recomputed:>12,.0f}{r.tax * 100:>8.1f}%"
         )
     method = results[0].method if results else "estimated"
-    lines += [
-        "",
-        f"Tax = recomputed / (computed prompt + generated + recomputed), {method}.",
-        f"The engine ran with max_num_seqs={configured}; kvtax_recommended_max_num_seqs says what "
-        "the pool can hold.",
-        f"kvtax's metrics were at {metrics_url} (it has stopped now).",
-    ]
+    lines += ["", f"tax = recomputed / (computed prompt + generated + recomputed), {method}."]
+    recommended = _get(last, "kvtax_recommended_max_num_seqs")
+    capacity = _get(last, "kvtax_kv_capacity_tokens")
+    p95 = _get(last, "kvtax_request_length_p95_tokens")
+    if recommended is not None and capacity is not None and p95 is not None:
+        lines.append(
+            f"The engine ran with max_num_seqs={configured}; its {capacity:,.0f}-token KV pool "
+            f"holds {recommended:.0f} requests of the p95 length ({p95:,.0f} tokens) at 90 % "
+            f"usage, so kvtax recommends --max-num-seqs={recommended:.0f}."
+        )
+    lines.append(f"kvtax's metrics were served at {metrics_url} (stopped with the demo).")
     if previews is not None:
-        lines.append(f"Dashboard previews: {previews}")
+        lines.append(f"Dashboard previews (PNG): {previews}")
+    else:
+        lines.append("Run with --with-prometheus for alerts and dashboard previews.")
     return "\n".join(lines)
 
 
@@ -185,22 +204,128 @@ def _progress(message: str) -> None:
     print(f"kvtax demo: {message}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class _Stack:
+    engine: VllmEngine
+    kvtax: KvtaxProcess
+    prometheus: PrometheusProcess | None = None
+    alertmanager: AlertmanagerProcess | None = None
+    webhook: WebhookReceiver | None = None
+    workdir: Path = field(default_factory=Path)
+
+
+def _address(url: str) -> str:
+    return urllib.parse.urlsplit(url).netloc
+
+
 @contextlib.contextmanager
-def _stack(args: argparse.Namespace) -> Iterator[tuple[VllmEngine, KvtaxProcess]]:
+def _stack(args: argparse.Namespace) -> Iterator[_Stack]:
     _progress("preparing the vLLM CPU engine (the first run installs it: a few minutes)")
-    with VllmEngine(max_num_seqs=64) as engine:
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtax-demo-")))
+        engine = stack.enter_context(VllmEngine(max_num_seqs=CONFIGURED_MAX_NUM_SEQS))
         _progress(f"vLLM is up at {engine.url} with a {engine.kv_capacity_tokens:,}-token KV pool")
-        with KvtaxProcess(
-            engine.url, proxy=True, window="20s", extra_args=["--max-num-seqs=64"]
-        ) as kvtax:
-            kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
-            _progress(f"kvtax is up: metrics {kvtax.metrics_url}, proxy {kvtax.proxy_url}")
-            yield engine, kvtax
+        kvtax = stack.enter_context(
+            KvtaxProcess(
+                engine.url,
+                proxy=True,
+                window="20s",
+                extra_args=[f"--max-num-seqs={CONFIGURED_MAX_NUM_SEQS}"],
+                log_path=workdir / "kvtax.log",
+            )
+        )
+        kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
+        _progress(f"kvtax is up: metrics {kvtax.metrics_url}, proxy {kvtax.proxy_url}")
+        running = _Stack(engine, kvtax, workdir=workdir)
+        if args.with_prometheus:
+            _start_monitoring(stack, running)
+        yield running
+
+
+def _start_monitoring(stack: contextlib.ExitStack, running: _Stack) -> None:
+    """Prometheus with kvtax's rules (short test profile) and Alertmanager with the example
+    routing, its receivers pointed at a local webhook so the page can be shown."""
+    from .rules import TEST_PROFILE
+    from .rules.alertmanager import alertmanager_config
+    from .rules.render import alerts_yaml, dump, recording_yaml
+
+    rules = [running.workdir / "kvtax-recording.yaml", running.workdir / "kvtax-alerts.yaml"]
+    rules[0].write_text(recording_yaml(TEST_PROFILE))
+    rules[1].write_text(alerts_yaml(TEST_PROFILE))
+    hook = stack.enter_context(WebhookReceiver())
+    am_config = alertmanager_config(
+        pager_url=hook.url + "/pager",
+        ticket_url=hook.url + "/ticket",
+        group_wait="1s",
+        group_interval="1s",
+        repeat_interval="1h",
+    )
+    am = stack.enter_context(
+        AlertmanagerProcess(dump(am_config), log_path=running.workdir / "alertmanager.log")
+    )
+    config = prometheus_config(
+        {"vllm": [_address(running.engine.url)], "kvtax": [_address(running.kvtax.base_url)]},
+        interval="1s",
+        alertmanager_url=am.url,
+    )
+    prom = stack.enter_context(
+        PrometheusProcess(config, rules, log_path=running.workdir / "prometheus.log")
+    )
+    prom.wait_for(lambda: bool(prom.query("kvtax_vllm_up == 1")), what="kvtax scraped")
+    _progress(f"Prometheus at {prom.url}, Alertmanager at {am.url} (rules: short test profile)")
+    running.prometheus, running.alertmanager, running.webhook = prom, am, hook
+
+
+def _pages(hook: WebhookReceiver) -> list[tuple[str, dict[str, Any]]]:
+    return [(path, alert) for path, alert in hook.alerts() if alert.get("status") == "firing"]
+
+
+def _show_alerts(running: _Stack, timeout: float = 60.0) -> list[str]:
+    """Wait for the preemption alert to reach the webhook, then describe what arrived."""
+    assert running.webhook is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pages = _pages(running.webhook)
+        if any(a["labels"].get("alertname") == PREEMPTION_ALERT for _, a in pages):
+            break
+        time.sleep(1.0)
+    lines = []
+    seen = set()
+    for path, alert in _pages(running.webhook):
+        labels = alert["labels"]
+        key = (labels.get("alertname"), path)
+        if key in seen:
+            continue
+        seen.add(key)
+        lines.append(
+            f"  {labels.get('alertname')} [{labels.get('severity')}] -> {path.strip('/')}: "
+            f"{alert['annotations'].get('description', '')}"
+        )
+        lines.append(f"      runbook: {alert['annotations'].get('runbook_url', '-')}")
+    if not lines:
+        lines.append(f"  (no alert reached Alertmanager's receivers within {timeout:.0f}s)")
+    return lines
+
+
+def _previews(running: _Stack, since: float, out: Path) -> Path | None:
+    """Render the dashboards from the demo's Prometheus with ``kvtax dashboards preview``."""
+    assert running.prometheus is not None
+    span = max(60, int(time.time() - since) + 10)
+    cmd = [
+        sys.executable, "-m", "kvtax.cli", "dashboards", "preview",
+        "--prometheus", running.prometheus.url, "--out", str(out),
+        "--range", f"{span}s", "--scrape-interval", "1s",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        _progress(f"dashboard previews failed: {done.stderr.strip()[-400:]}")
+        return None
+    return out
 
 
 async def _run_phase(
     kvtax: KvtaxProcess, engine: VllmEngine, phase: Phase, live: _Live
-) -> PhaseResult:
+) -> tuple[PhaseResult, dict[str, float]]:
     assert kvtax.proxy_url is not None
     before = await asyncio.to_thread(kvtax.metrics)
     started = time.monotonic()
@@ -215,8 +340,9 @@ async def _run_phase(
         )
     )
     while not load.done():
-        metrics = await asyncio.to_thread(kvtax.metrics)
-        live.show(render_status(metrics, phase.name, time.monotonic() - started))
+        with contextlib.suppress(OSError):  # a missed frame is fine; the next poll catches up
+            metrics = await asyncio.to_thread(kvtax.metrics)
+            live.show(render_status(metrics, phase.name, time.monotonic() - started))
         await asyncio.wait({load}, timeout=1.0)
     await load
     seconds = time.monotonic() - started
@@ -226,26 +352,40 @@ async def _run_phase(
     after = await asyncio.to_thread(kvtax.metrics)
     live.show(render_status(after, phase.name, seconds))
     live.release()
-    return phase_result(phase.name, seconds, before, after)
+    return phase_result(phase.name, seconds, before, after), after
 
 
 def run_demo(args: argparse.Namespace) -> int:
     phases = SHORT_PHASES if args.short else PHASES
     live = _Live()
+    began = time.time()
+    alert_lines: list[str] = []
+    previews: Path | None = None
     try:
-        with _stack(args) as (engine, kvtax):
+        with _stack(args) as running:
             results = []
+            last: dict[str, float] = {}
             for phase in phases:
                 _progress(
                     f"phase {phase.name}: {phase.requests} streams, {phase.concurrency} at "
                     f"a time, {phase.max_tokens} tokens each"
                 )
-                results.append(asyncio.run(_run_phase(kvtax, engine, phase, live)))
-            metrics_url = kvtax.metrics_url
+                result, last = asyncio.run(_run_phase(running.kvtax, running.engine, phase, live))
+                results.append(result)
+            metrics_url = running.kvtax.metrics_url
+            if running.prometheus is not None:
+                _progress("waiting for the preemption alert to reach Alertmanager's receiver")
+                alert_lines = _show_alerts(running)
+                args.previews_out.mkdir(parents=True, exist_ok=True)
+                _progress(f"rendering dashboard previews into {args.previews_out}")
+                previews = _previews(running, began, args.previews_out)
     except KeyboardInterrupt:
         _progress("interrupted; every process the demo started has been stopped")
         return 130
-    print(render_summary(results, metrics_url, None, 64), flush=True)
+    print(render_summary(results, metrics_url, previews, CONFIGURED_MAX_NUM_SEQS, last))
+    if alert_lines:
+        print("\nAlerts that reached Alertmanager's receivers:")
+        print("\n".join(alert_lines))
     overload, calm = results[0], results[-1]
     if overload.tax <= 0 or calm.tax != 0:
         _progress("unexpected: the overload should show a tax and the calm phase none")

@@ -27,7 +27,7 @@ from kvtax.testbed.load import RequestResult, drive
 from kvtax.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
 from kvtax.testbed.sidecar import KvtaxProcess, parse_metrics
 from kvtax.vocabulary import CONCEPTS
-from tests.e2e.webhook import Notification, WebhookReceiver
+from kvtax.testbed.webhook import Notification, WebhookReceiver
 
 pytestmark = pytest.mark.e2e
 

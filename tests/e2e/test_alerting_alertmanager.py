@@ -15,7 +15,7 @@ import pytest
 from kvtax.rules.alertmanager import alertmanager_config
 from kvtax.rules.render import dump
 from kvtax.testbed.promstack import AlertmanagerProcess
-from tests.e2e.webhook import WebhookReceiver
+from kvtax.testbed.webhook import WebhookReceiver
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""A webhook receiver the alerting tests run: it records every notification Alertmanager sends.
+"""A webhook receiver for the alerting tests and the demo: it records every notification Alertmanager sends.
 
 Each POST body is Alertmanager's webhook payload (``receiver``, ``status``, ``groupLabels``,
 ``alerts`` with ``labels`` and ``annotations``); it is kept with the request path, so a test
@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
-from kvtax.testbed import free_port
+from .engine import free_port
 
 __all__ = ["Notification", "WebhookReceiver"]
 

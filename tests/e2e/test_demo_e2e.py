@@ -1,0 +1,78 @@
+"""``kvtax demo --short`` end to end, as a newcomer runs it: real engine, real kvtax, real load.
+
+The demo starts its own engine (a second one beside the session's), so these tests check the
+whole first-run path: summary figures, exit status, and that nothing it started survives it,
+on a normal exit and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HANG_GUARD_S = 600.0  # fails a hung run; not a performance claim
+
+
+def _demo(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtax.cli", "demo", "--short", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _ports(output: str) -> list[str]:
+    """Loopback ports of the engine and of kvtax, as the demo announced them."""
+    return re.findall(r"http://127\.0\.0\.1:(\d+)", output)
+
+
+def _alive(port: str) -> list[str]:
+    found = subprocess.run(
+        ["pgrep", "-af", f"127.0.0.1:{port}\\b|--port {port}\\b"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return [line for line in found.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_demo_summary_shows_tax_in_overload_and_none_after() -> None:
+    proc = _demo()
+    output, _ = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, output[-3000:]
+    rows = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^(overload|calm)\s.*?([\d.]+)%$", output, flags=re.M)
+    }
+    assert rows["overload"] > 0, output[-2000:]
+    assert rows["calm"] == 0, output[-2000:]
+    assert "kvtax recommends --max-num-seqs=" in output
+    for port in set(_ports(output)):
+        assert not _alive(port), f"port {port} still served after the demo: {_alive(port)}"
+
+
+def test_ctrl_c_stops_everything_the_demo_started(tmp_path: Path) -> None:
+    proc = _demo()
+    assert proc.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + HANG_GUARD_S
+    for line in proc.stdout:
+        seen.append(line)
+        if "phase overload" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted" in output
+    ports = set(_ports(output))
+    assert ports, output
+    for port in ports:
+        assert not _alive(port), f"port {port} still served after Ctrl-C: {_alive(port)}"
