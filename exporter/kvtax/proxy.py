@@ -7,9 +7,9 @@ upstream reader pauses when its buffer is full, so a slow client slows vLLM's TC
 of growing memory. The proxy asks vLLM for usage on every chunk and trims it back to what the
 client asked for (:mod:`kvtax.sse`); tokens count as delivered once the bytes carrying them were
 written to the client and its TCP stack acknowledged them (bytes still queued in our socket when a
-stalled client leaves never reached it). A client that goes away cancels its handler (aiohttp's handler
-cancellation), which closes the upstream connection at once, so vLLM aborts the request and frees
-its KV. Each request settles one :class:`~kvtax.ledger.RequestRecord` in a ``finally``.
+stalled client leaves never reached it). A client that goes away cancels its handler (aiohttp's
+handler cancellation), which closes the upstream connection at once, so vLLM aborts the request
+and frees its KV. Each request settles one :class:`~kvtax.ledger.RequestRecord` in a ``finally``.
 
 Errors the proxy itself produces (vLLM unreachable, timed out, body too large) are OpenAI-style
 JSON; vLLM's own statuses, headers and error bodies pass through unchanged. Nothing of a prompt,
