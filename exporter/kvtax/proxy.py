@@ -257,7 +257,9 @@ class Proxy:
                 await response.write(chunk)
             await response.write_eof()
             return response
-        except (aiohttp.ClientError, TimeoutError, ConnectionResetError):
+        except BaseException:
+            # Client gone (cancelled), client reset, or upstream broke: drop the connection
+            # rather than return a half-read one to the pool.
             upstream.close()
             raise
         finally:
