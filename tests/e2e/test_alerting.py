@@ -26,8 +26,8 @@ from kvtax.testbed import VllmEngine
 from kvtax.testbed.load import RequestResult, drive
 from kvtax.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
 from kvtax.testbed.sidecar import KvtaxProcess, parse_metrics
-from kvtax.vocabulary import CONCEPTS
 from kvtax.testbed.webhook import Notification, WebhookReceiver
+from kvtax.vocabulary import CONCEPTS
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""A webhook receiver for the alerting tests and the demo: it records every notification Alertmanager sends.
+"""A webhook receiver for the alerting tests and the demo: it keeps what Alertmanager sends.
 
 Each POST body is Alertmanager's webhook payload (``receiver``, ``status``, ``groupLabels``,
 ``alerts`` with ``labels`` and ``annotations``); it is kept with the request path, so a test
