@@ -220,7 +220,7 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "kvtax_requests_total",
         "counter",
         "Requests through kvtax by outcome: completed, client_disconnected, upstream_error, "
-        "rejected.",
+        "rejected, shutdown (cut when the shutdown grace period ran out).",
         (M, "outcome"),
         "delivery",
     ),

@@ -149,9 +149,16 @@ async def _run_serve(config: Config) -> int:
         await sidecar.stop()
         return 1
     await stop.wait()
-    log.info("shutting down")
-    await delivery.stop()
+    log.info(
+        "shutting down: letting requests in flight finish for up to %.0fs",
+        config.shutdown_grace_period,
+    )
+    sidecar.draining = True
+    # The proxy drains first; /metrics stays up meanwhile so the last figures can be scraped.
+    await delivery.stop(config.shutdown_grace_period)
     await sidecar.stop()
+    settled = ", ".join(f"{k} {v:.0f}" for k, v in delivery.ledger.outcomes().items())
+    log.info("stopped; requests settled by outcome: %s", settled)
     return 0
 
 

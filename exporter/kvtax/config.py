@@ -309,6 +309,14 @@ OPTIONS: tuple[Option, ...] = (
         "DURATION",
     ),
     Option(
+        "shutdown.grace_period",
+        30.0,
+        lambda v: _nonnegative(parse_duration(v)),
+        "On SIGTERM, how long requests in flight may finish before the rest are ended; "
+        "keep it below the pod's terminationGracePeriodSeconds.",
+        "DURATION",
+    ),
+    Option(
         "log.level",
         "info",
         lambda v: _choice(v, ("debug", "info", "warning", "error")),
@@ -316,6 +324,12 @@ OPTIONS: tuple[Option, ...] = (
         "LEVEL",
     ),
 )
+
+
+def _nonnegative(number: float) -> float:
+    if number < 0:
+        raise ValueError("must not be negative")
+    return number
 
 
 def _choice(value: Any, choices: tuple[str, ...]) -> str:
@@ -348,6 +362,7 @@ class Config:
     gateway_selector: tuple[tuple[str, str], ...] = ()
     slo_ttft: float = 2.0
     slo_itl: float = 0.2
+    shutdown_grace_period: float = 30.0
     log_level: str = "info"
 
     @property

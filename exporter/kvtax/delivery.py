@@ -103,7 +103,8 @@ class Delivery:
         if self.gateway is not None:
             self.gateway.start()
 
-    async def stop(self) -> None:
-        await self.proxy.stop()
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop the proxy, letting requests in flight finish for up to ``grace`` seconds."""
+        await self.proxy.stop(grace)
         if self.gateway is not None:
             await self.gateway.stop()

@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 OTHER = "other"
-OUTCOMES = ("completed", "client_disconnected", "upstream_error", "rejected")
+# "shutdown": still streaming when kvtax's shutdown grace period ran out.
+OUTCOMES = ("completed", "client_disconnected", "upstream_error", "rejected", "shutdown")
 SOURCES = ("proxy", "push", "gateway")
 
 # Bucket bounds in seconds. Client-visible gaps on a GPU are tens of ms; a preemption stall is
@@ -246,6 +247,14 @@ class DeliveryLedger:
 
     def models(self) -> list[str]:
         return sorted(self._books)
+
+    def outcomes(self) -> dict[str, float]:
+        """Requests by outcome, over every model (for the shutdown log line)."""
+        counts = dict.fromkeys(OUTCOMES, 0.0)
+        for book in self._books.values():
+            for outcome, n in book.outcomes.items():
+                counts[outcome] += n
+        return counts
 
     def totals(self) -> dict[str, LedgerTotals]:
         return {label: book.totals() for label, book in self._books.items()}

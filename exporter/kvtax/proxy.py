@@ -130,6 +130,8 @@ class _Exchange:
     upstream_tokens: int = 0
     timing: StreamTiming | None = None
     slo_met: bool = False
+    # Set when shutdown's grace period ran out while this request was still streaming.
+    cut: bool = False
 
 
 class Proxy:
@@ -148,6 +150,9 @@ class Proxy:
         self.in_flight = 0
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        # Streams in flight, so that shutdown can end the ones its grace period does not cover.
+        self._streams: dict[int, tuple[_Exchange, aiohttp.ClientResponse]] = {}
+        self._cutting = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -180,10 +185,28 @@ class Proxy:
         await web.TCPSite(self._runner, host, port).start()
         log.info("proxy on %s:%d relays to %s", host, port, self.settings.upstream)
 
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
+
+        A stream still running when the grace period ends gets an OpenAI-style error event and
+        a clean end of stream; its upstream is closed so vLLM frees its KV, and the ledger
+        settles it with the outcome ``shutdown``.
+        """
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            for site in list(runner.sites):
+                await site.stop()  # no new connections from here on
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace
+            while self.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if self.in_flight:
+                log.info("grace period over: ending %d request(s) still in flight", self.in_flight)
+            self._cutting = True
+            for ex, upstream in list(self._streams.values()):
+                ex.cut = True
+                upstream.close()
+            await runner.cleanup()
         await self.close()
 
     async def close(self) -> None:
@@ -272,8 +295,8 @@ class Proxy:
         try:
             return await self._handle(request, ex)
         except asyncio.CancelledError:
-            # aiohttp cancels the handler when the client disconnects.
-            ex.outcome = "client_disconnected"
+            # aiohttp cancels the handler when the client disconnects, and at shutdown.
+            ex.outcome = "shutdown" if self._cutting else "client_disconnected"
             raise
         finally:
             self.in_flight -= 1
@@ -342,7 +365,7 @@ class Proxy:
                 return await self._relay_whole(request, upstream, ex)
             return await self._relay_stream(request, upstream, ex, wish)
         except BaseException:
-            ex.outcome = "client_disconnected"
+            ex.outcome = "shutdown" if self._cutting else "client_disconnected"
             raise
         finally:
             if ex.outcome == "completed":
@@ -393,9 +416,7 @@ class Proxy:
         wish: UsageWish,
     ) -> web.StreamResponse:
         rewriter = StreamRewriter(wish)
-        timing = ex.timing = StreamTiming(
-            ex.started, self.settings.stall_factor, self.settings.stall_min
-        )
+        ex.timing = StreamTiming(ex.started, self.settings.stall_factor, self.settings.stall_min)
         response = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
@@ -403,6 +424,22 @@ class Proxy:
         )
         await response.prepare(request)
         acks = _Acks(request.transport)
+        self._streams[id(ex)] = (ex, upstream)
+        try:
+            return await self._relay_events(response, upstream, ex, rewriter, acks)
+        finally:
+            del self._streams[id(ex)]
+
+    async def _relay_events(
+        self,
+        response: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        ex: _Exchange,
+        rewriter: StreamRewriter,
+        acks: _Acks,
+    ) -> web.StreamResponse:
+        timing = ex.timing
+        assert timing is not None
         clock = self.clock
         written = 0
         try:
@@ -418,6 +455,8 @@ class Proxy:
                             ex.prompt = rewriter.prompt_tokens
                         ex.delivered = acks.wrote(len(out.payload), written)
             except (aiohttp.ClientError, TimeoutError) as exc:
+                if ex.cut:
+                    return await self._end_cut(response, ex, rewriter, written)
                 # The headers are gone; tell the client in the stream, the way vLLM does.
                 reason = "timed out" if isinstance(exc, TimeoutError) else "broke off"
                 ex.outcome = "upstream_error"
@@ -426,6 +465,8 @@ class Proxy:
                 await response.write_eof()
                 ex.delivered = written
                 return response
+            if ex.cut:
+                return await self._end_cut(response, ex, rewriter, written)
             out = rewriter.finish()
             if out.payload:
                 await response.write(out.payload)
@@ -434,7 +475,7 @@ class Proxy:
                     written = out.completion_tokens
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError) as exc:
-            ex.outcome = "client_disconnected"
+            ex.outcome = "shutdown" if ex.cut else "client_disconnected"
             # Whatever vLLM already sent us but the client never got is undelivered too.
             with contextlib.suppress(aiohttp.ClientError, RuntimeError):
                 rewriter.feed(upstream.content.read_nowait())
@@ -449,6 +490,23 @@ class Proxy:
             # Every byte reached the client, so every token did.
             ex.upstream_tokens = ex.delivered = rewriter.final_completion_tokens
         ex.slo_met = timing.meets(self.settings.slo)
+        return response
+
+    async def _end_cut(
+        self,
+        response: web.StreamResponse,
+        ex: _Exchange,
+        rewriter: StreamRewriter,
+        written: int,
+    ) -> web.StreamResponse:
+        """End a stream that shutdown's grace period did not cover, as cleanly as vLLM would."""
+        ex.outcome = "shutdown"
+        ex.upstream_tokens = rewriter.upstream_completion_tokens
+        ex.delivered = written
+        await response.write(
+            _sse_error("kvtax is shutting down; retry the request", "server_shutdown", 503)
+        )
+        await response.write_eof()
         return response
 
 

@@ -85,6 +85,8 @@ class Sidecar:
         self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
         self._first: asyncio.Task[None] | None = None
+        # Set on SIGTERM: /readyz fails so the Service stops sending new requests.
+        self.draining = False
 
     # -- the pipeline ------------------------------------------------------------------------
     def add_producer(self, producer: Producer) -> None:
@@ -171,6 +173,8 @@ class Sidecar:
 
     # -- HTTP --------------------------------------------------------------------------------
     def is_ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "shutting down"
         last = self.health.last_success
         if last is None:
             return False, f"no successful scrape yet ({self.health.last_error or 'starting'})"

@@ -315,3 +315,48 @@ async def _until(condition: Callable[[], bool], limit: float = 30.0) -> None:
     while not condition() and loop.time() < deadline:
         await asyncio.sleep(0.01)
     assert condition()
+
+
+async def test_shutdown_lets_short_streams_finish_and_ends_long_ones_cleanly(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.delay = 50, 0.1  # five seconds of stream: longer than the grace
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the stream is live
+            stopping = asyncio.create_task(proxy.stop(grace=0.3))
+            text = (await resp.read()).decode()
+            await stopping
+        # No new connection is accepted once shutdown began.
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await client.post(url + "/v1/completions", json=body)
+    last = json.loads(text.strip().split("\n\n")[-1].removeprefix("data: "))
+    assert last["error"]["type"] == "server_shutdown"
+    assert _outcomes(proxy)["shutdown"] == 1
+    assert proxy.in_flight == 0
+    # The tokens that reached the client before the cut count as delivered, the rest not.
+    totals = proxy.ledger.totals()["m"]
+    assert 0 < totals.delivered < 50
+
+
+async def test_shutdown_waits_for_a_stream_that_fits_the_grace(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.delay = 5, 0.05
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            await resp.content.readline()
+            stopping = asyncio.create_task(proxy.stop(grace=30.0))
+            text = (await resp.read()).decode()
+            await stopping
+    assert text.rstrip().endswith("data: [DONE]")
+    assert _outcomes(proxy)["completed"] == 1
+    assert _outcomes(proxy)["shutdown"] == 0
+    assert _delivered(proxy) == 5
