@@ -113,12 +113,14 @@ class RequestRecord:
 
     ``forwarded`` says the request reached vLLM (vLLM's HTTP counter will count it);
     ``gaps`` are the client-visible gaps between writes that carried tokens; ``stalls`` are
-    ``(seconds, context tokens at the stall's start)``.
+    ``(seconds, context tokens at the stall's start)``. ``credited_tokens`` of the delivered
+    ones were already counted while the stream ran (:meth:`DeliveryLedger.credit`).
     """
 
     model: str | None
     outcome: str
     delivered_tokens: int = 0
+    credited_tokens: int = 0
     prompt_tokens: int = 0
     undelivered_tokens: int = 0
     forwarded: bool = True
@@ -212,7 +214,8 @@ class DeliveryLedger:
         book.outcomes[record.outcome] += 1
         # Prompt tokens count only when some output reached the client.
         prompt = record.prompt_tokens if record.delivered_tokens > 0 else 0
-        book.add_tokens("proxy", record.delivered_tokens, prompt, record.undelivered_tokens)
+        remaining = max(0, record.delivered_tokens - record.credited_tokens)
+        book.add_tokens("proxy", remaining, prompt, record.undelivered_tokens)
         if record.forwarded:
             book.joined_requests += 1
         if record.slo_met and record.outcome == "completed":
@@ -227,6 +230,15 @@ class DeliveryLedger:
             book.stall_context += context
         if record.duration is not None:
             book.duration.observe(record.duration)
+
+    def credit(self, model: str | None, tokens: int) -> None:
+        """Count tokens of a stream still running as delivered, as they reach the client.
+
+        Crediting as they arrive, not when the stream ends, keeps goodput over a window in step
+        with the engine's generation counter: a minute-long stream would otherwise show all its
+        tokens in the window it ended in.
+        """
+        self._book(model).add_tokens("proxy", tokens, 0, 0)
 
     def add(self, model: str | None, counts: DeliveryCounts, source: str) -> None:
         """Add increments from another source (``push`` or ``gateway``)."""

@@ -126,6 +126,7 @@ class _Exchange:
     outcome: str = "upstream_error"
     forwarded: bool = False
     delivered: int = 0
+    credited: int = 0  # of ``delivered``, what the ledger already counted mid-stream
     prompt: int = 0
     upstream_tokens: int = 0
     timing: StreamTiming | None = None
@@ -309,6 +310,7 @@ class Proxy:
                 model=ex.model,
                 outcome=ex.outcome,
                 delivered_tokens=ex.delivered,
+                credited_tokens=ex.credited,
                 prompt_tokens=ex.prompt,
                 undelivered_tokens=max(0, ex.upstream_tokens - ex.delivered),
                 forwarded=ex.forwarded,
@@ -454,6 +456,9 @@ class Proxy:
                             written = out.completion_tokens
                             ex.prompt = rewriter.prompt_tokens
                         ex.delivered = acks.wrote(len(out.payload), written)
+                        if ex.delivered > ex.credited:
+                            self.ledger.credit(ex.model, ex.delivered - ex.credited)
+                            ex.credited = ex.delivered
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if ex.cut:
                     return await self._end_cut(response, ex, rewriter, written)

@@ -360,3 +360,24 @@ async def test_shutdown_waits_for_a_stream_that_fits_the_grace(
     assert _outcomes(proxy)["completed"] == 1
     assert _outcomes(proxy)["shutdown"] == 0
     assert _delivered(proxy) == 5
+
+
+async def test_tokens_count_as_delivered_while_the_stream_runs(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.delay = 20, 0.05
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            for _ in range(10):
+                await resp.content.readline()
+            await _until(lambda: proxy.ledger.totals().get("m") is not None)
+            mid_stream = proxy.ledger.totals()["m"].delivered
+            await resp.read()
+    # Counted as the client received them, not all at once when the stream ended ...
+    assert 0 < mid_stream < 20
+    assert _outcomes(proxy)["completed"] == 1
+    # ... and never twice.
+    assert _delivered(proxy) == 20
