@@ -133,6 +133,8 @@ class _Exchange:
     slo_met: bool = False
     # Set when shutdown's grace period ran out while this request was still streaming.
     cut: bool = False
+    # Every byte of the response was handed to the client (only the end-of-stream remained).
+    relayed_all: bool = False
 
 
 class Proxy:
@@ -297,7 +299,8 @@ class Proxy:
             return await self._handle(request, ex)
         except asyncio.CancelledError:
             # aiohttp cancels the handler when the client disconnects, and at shutdown.
-            ex.outcome = "shutdown" if self._cutting else "client_disconnected"
+            if ex.outcome != "completed":
+                ex.outcome = "shutdown" if self._cutting else "client_disconnected"
             raise
         finally:
             self.in_flight -= 1
@@ -367,7 +370,8 @@ class Proxy:
                 return await self._relay_whole(request, upstream, ex)
             return await self._relay_stream(request, upstream, ex, wish)
         except BaseException:
-            ex.outcome = "shutdown" if self._cutting else "client_disconnected"
+            if ex.outcome != "completed":
+                ex.outcome = "shutdown" if self._cutting else "client_disconnected"
             raise
         finally:
             if ex.outcome == "completed":
@@ -478,8 +482,17 @@ class Proxy:
                 if out.completion_tokens > written:
                     timing.tokens_written(clock(), rewriter.prompt_tokens + written)
                     written = out.completion_tokens
+                ex.delivered = acks.wrote(len(out.payload), written)
+            ex.relayed_all = True
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError) as exc:
+            if ex.relayed_all and ex.delivered >= written:
+                # The client read the whole stream, [DONE] included, and hung up before our
+                # end-of-stream: a completed request, not a disconnect.
+                self._completed(ex, rewriter, written, timing)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                return response
             ex.outcome = "shutdown" if ex.cut else "client_disconnected"
             # Whatever vLLM already sent us but the client never got is undelivered too.
             with contextlib.suppress(aiohttp.ClientError, RuntimeError):
@@ -488,6 +501,12 @@ class Proxy:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return response
+        self._completed(ex, rewriter, written, timing)
+        return response
+
+    def _completed(
+        self, ex: _Exchange, rewriter: StreamRewriter, written: int, timing: StreamTiming
+    ) -> None:
         ex.outcome = "completed"
         ex.prompt = rewriter.prompt_tokens
         ex.delivered = written
@@ -495,7 +514,6 @@ class Proxy:
             # Every byte reached the client, so every token did.
             ex.upstream_tokens = ex.delivered = rewriter.final_completion_tokens
         ex.slo_met = timing.meets(self.settings.slo)
-        return response
 
     async def _end_cut(
         self,

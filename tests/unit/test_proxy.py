@@ -381,3 +381,36 @@ async def test_tokens_count_as_delivered_while_the_stream_runs(
     assert _outcomes(proxy)["completed"] == 1
     # ... and never twice.
     assert _delivered(proxy) == 20
+
+
+async def test_a_client_that_read_to_the_end_then_hung_up_completed(
+    fake: tuple[FakeVllm, str], start_proxy: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client got every byte, [DONE] included, and closed before our end-of-stream.
+
+    That race cannot be timed from outside, so the proxy's final write_eof is made to fail the
+    way it does when the peer is gone.
+    """
+    vllm, upstream = fake
+    vllm.tokens = 6
+    url, proxy = await start_proxy(upstream)
+    proxy_port = int(url.rsplit(":", 1)[1])
+    real_write_eof = web.StreamResponse.write_eof
+
+    async def write_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        request = self._req  # which server is writing: the proxy or the fake vLLM
+        if request is not None and request.url.port == proxy_port:
+            raise ConnectionResetError("peer closed after reading the whole stream")
+        await real_write_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            received = b""
+            while b"[DONE]" not in received:
+                received += await resp.content.readany()
+    await _until(lambda: proxy.in_flight == 0)
+    assert _outcomes(proxy)["completed"] == 1
+    assert _outcomes(proxy)["client_disconnected"] == 0
+    assert _delivered(proxy) == 6
