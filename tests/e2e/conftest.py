@@ -6,8 +6,10 @@ reason about counter *deltas*, never absolute values, and leave the engine idle.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
@@ -16,7 +18,14 @@ from kvtax.testbed import EngineStartError, VllmEngine
 _HERE = Path(__file__).resolve().parent
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # A run stopped with SIGTERM (a CI timeout, `timeout`, kill) would otherwise skip fixture
+    # teardown and leave the session's engine running; as an interrupt, teardown runs.
+    signal.signal(signal.SIGTERM, _interrupt)
     # Registered here too so the marker is known even when pytest runs without the
     # project's ini settings (for example from another rootdir).
     config.addinivalue_line("markers", "e2e: needs a real vLLM engine (slow)")

@@ -82,7 +82,12 @@ async def _run(kvtax: KvtaxProcess, model: str) -> tuple[list[StreamEnd], int | 
         tasks = [
             asyncio.create_task(
                 _stream(
-                    session, kvtax.proxy_url, model, 8 if i % 2 == 0 else 900, firsts[i], ends[i]
+                    session,
+                    kvtax.proxy_url,
+                    model=model,
+                    max_tokens=8 if i % 2 == 0 else 900,
+                    first=firsts[i],
+                    end=ends[i],
                 )
             )
             for i in range(STREAMS)
