@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import shutil
@@ -90,7 +91,7 @@ def prometheus_config(
     return "\n".join(lines) + "\n"
 
 
-class _Server:
+class _Server(abc.ABC):
     """Shared lifecycle: temp dir, free port, start and wait for /-/ready, SIGTERM stop."""
 
     name = "server"
@@ -102,8 +103,9 @@ class _Server:
         self.log_path = log_path or self.dir / f"{self.name}.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
+    @abc.abstractmethod
     def command(self) -> list[str]:
-        raise NotImplementedError
+        """The server's command line."""
 
     def __enter__(self) -> Self:
         self.start()
