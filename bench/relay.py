@@ -227,6 +227,7 @@ async def _stream(
     gaps: list[float] = []
     events = 0
     last = None
+    tail = b""  # a lone "\n" that may be the first half of a separator split across reads
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, resp.status
         async for data in resp.content.iter_any():
@@ -236,7 +237,9 @@ async def _stream(
             else:
                 gaps.append(now - last)
             last = now
-            events += data.count(b"\n\n")
+            joined = tail + data
+            events += joined.count(b"\n\n")
+            tail = b"\n" if joined.endswith(b"\n") and not joined.endswith(b"\n\n") else b""
     # Every token chunk and [DONE] arrived: the relay lost nothing.
     assert events == chunks + 1, (events, chunks)
     return StreamStats(ttfb, gaps, events)
