@@ -32,7 +32,15 @@ from .testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheu
 from .testbed.sidecar import KvtaxProcess
 from .testbed.webhook import WebhookReceiver
 
-__all__ = ["PHASES", "Phase", "PhaseResult", "phase_result", "render_status", "run_demo"]
+__all__ = [
+    "PHASES",
+    "Phase",
+    "PhaseResult",
+    "phase_result",
+    "render_status",
+    "render_summary",
+    "run_demo",
+]
 
 THRASH = {0: "ok", 1: "at risk", 2: "THRASHING"}
 
