@@ -90,10 +90,12 @@ class Delivery:
             point = self.sidecar.history.latest(model)
             if point is not None:
                 engine[model] = point.counters
+        self.proxy.credit_in_flight()
         self.join.observe(snap.timestamp, engine, served_requests(snap), self.ledger.totals())
         self.figures = self.join.figures()
 
     def samples(self) -> Iterator[Sample | HistogramSample]:
+        self.proxy.credit_in_flight()
         yield from self.ledger.samples()
         yield from join_samples(self.figures)
 

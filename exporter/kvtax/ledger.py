@@ -232,9 +232,9 @@ class DeliveryLedger:
             book.duration.observe(record.duration)
 
     def credit(self, model: str | None, tokens: int) -> None:
-        """Count tokens of a stream still running as delivered, as they reach the client.
+        """Count tokens of a stream still running as delivered (the proxy, at each scrape).
 
-        Crediting as they arrive, not when the stream ends, keeps goodput over a window in step
+        Crediting while the stream runs, not when it ends, keeps goodput over a window in step
         with the engine's generation counter: a minute-long stream would otherwise show all its
         tokens in the window it ended in.
         """

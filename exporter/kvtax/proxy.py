@@ -217,6 +217,17 @@ class Proxy:
             await self._session.close()
             self._session = None
 
+    def credit_in_flight(self) -> None:
+        """Count the tokens running streams have delivered so far; called at each scrape.
+
+        Crediting at scrape time rather than per chunk keeps the relay's hot path free of
+        ledger work, and still keeps windowed goodput in step with the engine.
+        """
+        for ex, _ in self._streams.values():
+            if ex.delivered > ex.credited:
+                self.ledger.credit(ex.model, ex.delivered - ex.credited)
+                ex.credited = ex.delivered
+
     # -- helpers -----------------------------------------------------------------------------
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(
@@ -460,9 +471,6 @@ class Proxy:
                             written = out.completion_tokens
                             ex.prompt = rewriter.prompt_tokens
                         ex.delivered = acks.wrote(len(out.payload), written)
-                        if ex.delivered > ex.credited:
-                            self.ledger.credit(ex.model, ex.delivered - ex.credited)
-                            ex.credited = ex.delivered
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if ex.cut:
                     return await self._end_cut(response, ex, rewriter, written)
