@@ -147,17 +147,6 @@ def _selector(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def _boolean(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
 @dataclass(frozen=True, slots=True)
 class Option:
     """One setting. ``key`` is dotted; the Config field is the key with dots as underscores."""

@@ -217,7 +217,6 @@ class _Stack:
     engine: VllmEngine
     kvtax: KvtaxProcess
     prometheus: PrometheusProcess | None = None
-    alertmanager: AlertmanagerProcess | None = None
     webhook: WebhookReceiver | None = None
     workdir: Path = field(default_factory=Path)
 
@@ -281,7 +280,7 @@ def _start_monitoring(stack: contextlib.ExitStack, running: _Stack) -> None:
     )
     prom.wait_for(lambda: bool(prom.query("kvtax_vllm_up == 1")), what="kvtax scraped")
     _progress(f"Prometheus at {prom.url}, Alertmanager at {am.url} (rules: short test profile)")
-    running.prometheus, running.alertmanager, running.webhook = prom, am, hook
+    running.prometheus, running.webhook = prom, hook
 
 
 def _pages(hook: WebhookReceiver) -> list[tuple[str, dict[str, Any]]]:

@@ -67,8 +67,7 @@ class EngineFigures:
     # method -> value; a method is present only if its source exists.
     recompute_rate: Mapping[str, float] = field(default_factory=dict)
     tax: Mapping[str, float] = field(default_factory=dict)
-    # Window increases the join needs: G, Pc and R by method.
-    window_seconds: float = 0.0
+    # Increases of every total over the window (G, Pc, R by method, ...), as the ratios saw them.
     window_increase: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -194,7 +193,6 @@ def derive_engine(points: Sequence[Point], settings: EngineSettings) -> EngineFi
         thrash_state=thrash_state(points, settings),
         recompute_rate=recompute_rate,
         tax=tax,
-        window_seconds=span,
         window_increase=increases,
     )
 
