@@ -67,7 +67,8 @@ class EngineFigures:
     # method -> value; a method is present only if its source exists.
     recompute_rate: Mapping[str, float] = field(default_factory=dict)
     tax: Mapping[str, float] = field(default_factory=dict)
-    # Increases of every total over the window (G, Pc, R by method, ...), as the ratios saw them.
+    # The window actually covered, and every total's increase over it (G, Pc, R by method).
+    window_seconds: float = 0.0
     window_increase: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -193,6 +194,7 @@ def derive_engine(points: Sequence[Point], settings: EngineSettings) -> EngineFi
         thrash_state=thrash_state(points, settings),
         recompute_rate=recompute_rate,
         tax=tax,
+        window_seconds=span,
         window_increase=increases,
     )
 

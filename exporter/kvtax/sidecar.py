@@ -71,6 +71,7 @@ class Sidecar:
         self.history = EngineHistory(config.window)
         self.health = ScrapeHealth()
         self.figures: dict[str, EngineFigures] = {}
+        self.snapshot: VllmSnapshot | None = None
         self.settings = EngineSettings(
             target_usage=config.target_usage, configured_max_num_seqs=config.max_num_seqs
         )
@@ -111,6 +112,7 @@ class Sidecar:
             model: derive_engine(self.history.points(model), self.settings)
             for model in self.history.models()
         }
+        self.snapshot = snap
         for observer in self._observers:
             observer(snap)
         return snap
