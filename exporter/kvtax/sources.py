@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from .bodies import BodyTooLarge, read_bounded
 from .counters import CounterTracker
 from .intake import PushError, gateway_totals, parse_push
 from .ledger import DeliveryCounts, DeliveryLedger
@@ -52,11 +53,10 @@ def push_handler(ledger: DeliveryLedger, token: str | None) -> Handler:
                 response = _error(401, "missing or wrong bearer token", "authentication_error")
                 response.headers["WWW-Authenticate"] = 'Bearer realm="kvtax"'
                 return response
-        if request.content_length is not None and request.content_length > MAX_PUSH_BODY:
-            return _error(413, f"body exceeds {MAX_PUSH_BODY} bytes", "invalid_request_error")
-        body = await request.content.read(MAX_PUSH_BODY + 1)
-        if len(body) > MAX_PUSH_BODY:
-            return _error(413, f"body exceeds {MAX_PUSH_BODY} bytes", "invalid_request_error")
+        try:
+            body = await read_bounded(request.content, MAX_PUSH_BODY, request.content_length)
+        except BodyTooLarge as exc:
+            return _error(413, str(exc), "invalid_request_error")
         try:
             reports = parse_push(body)
         except PushError as exc:
