@@ -13,7 +13,8 @@ A push body is one report or a list of them::
      "slo_met_tokens": 120}
 
 Every count is an increment since the previous push; only ``model`` and ``delivered_tokens`` are
-required. :class:`PushError` messages name the offending field.
+required. Each count is at most :data:`MAX_COUNT`. :class:`PushError` messages name the offending
+field.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .ledger import OUTCOMES, DeliveryCounts
 
-__all__ = ["PushError", "gateway_totals", "parse_push"]
+__all__ = ["MAX_COUNT", "PushError", "gateway_totals", "parse_push"]
 
 _FIELDS = (
     "delivered_tokens",
@@ -37,6 +38,12 @@ _FIELDS = (
     "slo_met_tokens",
 )
 _MAX_REPORTS = 1000
+# A report is an increment since the sender's previous push. One vLLM replica emits at most some
+# 10^4-10^5 tokens/s, so 10^9 is hours of a replica's output, more than any sender that pushes
+# at least hourly (or catches up after an outage) can owe. The bound keeps a hostile or buggy
+# sender from wrecking a counter: a push adds at most 10^12, far from float64's exact range
+# (2^53, about 9e15) and nowhere near +Inf, where one 1.7e308 pushed twice used to take it.
+MAX_COUNT = 1e9
 
 
 class PushError(ValueError):
@@ -49,10 +56,16 @@ def _count(report: Mapping[str, Any], key: str, where: str, *, required: bool = 
         if required:
             raise PushError(f"{where}: {key} is required")
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise PushError(f"{where}: {key} must be a number, got {json.dumps(value)[:40]}")
+    shown = json.dumps(value)[:40]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PushError(f"{where}: {key} must be a number, got {shown}")
+    # math.isfinite is asked of floats only: it cannot convert an int of 400 digits.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PushError(f"{where}: {key} must be a number, got {shown}")
     if value < 0:
-        raise PushError(f"{where}: {key} must not be negative, got {value}")
+        raise PushError(f"{where}: {key} must not be negative, got {shown}")
+    if value > MAX_COUNT:
+        raise PushError(f"{where}: {key} must be at most {MAX_COUNT:.0e}, got {shown}")
     return float(value)
 
 
@@ -92,6 +105,10 @@ def parse_push(body: bytes) -> list[tuple[str, DeliveryCounts]]:
         raise PushError("body is not UTF-8 text") from exc
     except json.JSONDecodeError as exc:
         raise PushError(f"body is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+    except ValueError as exc:  # an integer literal longer than Python converts (4,300 digits)
+        raise PushError("body holds a number too long to read") from exc
+    except RecursionError as exc:
+        raise PushError("body is nested too deeply") from exc
     items = data if isinstance(data, list) else [data]
     if not items:
         raise PushError("body is an empty list")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client.exposition import generate_latest
 
 from kvtax.config import load_config
 from kvtax.delivery import Delivery, served_requests
+from kvtax.intake import MAX_COUNT, PushError, parse_push
 from kvtax.ledger import RequestRecord
 from kvtax.sidecar import Sidecar
 from kvtax.sources import PUSH_PATH, GatewayPoller
@@ -55,6 +58,41 @@ async def test_push_rejects_malformed_json_with_a_clear_message(aiohttp_client: 
     assert (await resp.json())["error"]["message"] == "report 0: delivered_tokens is required"
     resp = await client.post(PUSH_PATH, data=io.BytesIO(b"x" * (2 * 1024 * 1024)))
     assert resp.status == 413
+    assert delivery.ledger.models() == []
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('{"model": "m", "delivered_tokens": 1.7e308}', "delivered_tokens must be at most 1e+09"),
+        ('{"model": "m", "delivered_tokens": 1000000001}', "delivered_tokens must be at most"),
+        ('{"model": "m", "delivered_tokens": 1, "prompt_tokens": 1e10}', "prompt_tokens must be"),
+        ('{"model": "m", "delivered_tokens": 1, "requests": {"completed": 2e9}}', "completed"),
+        ('{"model": "m", "delivered_tokens": 1%s}' % ("0" * 400), "must be at most"),
+        ('{"model": "m", "delivered_tokens": 1%s}' % ("0" * 5000), "number too long"),
+        ('{"model": "m", "delivered_tokens": Infinity}', "must be a number, got Infinity"),
+        ("[" * 100_000, "nested too deeply"),
+    ],
+)
+def test_push_values_are_bounded_and_the_message_names_the_field(body: str, message: str) -> None:
+    with pytest.raises(PushError, match=re.escape(message)):
+        parse_push(body.encode())
+
+
+def test_the_largest_honest_count_is_accepted() -> None:
+    [(_, counts)] = parse_push(b'{"model": "m", "delivered_tokens": %d}' % MAX_COUNT)
+    assert counts.delivered_tokens == MAX_COUNT
+
+
+async def test_huge_pushes_cannot_make_the_counter_infinite(aiohttp_client: Any) -> None:
+    sidecar, delivery = _delivery(**{"push.token": "s3cret"})
+    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    auth = {"Authorization": "Bearer s3cret"}
+    for _ in range(2):
+        body = {"model": "m", "delivered_tokens": 1.7e308}
+        resp = await client.post(PUSH_PATH, json=body, headers=auth)
+        assert resp.status == 400
+        assert "delivered_tokens must be at most" in (await resp.json())["error"]["message"]
     assert delivery.ledger.models() == []
 
 
