@@ -5,6 +5,10 @@ the way Prometheus' ``increase()`` does: when a raw value drops, the engine rest
 raw value is all the increase since the last scrape. The first value ever seen is taken as the
 starting total, so kvtax's counters mirror vLLM's until vLLM restarts and stay monotonic after.
 
+A reading that is NaN, infinite or negative is no counter value at all: it is rejected (counted
+in ``rejected``), the total keeps its last good value, and it is not taken for a restart. One NaN
+would otherwise make the total, and every rate over it, NaN for good.
+
 Example::
 
     t = CounterTracker()
@@ -14,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["CounterTracker"]
@@ -31,9 +36,13 @@ class CounterTracker:
     def __init__(self) -> None:
         self._tracks: dict[str, _Track] = {}
         self.resets = 0
+        self.rejected = 0
 
     def update(self, key: str, raw: float) -> float:
         """Record a raw reading and return the increase since the previous one (never < 0)."""
+        if not (math.isfinite(raw) and raw >= 0):
+            self.rejected += 1
+            return 0.0
         track = self._tracks.get(key)
         if track is None:
             self._tracks[key] = _Track(raw, raw)
@@ -49,6 +58,9 @@ class CounterTracker:
 
     def add(self, key: str, amount: float) -> None:
         """Grow a total kvtax computes itself (no raw counter behind it)."""
+        if not (math.isfinite(amount) and amount >= 0):
+            self.rejected += 1
+            return
         track = self._tracks.get(key)
         if track is None:
             self._tracks[key] = _Track(0.0, amount)

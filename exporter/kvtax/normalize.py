@@ -5,6 +5,12 @@ known concept, combines engines per the concept's :class:`~kvtax.vocabulary.Aggr
 the newest name when a scrape carries two (0.10 exposes both KV-usage names). Series without a
 ``model_name`` that merely reuse the ``vllm:`` prefix (routers re-exporting them) are ignored.
 
+The page is hostile input. A body that does not end in a newline was cut short (the text format
+ends every line with one) and is refused, as is a page with more series than the caller allows.
+A sample that is NaN or infinite, or a counter or histogram that is negative, is rejected: its
+concept is left out of this scrape for that model (so a reset-corrected total keeps its last good
+value and no restart is inferred) and the rejection is counted in ``VllmSnapshot.rejected``.
+
 Example::
 
     snap = normalize(open("tests/fixtures/vllm/0.32-idle.prom").read(), timestamp=0.0)
@@ -12,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -20,13 +27,24 @@ from prometheus_client.parser import text_string_to_metric_families
 from .snapshot import Histogram, ModelMetrics, VllmSnapshot
 from .vocabulary import CONCEPTS, FINGERPRINTS, Aggregate, Concept, Kind, concept_for
 
-__all__ = ["ParseError", "normalize", "prefix_cache_counts_blocks"]
+__all__ = ["REJECT_REASONS", "ParseError", "normalize", "prefix_cache_counts_blocks"]
 
 _SERVER = ""  # model key for server-level series (no model_name label)
 
+# Why a sample of an otherwise good page was rejected; a fixed set, so labels stay bounded.
+REJECT_REASONS = ("non_finite", "negative")
+
 
 class ParseError(ValueError):
-    """The /metrics body is not valid Prometheus text."""
+    """The /metrics body is not acceptable; ``reason`` is parse, truncated or too_many_series."""
+
+    def __init__(self, message: str, reason: str = "parse") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[ParseError], tuple[str, str]]:
+        # Raised in the parse worker process: keep the reason across pickling.
+        return (type(self), (str(self), self.reason))
 
 
 @dataclass(slots=True)
@@ -39,6 +57,7 @@ class _Acc:
     hsum: float = 0.0
     hcount: float = 0.0
     info: dict[str, str] = field(default_factory=dict)
+    invalid: bool = False
 
 
 def _combine(concept: Concept, old: float | None, new: float) -> float:
@@ -81,10 +100,30 @@ def prefix_cache_counts_blocks(
     return queries * 4 < prompt_tokens
 
 
-def normalize(text: str, *, timestamp: float, version: str | None = None) -> VllmSnapshot:
+def _check_page(text: str, max_series: int | None) -> None:
+    if text and not text.endswith("\n"):
+        tail = text[-40:]
+        raise ParseError(f"page does not end with a newline (cut short?): ...{tail!r}", "truncated")
+    if max_series is not None:
+        # Counted in C before any parsing: sample lines are all lines but comments (an upper
+        # bound, as blank lines count too). Parsing costs ~60 us per series in pure Python.
+        lines = text.count("\n")
+        comments = text.count("\n#") + text.startswith("#")
+        if lines - comments > max_series:
+            raise ParseError(
+                f"page has about {lines - comments} series, above --scrape.max-series={max_series}",
+                "too_many_series",
+            )
+
+
+def normalize(
+    text: str, *, timestamp: float, version: str | None = None, max_series: int | None = None
+) -> VllmSnapshot:
     """Turn one /metrics body into a :class:`VllmSnapshot`. Raises :class:`ParseError`."""
+    _check_page(text, max_series)
     accs: dict[tuple[str, str, int], _Acc] = {}
     marks: set[str] = set()
+    rejected = dict.fromkeys(REJECT_REASONS, 0)
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -110,10 +149,24 @@ def normalize(text: str, *, timestamp: float, version: str | None = None) -> Vll
                 acc = accs.get(key)
                 if acc is None:
                     acc = accs[key] = _Acc()
+                why = _rejected(concept, sample.value)
+                if why is not None:
+                    rejected[why] += 1
+                    acc.invalid = True
+                    continue
                 _accumulate(acc, concept, part, labels, sample.value)
     except ValueError as exc:  # prometheus-client raises ValueError on malformed text
         raise ParseError(str(exc)) from exc
-    return _finish(accs, marks, timestamp, version)
+    return _finish(accs, marks, timestamp, version, rejected)
+
+
+def _rejected(concept: Concept, value: float) -> str | None:
+    """Why a sample cannot be used, or None. One bad engine spoils its model's sum."""
+    if not math.isfinite(value):
+        return "non_finite"
+    if value < 0 and concept.kind in (Kind.COUNTER, Kind.HISTOGRAM):
+        return "negative"
+    return None
 
 
 def _accumulate(
@@ -139,7 +192,11 @@ def _accumulate(
 
 
 def _finish(
-    accs: dict[tuple[str, str, int], _Acc], marks: set[str], timestamp: float, version: str | None
+    accs: dict[tuple[str, str, int], _Acc],
+    marks: set[str],
+    timestamp: float,
+    version: str | None,
+    rejected: dict[str, int],
 ) -> VllmSnapshot:
     # Keep, per (model, concept), only the newest name's data.
     best: dict[tuple[str, str], int] = {}
@@ -160,7 +217,7 @@ def _finish(
     for model, concepts in per_model.items():
         merged = {**server, **concepts}
         models[model] = _freeze(merged, frozen_marks, names, version)
-    return VllmSnapshot(timestamp, models, frozen_marks, names, version)
+    return VllmSnapshot(timestamp, models, frozen_marks, names, version, rejected)
 
 
 def _freeze(
@@ -172,6 +229,8 @@ def _freeze(
     info: dict[str, str] = {}
     for name, acc in concepts.items():
         kind = CONCEPTS[name].kind
+        if acc.invalid:
+            continue  # absent this scrape, like a concept the version lacks
         if kind is Kind.HISTOGRAM:
             buckets = tuple(sorted(acc.buckets.items()))
             histograms[name] = Histogram(buckets, acc.hsum, acc.hcount)

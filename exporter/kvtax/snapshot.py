@@ -84,6 +84,7 @@ class VllmSnapshot:
 
     ``marks`` are version fingerprints seen (``"v0"``, ``"0.16+"``, ``"engine_label"``, ...);
     ``names`` records which exposed name fed each concept, for the docs and for debugging.
+    ``rejected`` counts samples left out by reason (``non_finite``, ``negative``).
     """
 
     timestamp: float
@@ -91,6 +92,7 @@ class VllmSnapshot:
     marks: frozenset[str] = frozenset()
     names: Mapping[str, str] = field(default_factory=dict)
     version: str | None = None
+    rejected: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def is_v0(self) -> bool:

@@ -78,3 +78,33 @@ def test_add_grows_a_total_without_a_raw_counter() -> None:
     t.add("r", 25.0)
     t.add("r", 5.0)
     assert t.total("r") == 30.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -1.0])
+def test_a_reading_that_is_no_counter_value_is_rejected_not_a_restart(bad: float) -> None:
+    t = CounterTracker()
+    t.update("g", 5_000.0)
+    assert t.update("g", bad) == 0.0
+    assert t.total("g") == 5_000.0  # the last good total, not NaN and not a restart
+    assert t.resets == 0
+    assert t.rejected == 1
+    # The next good reading continues from the last good one.
+    assert t.update("g", 5_010.0) == 10.0
+    assert t.total("g") == 5_010.0
+
+
+def test_a_first_reading_that_is_nan_starts_nothing() -> None:
+    t = CounterTracker()
+    t.update("g", float("nan"))
+    assert t.total("g") is None
+    t.update("g", 7.0)
+    assert t.total("g") == 7.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -3.0])
+def test_add_rejects_what_is_no_amount(bad: float) -> None:
+    t = CounterTracker()
+    t.add("r", 10.0)
+    t.add("r", bad)
+    assert t.total("r") == 10.0
+    assert t.rejected == 1

@@ -259,3 +259,83 @@ def test_empty_body_is_an_empty_snapshot() -> None:
     snap = normalize("", timestamp=3.0)
     assert snap.models == {}
     assert snap.marks == frozenset()
+
+
+# -- hostile pages ---------------------------------------------------------------------------
+
+_GEN = "# TYPE vllm:generation_tokens counter\n"
+
+
+def _gen_page(*values: str, usage: str = "0.5") -> str:
+    lines = [_GEN]
+    lines += [
+        f'vllm:generation_tokens_total{{engine="{i}",model_name="m"}} {v}\n'
+        for i, v in enumerate(values)
+    ]
+    lines += ["# TYPE vllm:kv_cache_usage_perc gauge\n"]
+    lines += [f'vllm:kv_cache_usage_perc{{model_name="m"}} {usage}\n']
+    return "".join(lines)
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [("NaN", "non_finite"), ("+Inf", "non_finite"), ("-Inf", "non_finite"), ("-5", "negative")],
+)
+def test_a_counter_that_is_no_number_is_left_out_and_counted(value: str, reason: str) -> None:
+    snap = normalize(_gen_page(value), timestamp=0.0)
+    m = snap.models["m"]
+    assert "generation_tokens" not in m.values
+    assert m.values["kv_usage"] == 0.5  # the rest of the page is still good
+    assert snap.rejected[reason] == 1
+
+
+def test_one_bad_engine_leaves_the_model_sum_out_rather_than_halving_it() -> None:
+    # Summing only the good engine would look like a counter drop, i.e. a restart.
+    snap = normalize(_gen_page("500", "NaN"), timestamp=0.0)
+    assert "generation_tokens" not in snap.models["m"].values
+    assert snap.rejected == {"non_finite": 1, "negative": 0}
+
+
+@pytest.mark.parametrize("usage", ["NaN", "+Inf"])
+def test_a_gauge_that_is_not_finite_is_left_out(usage: str) -> None:
+    m = normalize(_gen_page("5", usage=usage), timestamp=0.0).models["m"]
+    assert "kv_usage" not in m.values
+    assert m.values["generation_tokens"] == 5
+
+
+def test_a_nan_histogram_sum_leaves_the_histogram_out() -> None:
+    text = read_fixture("0.32-preempting.prom")
+    line = next(x for x in text.splitlines() if x.startswith("vllm:request_prompt_tokens_sum"))
+    bad = text.replace(line, line.rsplit(" ", 1)[0] + " NaN")
+    m = normalize(bad, timestamp=0.0).models["tiny-llama"]
+    assert "request_prompt_tokens" not in m.histograms
+    assert "request_generation_tokens" in m.histograms
+
+
+def test_a_good_page_rejects_nothing() -> None:
+    snap = normalize(read_fixture("0.32-preempting.prom"), timestamp=0.0)
+    assert snap.rejected == {"non_finite": 0, "negative": 0}
+
+
+def test_a_page_cut_mid_number_is_truncated() -> None:
+    page = _gen_page("5000")
+    cut = page[: page.index("5000") + 2]  # ...} 50  with no final newline
+    with pytest.raises(ParseError) as caught:
+        normalize(cut, timestamp=0.0)
+    assert caught.value.reason == "truncated"
+
+
+def test_a_page_with_more_series_than_allowed_is_refused_before_parsing() -> None:
+    lines = [f'vllm:num_requests_running{{model_name="m{i}"}} 1\n' for i in range(101)]
+    text = "# TYPE vllm:num_requests_running gauge\n" + "".join(lines)
+    assert len(normalize(text, timestamp=0.0, max_series=101).models) == 101
+    with pytest.raises(ParseError) as caught:
+        normalize(text, timestamp=0.0, max_series=100)
+    assert caught.value.reason == "too_many_series"
+
+
+def test_parse_error_keeps_its_reason_across_processes() -> None:
+    import pickle
+
+    again = pickle.loads(pickle.dumps(ParseError("cut", "truncated")))
+    assert (str(again), again.reason) == ("cut", "truncated")
