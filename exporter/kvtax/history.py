@@ -5,6 +5,12 @@ Each :meth:`EngineHistory.observe` folds one :class:`~kvtax.snapshot.VllmSnapsho
 totals (see :mod:`kvtax.counters`) and appends a :class:`Point`; :mod:`kvtax.derive` then reads
 the points as plain values. It does no I/O.
 
+The ``model_name`` values come from vLLM's page, so they are bounded here: at most
+``max_models`` models are tracked. Models already tracked keep their place; a new one takes a
+free place, else the place of the model gone from the page longest, else it is dropped for this
+scrape and counted in ``dropped_models``. A model gone from the page for longer than the window
+is forgotten, so its series leave kvtax's output.
+
 Example::
 
     h = EngineHistory(window_seconds=300)
@@ -16,12 +22,22 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .counters import CounterTracker
 from .snapshot import Histogram, ModelMetrics, VllmSnapshot
 
-__all__ = ["WINDOW_HISTOGRAMS", "EngineHistory", "Point", "computed_prompt_raw", "mean_context"]
+__all__ = [
+    "DEFAULT_MAX_MODELS",
+    "WINDOW_HISTOGRAMS",
+    "EngineHistory",
+    "Point",
+    "computed_prompt_raw",
+    "mean_context",
+]
+
+# A vLLM server serves one model name, or a handful; a page with more is hostile or broken.
+DEFAULT_MAX_MODELS = 32
 
 # Counter concepts whose reset-corrected totals kvtax keeps (and republishes).
 TRACKED = (
@@ -84,20 +100,26 @@ def mean_context(histograms: Mapping[str, Histogram]) -> float | None:
 
 
 class _ModelHistory:
-    def __init__(self, maxlen: int) -> None:
+    def __init__(self, maxlen: int, now: float) -> None:
         self.tracker = CounterTracker()
         self.points: deque[Point] = deque(maxlen=maxlen)
         self.pending_preemptions = 0.0
+        self.last_seen = now
 
 
 class EngineHistory:
     """Folds snapshots into per-model totals and keeps the points of the last window."""
 
-    def __init__(self, window_seconds: float, max_points: int = 4096) -> None:
+    def __init__(
+        self, window_seconds: float, max_points: int = 4096, max_models: int = DEFAULT_MAX_MODELS
+    ) -> None:
         self.window_seconds = window_seconds
         self._max_points = max_points
+        self._max_models = max_models
         self._models: dict[str, _ModelHistory] = {}
         self.restarts = 0
+        # Models left out of scrapes for want of a place, summed over scrapes.
+        self.dropped_models = 0
 
     def models(self) -> list[str]:
         return sorted(self._models)
@@ -110,18 +132,46 @@ class EngineHistory:
         hist = self._models.get(model)
         return hist.points[-1] if hist and hist.points else None
 
-    def observe(self, snap: VllmSnapshot) -> None:
+    def observe(self, snap: VllmSnapshot) -> VllmSnapshot:
+        """Fold one scrape; returns the snapshot restricted to the models tracked."""
+        kept = self._admit(snap)
         restarted = False
-        for model, metrics in snap.models.items():
-            hist = self._models.get(model)
-            if hist is None:
-                hist = self._models[model] = _ModelHistory(self._max_points)
+        for model in kept:
+            hist = self._models[model]
+            hist.last_seen = snap.timestamp
+            metrics = snap.models[model]
             resets_before = hist.tracker.resets
             self._fold(hist, metrics, snap)
             restarted |= hist.tracker.resets > resets_before
             self._trim(hist, snap.timestamp)
         if restarted:
             self.restarts += 1
+        if len(kept) == len(snap.models):
+            return snap
+        return replace(snap, models={model: snap.models[model] for model in kept})
+
+    def _admit(self, snap: VllmSnapshot) -> list[str]:
+        """Forget models gone for a window, then find a place for the page's models."""
+        now, page = snap.timestamp, snap.models
+        for model in [m for m, h in self._models.items() if m not in page]:
+            if now - self._models[model].last_seen > self.window_seconds:
+                del self._models[model]
+        kept = [model for model in page if model in self._models]
+        for model in sorted(model for model in page if model not in self._models):
+            if len(self._models) >= self._max_models and not self._evict_absent(page):
+                self.dropped_models += len(page) - len(kept)
+                break
+            self._models[model] = _ModelHistory(self._max_points, now)
+            kept.append(model)
+        return kept
+
+    def _evict_absent(self, page: Mapping[str, ModelMetrics]) -> bool:
+        """Free the place of the model gone from the page longest, if any is gone."""
+        absent = [(h.last_seen, m) for m, h in self._models.items() if m not in page]
+        if not absent:
+            return False
+        del self._models[min(absent)[1]]
+        return True
 
     def _fold(self, hist: _ModelHistory, m: ModelMetrics, snap: VllmSnapshot) -> None:
         tracker = hist.tracker

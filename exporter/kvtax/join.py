@@ -77,9 +77,12 @@ class _ModelJoin:
 class JoinHistory:
     """Aligned points per model over the window; see the module docstring."""
 
-    def __init__(self, window_seconds: float, max_points: int = 4096) -> None:
+    def __init__(self, window_seconds: float, max_points: int = 4096, max_models: int = 64) -> None:
         self.window_seconds = window_seconds
         self._max_points = max_points
+        # Models present in a scrape are never dropped (the engine history and the ledger bound
+        # them); this caps how many absent ones are kept for the rest of their window.
+        self._max_models = max_models
         self._models: dict[str, _ModelJoin] = {}
         self._served = CounterTracker()
 
@@ -111,6 +114,15 @@ class JoinHistory:
             horizon = t - self.window_seconds
             while len(state.points) >= 2 and state.points[1].t <= horizon:
                 state.points.popleft()
+        self._forget_absent(t)
+
+    def _forget_absent(self, t: float) -> None:
+        """Drop models absent from this scrape (engine and ledger) for a window, or, oldest
+        first, beyond ``max_models``: rotating model names must not pile up here."""
+        absent = sorted((s.points[-1].t, m) for m, s in self._models.items() if s.points[-1].t < t)
+        for last, model in absent:
+            if t - last > self.window_seconds or len(self._models) > self._max_models:
+                del self._models[model]
 
     @staticmethod
     def _fold_stalls(state: _ModelJoin, engine: Mapping[str, float], ledger: LedgerTotals) -> None:

@@ -1,0 +1,91 @@
+"""Engine-side model names are vLLM's input: bounded in number, forgotten when they leave.
+
+A page can carry any number of ``model_name`` values. The history tracks at most
+``max_models``, counts what it leaves out, and forgets a model gone for a window, and the join
+forgets it too, so rotating names cannot grow kvtax's memory or its output.
+"""
+
+from __future__ import annotations
+
+from kvtax.history import EngineHistory
+from kvtax.join import JoinHistory
+from kvtax.ledger import LedgerTotals
+from kvtax.snapshot import ModelMetrics, VllmSnapshot
+
+WINDOW = 60.0
+
+
+def page(t: float, *models: str) -> VllmSnapshot:
+    metrics = {m: ModelMetrics({"generation_tokens": 10.0 * t, "kv_usage": 0.5}) for m in models}
+    return VllmSnapshot(t, metrics)
+
+
+def test_models_past_the_cap_are_dropped_and_counted() -> None:
+    h = EngineHistory(WINDOW, max_models=3)
+    kept = h.observe(page(0.0, "a", "b", "c", "d", "e"))
+    assert h.models() == ["a", "b", "c"]
+    assert sorted(kept.models) == ["a", "b", "c"]  # observers see only tracked models
+    assert h.dropped_models == 2
+    h.observe(page(5.0, "a", "b", "c", "d", "e"))
+    assert h.dropped_models == 4  # counted at every scrape that left them out
+
+
+def test_tracked_models_keep_their_place_when_newcomers_arrive() -> None:
+    h = EngineHistory(WINDOW, max_models=2)
+    h.observe(page(0.0, "z1", "z2"))
+    h.observe(page(5.0, "a", "z1", "z2"))  # "a" sorts first but finds no place
+    assert h.models() == ["z1", "z2"]
+    assert h.dropped_models == 1
+
+
+def test_a_model_gone_for_a_window_is_forgotten() -> None:
+    h = EngineHistory(WINDOW, max_models=8)
+    h.observe(page(0.0, "old", "stay"))
+    h.observe(page(30.0, "stay"))
+    assert h.models() == ["old", "stay"]  # gone for less than a window: still published
+    h.observe(page(61.0, "stay"))
+    assert h.models() == ["stay"]
+    assert h.points("old") == ()
+
+
+def test_a_newcomer_takes_the_place_of_the_model_gone_longest() -> None:
+    h = EngineHistory(WINDOW, max_models=2)
+    h.observe(page(0.0, "gone-first", "gone-later"))
+    h.observe(page(5.0, "gone-later"))
+    h.observe(page(10.0, "new"))
+    assert h.models() == ["gone-later", "new"]
+    assert h.dropped_models == 0
+
+
+def test_ten_thousand_rotating_model_names_stay_bounded() -> None:
+    h = EngineHistory(WINDOW, max_models=32)
+    join = JoinHistory(WINDOW)
+    for scrape in range(200):
+        t = 5.0 * scrape
+        names = [f"model-{(scrape * 50 + i) % 10_000:05d}" for i in range(50)]
+        kept = h.observe(page(t, *names))
+        engine = {m: {"generation_tokens": 10.0 * t} for m in kept.models}
+        join.observe(t, engine, served_requests=None, ledger={})
+        assert len(h.models()) <= 32
+        assert len(join.models()) <= 64
+    assert h.dropped_models == 200 * (50 - 32)
+    # Series leave the output: nothing older than a window is still there.
+    assert all(m in {f"model-{(199 * 50 + i) % 10_000:05d}" for i in range(50)} for m in h.models())
+
+
+def test_the_join_forgets_a_model_gone_from_the_engine_and_the_ledger() -> None:
+    join = JoinHistory(WINDOW)
+    totals = {"generation_tokens": 10.0}
+    join.observe(0.0, {"a": totals, "b": totals}, served_requests=None, ledger={})
+    join.observe(30.0, {"b": totals}, served_requests=None, ledger={})
+    assert join.models() == ["a", "b"]
+    join.observe(61.0, {"b": totals}, served_requests=None, ledger={})
+    assert join.models() == ["b"]
+
+
+def test_the_join_keeps_a_model_the_ledger_still_counts() -> None:
+    join = JoinHistory(WINDOW)
+    totals = {"generation_tokens": 10.0}
+    join.observe(0.0, {"a": totals}, served_requests=None, ledger={})
+    join.observe(100.0, {}, served_requests=None, ledger={"a": LedgerTotals()})
+    assert join.models() == ["a"]
