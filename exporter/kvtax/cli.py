@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import __version__
-from .config import OPTIONS, Config, ConfigError, env_name, load_config
+from .config import OPTIONS, Config, ConfigError, env_name, load_config, unknown_env
 from .dashboards.cli import add_dashboards_parser, run_dashboards
 from .rules.cli import add_rules_parser, run_rules
 
@@ -54,6 +54,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             dest=option.key,
             metavar=option.metavar,
             default=None,
+            # A switch given bare means true; --push.allow-unauthenticated=false still parses.
+            nargs="?" if option.switch else None,
+            const="true" if option.switch else None,
             # argparse %-formats help text, so a literal "%" in OPTIONS must be doubled.
             help=f"{option.help} (env {env_name(option.key)}; default: {default})".replace(
                 "%", "%%"
@@ -124,6 +127,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for warning in unknown_env(os.environ):
+        log.warning("%s", warning)
     if config.log_level != "debug":
         # APScheduler logs two INFO lines per job run: one scrape a second would drown the log.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)

@@ -14,9 +14,10 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,6 +34,7 @@ __all__ = [
     "parse_address",
     "parse_duration",
     "render_markdown",
+    "unknown_env",
 ]
 
 
@@ -133,6 +135,31 @@ def _size(value: Any) -> int:
     return int(match.group(1)) * _SIZE_UNIT[match.group(2)]
 
 
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _optional_path(value: Any) -> Path | None:
+    return None if value in (None, "") else Path(str(value))
+
+
+def _token(value: Any) -> str | None:
+    text = "" if value is None else str(value).strip()
+    if not text:
+        return None
+    # It travels in an Authorization header, so it must be a single run of visible ASCII.
+    if not all("!" <= char <= "~" for char in text):
+        raise ValueError("a token must be visible ASCII without spaces (value not shown)")
+    return text
+
+
 def _selector(value: Any) -> tuple[tuple[str, str], ...]:
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), str(v)) for k, v in value.items()))
@@ -156,6 +183,13 @@ class Option:
     parse: Callable[[Any], Any]
     help: str
     metavar: str = "VALUE"
+    # A secret's value never appears in an error message (or anywhere else kvtax prints).
+    secret: bool = False
+
+    @property
+    def switch(self) -> bool:
+        """A true/false setting: its flag may be given bare, meaning true."""
+        return self.metavar == "BOOL"
 
     @property
     def field(self) -> str:
@@ -251,9 +285,27 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "push.token",
         None,
-        lambda v: None if v in (None, "") else str(v),
-        "Bearer token the delivered-tokens push endpoint requires; unset accepts any client.",
+        _token,
+        "Bearer token the delivered-tokens push endpoint requires. Without a token (here or "
+        "in --push.token-file) push is refused, unless --push.allow-unauthenticated is given.",
         "TOKEN",
+        secret=True,
+    ),
+    Option(
+        "push.token_file",
+        None,
+        _optional_path,
+        "File holding the push token, e.g. a mounted Kubernetes Secret; read once at start, "
+        "surrounding whitespace ignored. Use instead of --push.token, which shows in ps.",
+        "PATH",
+    ),
+    Option(
+        "push.allow_unauthenticated",
+        "false",
+        _boolean,
+        "Accept pushes without a token from anyone who can reach the web port; "
+        "ignored when a token is set.",
+        "BOOL",
     ),
     Option(
         "gateway.url",
@@ -344,7 +396,9 @@ class Config:
     proxy_timeout: float = 300.0
     proxy_stall_factor: float = 5.0
     proxy_stall_min: float = 0.05
-    push_token: str | None = None
+    push_token: str | None = field(default=None, repr=False)
+    push_token_file: Path | None = None
+    push_allow_unauthenticated: bool = False
     gateway_url: str | None = None
     gateway_metric: str = "litellm_output_tokens_metric_total"
     gateway_model_label: str = "model"
@@ -414,8 +468,9 @@ def load_config(flags: Mapping[str, Any], *, env: Mapping[str, str], file: Path 
         try:
             values[option.field] = option.parse(raw)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{source}={raw!r} is invalid: {exc}") from None
-    config = Config(**values)
+            shown = "<hidden>" if option.secret else repr(raw)
+            raise ConfigError(f"{source}={shown} is invalid: {exc}") from None
+    config = _with_token_file(Config(**values))
     if config.effective_timeout >= config.scrape_interval:
         raise ConfigError(
             f"--scrape.timeout={config.scrape_timeout} is invalid: must be below "
@@ -427,6 +482,66 @@ def load_config(flags: Mapping[str, Any], *, env: Mapping[str, str], file: Path 
             f"({2 * config.scrape_interval}s)"
         )
     return config
+
+
+def _with_token_file(config: Config) -> Config:
+    """The config with the push token read from ``--push.token-file``, if one is given."""
+    path = config.push_token_file
+    if path is None:
+        return config
+    if config.push_token is not None:
+        raise ConfigError(
+            f"--push.token-file={str(path)!r} is invalid: --push.token is set too; give one"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"--push.token-file={str(path)!r} is invalid: {reason}") from None
+    try:
+        token = _token(text)
+    except ValueError as exc:
+        raise ConfigError(f"--push.token-file={str(path)!r} is invalid: {exc}") from None
+    if token is None:
+        raise ConfigError(f"--push.token-file={str(path)!r} is invalid: the file is empty")
+    return replace(config, push_token=token)
+
+
+# KVTAX_* variables that are not settings: the repository's own scripts, test suite and
+# testbed read them, and they are exported into the environment `kvtax serve` runs in.
+_TOOL_VARIABLES = frozenset(
+    {
+        "KVTAX_ALERTMANAGER_BIN",
+        "KVTAX_CACHE",
+        "KVTAX_DEV_VENV",
+        "KVTAX_PROMETHEUS_BIN",
+        "KVTAX_PYTHON",
+        "KVTAX_RESULTS_DIR",
+        "KVTAX_SAVE_PREVIEW",
+        "KVTAX_SKIP_E2E",
+        "KVTAX_VLLM_VENV",
+    }
+)
+
+
+def unknown_env(env: Mapping[str, str]) -> list[str]:
+    """A warning for each ``KVTAX_*`` variable that kvtax does not know, naming the closest.
+
+    A warning rather than an error: the project's own tools export KVTAX_* variables of their
+    own, a newer manifest may set a variable an older image lacks, and push fails closed, so a
+    misspelled token variable leaves push refused, not open.
+    """
+    settings = sorted({env_name(o.key) for o in OPTIONS} | {"KVTAX_CONFIG_FILE"})
+    warnings = []
+    for name in sorted(env):
+        if not name.startswith("KVTAX_") or name in settings or name in _TOOL_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, settings, n=1, cutoff=0.8)
+        hint = f"did you mean {close[0]}?" if close else "see docs/configuration.md"
+        warnings.append(
+            f"environment variable {name} is not a kvtax setting and is ignored; {hint}"
+        )
+    return warnings
 
 
 def render_markdown() -> str:

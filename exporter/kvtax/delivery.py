@@ -4,7 +4,8 @@
 scrape of vLLM it learns the served model names (the only label values the ledger accepts) and
 folds one aligned point into the join; on every scrape of kvtax it publishes the ledger's counters
 and the join's window figures. It starts the proxy when ``--proxy.listen_address`` is set and the
-gateway poller when ``--gateway.url`` is set; the push endpoint is always on the web port.
+gateway poller when ``--gateway.url`` is set; the push endpoint is always on the web port (and
+refuses pushes until a token is configured).
 
 Example::
 
@@ -80,7 +81,12 @@ class Delivery:
             )
         sidecar.add_observer(self.observe)
         sidecar.add_producer(self.samples)
-        sidecar.add_route("POST", PUSH_PATH, push_handler(self.ledger, config.push_token))
+        push = push_handler(
+            self.ledger,
+            config.push_token,
+            allow_unauthenticated=config.push_allow_unauthenticated,
+        )
+        sidecar.add_route("POST", PUSH_PATH, push)
 
     def observe(self, snap: VllmSnapshot) -> None:
         """Fold one vLLM scrape into the join, aligned with the ledger at this instant."""

@@ -1,7 +1,8 @@
 """The I/O edges of the other delivered-token sources: a push endpoint and a gateway poller.
 
-:func:`push_handler` serves ``POST /api/v1/delivered`` on kvtax's web port. It is guarded by an
-optional bearer token and answers every problem with a 4xx and an OpenAI-style JSON message.
+:func:`push_handler` serves ``POST /api/v1/delivered`` on kvtax's web port. It requires a bearer
+token, or refuses every push when none is configured, unless unauthenticated pushes are allowed
+explicitly; it answers every problem with a 4xx and an OpenAI-style JSON message.
 :class:`GatewayPoller` reads a gateway's Prometheus counter on the scrape interval and turns its
 reset-corrected increases into ledger increments (source ``gateway``). Parsing and validation
 live in :mod:`kvtax.intake`. The token is compared in constant time and never logged.
@@ -42,17 +43,58 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def push_handler(ledger: DeliveryLedger, token: str | None) -> Handler:
-    """The push endpoint's handler; with ``token`` set, it requires ``Bearer <token>``."""
-    expected = f"Bearer {token}".encode() if token else None
+def _bearer(header: str) -> bytes:
+    """The credentials of a ``Bearer`` Authorization header, or b"" for any other scheme.
+
+    RFC 7235 makes the scheme case-insensitive and allows more than one space before the token.
+    """
+    scheme, _, credentials = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return b""
+    return credentials.lstrip(" ").encode("utf-8", "replace")
+
+
+def _refusal(
+    token: str | None, allow_unauthenticated: bool
+) -> Callable[[str], web.Response | None]:
+    """Decides, from a request's Authorization header, whether to refuse it (and how)."""
+    if token is None:
+        if allow_unauthenticated:
+            log.warning("push endpoint %s accepts reports from any client (no token)", PUSH_PATH)
+            return lambda header: None
+        refused = (
+            "push is off: start kvtax with --push.token-file (or --push.token), "
+            "or --push.allow-unauthenticated"
+        )
+        log.info("push endpoint %s is off: no token is configured", PUSH_PATH)
+        return lambda header: _error(403, refused, "permission_error")
+    expected = token.encode()
+
+    def check(header: str) -> web.Response | None:
+        # compare_digest takes time independent of where the two differ.
+        if hmac.compare_digest(_bearer(header), expected):
+            return None
+        response = _error(401, "missing or wrong bearer token", "authentication_error")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="kvtax"'
+        return response
+
+    return check
+
+
+def push_handler(
+    ledger: DeliveryLedger, token: str | None, *, allow_unauthenticated: bool = False
+) -> Handler:
+    """The push endpoint's handler.
+
+    With ``token`` it requires ``Bearer <token>``; without one it refuses every push with 403,
+    unless ``allow_unauthenticated``.
+    """
+    refuse = _refusal(token, allow_unauthenticated)
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        if expected is not None:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                response = _error(401, "missing or wrong bearer token", "authentication_error")
-                response.headers["WWW-Authenticate"] = 'Bearer realm="kvtax"'
-                return response
+        refusal = refuse(request.headers.get("Authorization", ""))
+        if refusal is not None:
+            return refusal
         try:
             body = await read_bounded(request.content, MAX_PUSH_BODY, request.content_length)
         except BodyTooLarge as exc:

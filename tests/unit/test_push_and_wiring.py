@@ -35,10 +35,11 @@ async def test_push_rejects_a_wrong_token(aiohttp_client: Any) -> None:
     sidecar, delivery = _delivery(**{"push.token": "s3cret"})
     client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
     body = {"model": "tiny-llama", "delivered_tokens": 5}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-        resp = await client.post(PUSH_PATH, json=body, headers=headers)
-        assert resp.status == 401
+    for auth in ("", "Bearer wrong", "s3cret", "Basic s3cret", "Bearer s3cret2", "Bearers3cret"):
+        resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": auth})
+        assert resp.status == 401, auth
         assert (await resp.json())["error"]["message"] == "missing or wrong bearer token"
+        assert resp.headers["WWW-Authenticate"] == 'Bearer realm="kvtax"'
     assert delivery.ledger.models() == []
     resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": "Bearer s3cret"})
     assert resp.status == 200
@@ -47,8 +48,38 @@ async def test_push_rejects_a_wrong_token(aiohttp_client: Any) -> None:
     assert delivery.ledger.totals()["other"].delivered == 5
 
 
-async def test_push_rejects_malformed_json_with_a_clear_message(aiohttp_client: Any) -> None:
+async def test_the_bearer_scheme_is_accepted_in_any_case(aiohttp_client: Any) -> None:
+    sidecar, delivery = _delivery(**{"push.token": "s3cret"})
+    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    body = {"model": "tiny-llama", "delivered_tokens": 1}
+    for auth in ("bearer s3cret", "BEARER s3cret", "bEaReR  s3cret"):
+        resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": auth})
+        assert resp.status == 200, auth
+    assert delivery.ledger.totals()["other"].delivered == 3
+
+
+async def test_push_is_refused_until_a_token_is_configured(aiohttp_client: Any) -> None:
     sidecar, delivery = _delivery()
+    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    body = {"model": "tiny-llama", "delivered_tokens": 1_000_000}
+    for auth in ("", "Bearer anything"):
+        resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": auth})
+        assert resp.status == 403
+        message = (await resp.json())["error"]["message"]
+        assert message.startswith("push is off: start kvtax with --push.token-file")
+    assert delivery.ledger.models() == []
+
+
+async def test_unauthenticated_push_must_be_allowed_explicitly(aiohttp_client: Any) -> None:
+    sidecar, delivery = _delivery(**{"push.allow_unauthenticated": "true"})
+    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    resp = await client.post(PUSH_PATH, json={"model": "tiny-llama", "delivered_tokens": 4})
+    assert resp.status == 200
+    assert delivery.ledger.totals()["other"].delivered == 4
+
+
+async def test_push_rejects_malformed_json_with_a_clear_message(aiohttp_client: Any) -> None:
+    sidecar, delivery = _delivery(**{"push.allow_unauthenticated": "true"})
     client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
     resp = await client.post(PUSH_PATH, data=b'{"model": "m", ')
     assert resp.status == 400
