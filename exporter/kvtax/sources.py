@@ -4,8 +4,10 @@
 token, or refuses every push when none is configured, unless unauthenticated pushes are allowed
 explicitly; it answers every problem with a 4xx and an OpenAI-style JSON message.
 :class:`GatewayPoller` reads a gateway's Prometheus counter on the scrape interval and turns its
-reset-corrected increases into ledger increments (source ``gateway``). Parsing and validation
-live in :mod:`kvtax.intake`. The token is compared in constant time and never logged.
+reset-corrected increases into ledger increments (source ``gateway``). It does not follow
+redirects: a redirect is an error, so a foreign page is never taken for the gateway's. Parsing
+and validation live in :mod:`kvtax.intake`. The token is compared in constant time and never
+logged.
 
 Example::
 
@@ -27,8 +29,9 @@ from .bodies import BodyTooLarge, read_bounded
 from .counters import CounterTracker
 from .intake import PushError, gateway_totals, parse_push
 from .ledger import DeliveryCounts, DeliveryLedger
+from .logsafe import redact_url
 
-__all__ = ["MAX_PUSH_BODY", "PUSH_PATH", "GatewayPoller", "push_handler"]
+__all__ = ["MAX_PUSH_BODY", "PUSH_PATH", "GatewayPoller", "Redirected", "push_handler"]
 
 log = logging.getLogger("kvtax.sources")
 
@@ -110,6 +113,16 @@ def push_handler(
     return handle
 
 
+class Redirected(ValueError):
+    """The gateway answered with a redirect, which kvtax does not follow."""
+
+    def __init__(self, status: int, location: str) -> None:
+        super().__init__(
+            f"it answered {status}, a redirect to {redact_url(location)}; kvtax does not follow "
+            "redirects, so set --gateway.url to the final URL"
+        )
+
+
 class GatewayPoller:
     """Polls a gateway's /metrics and adds its delivered-token increases to the ledger."""
 
@@ -151,15 +164,20 @@ class GatewayPoller:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
+            # A redirect could lead anywhere, and the page there would be taken as the gateway's.
             async with self._session.get(
-                self.url, timeout=aiohttp.ClientTimeout(total=self.timeout)
+                self.url, timeout=aiohttp.ClientTimeout(total=self.timeout), allow_redirects=False
             ) as resp:
+                if 300 <= resp.status < 400:
+                    raise Redirected(resp.status, resp.headers.get("Location", ""))
                 resp.raise_for_status()
                 text = await resp.text()
             self.fold(text)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if self.errors == 0:
-                log.warning("reading the gateway's counter at %s failed: %s", self.url, exc)
+                log.warning(
+                    "reading the gateway's counter at %s failed: %s", redact_url(self.url), exc
+                )
             self.errors += 1
         else:
             self.errors = 0

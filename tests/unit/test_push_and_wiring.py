@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.exposition import generate_latest
 
 from kvtax.config import load_config
@@ -163,3 +165,47 @@ def test_gateway_poller_adds_increases_only() -> None:
     poller.fold(page + 'litellm_output_tokens_metric_total{model="m"} 130\n')
     poller.fold(page + 'litellm_output_tokens_metric_total{model="m"} 4\n')  # gateway restarted
     assert delivery.ledger.totals()["m"].delivered == 134
+
+
+GATEWAY_PAGE = (
+    "# TYPE litellm_output_tokens_metric counter\n"
+    'litellm_output_tokens_metric_total{model="m"} 500\n'
+)
+
+
+async def test_the_gateway_poller_does_not_follow_a_redirect(
+    aiohttp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/elsewhere?sig=SECRET-SIGNATURE")
+
+    async def foreign(request: web.Request) -> web.Response:
+        return web.Response(text=GATEWAY_PAGE)
+
+    app = web.Application()
+    app.router.add_get("/metrics", redirect)
+    app.router.add_get("/elsewhere", foreign)
+    server: TestServer = await aiohttp_server(app)
+    _, delivery = _delivery()
+    delivery.names.update(["m"])
+    poller = GatewayPoller(
+        delivery.ledger,
+        url=str(server.make_url("/metrics")).replace("http://", "http://user:PASSWORD@"),
+        metric="litellm_output_tokens_metric_total",
+        model_label="model",
+        selector=(),
+        interval=1.0,
+        timeout=5.0,
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtax.sources"):
+            await poller.poll_once()
+    finally:
+        await poller.stop()
+    assert delivery.ledger.models() == []
+    assert poller.errors == 1
+    [record] = caplog.records
+    assert "it answered 302, a redirect to" in record.getMessage()
+    assert "kvtax does not follow redirects" in record.getMessage()
+    assert "SECRET-SIGNATURE" not in caplog.text
+    assert "PASSWORD" not in caplog.text
