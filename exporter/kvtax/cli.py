@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import __version__
+from . import __version__, logsafe
 from .config import OPTIONS, Config, ConfigError, env_name, load_config, unknown_env
 from .dashboards.cli import add_dashboards_parser, run_dashboards
 from .rules.cli import add_rules_parser, run_rules
@@ -127,6 +127,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Before any server starts: aiohttp logs a malformed request's header bytes, token and all.
+    logsafe.install()
     for warning in unknown_env(os.environ):
         log.warning("%s", warning)
     if config.log_level != "debug":
