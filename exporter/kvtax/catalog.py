@@ -70,8 +70,36 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     _S(
         "kvtax_scrape_errors_total",
         "counter",
-        "Failed scrapes of vLLM by reason: timeout, connect, http_status, parse, no_models.",
+        "Failed scrapes of vLLM by reason: timeout (vLLM slow), refused (nothing listens: "
+        "vLLM down), connect (other network errors), http_status (not 200; redirects are not "
+        "followed), too_large (over --scrape.max-bytes), truncated (no final newline), "
+        "too_many_series (over --scrape.max-series), parse, no_models.",
         ("reason",),
+        "sidecar",
+    ),
+    _S(
+        "kvtax_last_scrape_error",
+        "gauge",
+        "1 for the reason the last scrape of vLLM failed, 0 for the other reasons; all 0 "
+        "after a good scrape. Reasons as in kvtax_scrape_errors_total.",
+        ("reason",),
+        "sidecar",
+    ),
+    _S(
+        "kvtax_scrape_rejected_samples_total",
+        "counter",
+        "Samples of vLLM's page left out by reason: non_finite (NaN or Inf), negative (a "
+        "counter or histogram below 0). The concept is skipped for that scrape; totals keep "
+        "their last good value.",
+        ("reason",),
+        "sidecar",
+    ),
+    _S(
+        "kvtax_scrape_dropped_models_total",
+        "counter",
+        "model_name values left out of a scrape because kvtax already tracks "
+        "--scrape.max-models models, summed over scrapes.",
+        (),
         "sidecar",
     ),
     _S(

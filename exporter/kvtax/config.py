@@ -220,6 +220,30 @@ OPTIONS: tuple[Option, ...] = (
         "DURATION",
     ),
     Option(
+        "scrape.max_bytes",
+        "8MiB",
+        _size,
+        "Largest /metrics page read from vLLM; reading stops and the scrape fails (too_large) "
+        "once a page passes it. One model's page is about 50KiB.",
+        "BYTES",
+    ),
+    Option(
+        "scrape.max_series",
+        50_000,
+        _positive(int),
+        "Most series a vLLM page may carry; a page with more fails (too_many_series) before "
+        "it is parsed. One model's page has about 450.",
+        "N",
+    ),
+    Option(
+        "scrape.max_models",
+        32,
+        _positive(int),
+        "Most model_name values kvtax tracks from vLLM's page; more are left out and counted "
+        "in kvtax_scrape_dropped_models_total.",
+        "N",
+    ),
+    Option(
         "web.listen_address",
         ":9464",
         parse_address,
@@ -387,6 +411,9 @@ class Config:
     vllm_url: str = "http://127.0.0.1:8000"
     scrape_interval: float = 5.0
     scrape_timeout: float | None = None
+    scrape_max_bytes: int = 8 * 1024**2
+    scrape_max_series: int = 50_000
+    scrape_max_models: int = 32
     web_listen_address: tuple[str, int] = ("0.0.0.0", 9464)
     window: float = 300.0
     target_usage: float = 0.9

@@ -6,6 +6,9 @@ serves ``/metrics``, ``/healthz`` and ``/readyz``. A vLLM that is down, slow or 
 as ``kvtax_vllm_up 0`` and a scrape error by reason; it never stops the sidecar. Other parts (the
 proxy's ledger, the join) add samples through :meth:`Sidecar.add_producer`.
 
+The page is parsed in a worker process (:class:`~kvtax.parsepool.ParsePool`), so a big page
+never holds up the event loop that also relays the proxy's streams.
+
 Example::
 
     sidecar = Sidecar(config)
@@ -33,7 +36,8 @@ from .config import Config
 from .derive import EngineFigures, EngineSettings, derive_engine
 from .exposition import ReportCollector
 from .history import EngineHistory
-from .normalize import ParseError, normalize
+from .normalize import REJECT_REASONS, ParseError, normalize
+from .parsepool import ParsePool
 from .publish import engine_samples
 from .report import HistogramSample, Sample
 from .scraper import REASONS, ScrapeError, Scraper
@@ -58,6 +62,9 @@ class ScrapeHealth:
     last_duration: float | None = None
     last_success: float | None = None
     last_error: str | None = None
+    # The reason of the last failure while it is the latest outcome; None after a good scrape.
+    last_reason: str | None = None
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     version: str | None = None
     engine: str | None = None
 
@@ -65,17 +72,26 @@ class ScrapeHealth:
 class Sidecar:
     """Scrapes one vLLM server and serves kvtax's metrics. See the module docstring."""
 
-    def __init__(self, config: Config, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        clock: Callable[[], float] = time.time,
+        parser: ParsePool | None = None,
+    ) -> None:
         self.config = config
         self.clock = clock
-        self.history = EngineHistory(config.window)
+        self.history = EngineHistory(config.window, max_models=config.scrape_max_models)
         self.health = ScrapeHealth()
         self.figures: dict[str, EngineFigures] = {}
         self.snapshot: VllmSnapshot | None = None
         self.settings = EngineSettings(
             target_usage=config.target_usage, configured_max_num_seqs=config.max_num_seqs
         )
-        self.scraper = Scraper(config.vllm_url, config.effective_timeout)
+        self.scraper = Scraper(config.vllm_url, config.effective_timeout, config.scrape_max_bytes)
+        # A parser passed in belongs to the caller (tests share one); one made here is ours.
+        self._owns_parser = parser is None
+        self.parser = parser if parser is not None else ParsePool()
         self._producers: list[Producer] = [self._own_samples]
         self._observers: list[Observer] = []
         self._routes: list[tuple[str, str, Handler]] = []
@@ -106,8 +122,16 @@ class Sidecar:
 
     def ingest(self, text: str, timestamp: float) -> VllmSnapshot:
         """Pure pipeline step for one scrape body; raises ParseError. Public for tests/bench."""
-        snap = normalize(text, timestamp=timestamp, version=self.health.version)
-        self.history.observe(snap)
+        max_series = self.config.scrape_max_series
+        return self._fold(
+            normalize(text, timestamp=timestamp, version=self.health.version, max_series=max_series)
+        )
+
+    def _fold(self, parsed: VllmSnapshot) -> VllmSnapshot:
+        """History, figures and observers from one parsed page; returns the models kept."""
+        for reason, count in parsed.rejected.items():
+            self.health.rejected[reason] += count
+        snap = self.history.observe(parsed)
         self.figures = {
             model: derive_engine(self.history.points(model), self.settings)
             for model in self.history.models()
@@ -127,13 +151,20 @@ class Sidecar:
                 if not self.health.up:
                     # (Re)connected: the server may have been upgraded in between.
                     self.health.version = await self.scraper.fetch_version()
-                snap = self.ingest(text, self.clock())
+                parsed = await self.parser.normalize(
+                    text,
+                    timestamp=self.clock(),
+                    version=self.health.version,
+                    max_series=self.config.scrape_max_series,
+                )
+                del text  # the page can be megabytes: do not hold it while folding
+                snap = self._fold(parsed)
                 if not snap.models:
                     raise ScrapeError("no_models", "no vllm: series with a model_name label")
             except ScrapeError as exc:
                 self._failed(exc.reason, exc.detail)
             except ParseError as exc:
-                self._failed("parse", str(exc))
+                self._failed(exc.reason, str(exc))
             else:
                 if not self.health.up:
                     log.info(
@@ -144,6 +175,7 @@ class Sidecar:
                 self.health.up = True
                 self.health.last_success = self.clock()
                 self.health.last_error = None
+                self.health.last_reason = None
                 self.health.engine = "v0" if snap.is_v0 else "v1"
             finally:
                 self.health.last_duration = time.perf_counter() - started
@@ -154,6 +186,7 @@ class Sidecar:
         self.health.up = False
         self.health.errors[reason] += 1
         self.health.last_error = f"{reason}: {detail}"
+        self.health.last_reason = reason
 
     def _own_samples(self) -> Iterator[Sample]:
         h = self.health
@@ -164,6 +197,11 @@ class Sidecar:
         yield Sample("kvtax_scrapes_total", (), float(h.scrapes))
         for reason, count in h.errors.items():
             yield Sample("kvtax_scrape_errors_total", (reason,), float(count))
+        for reason in h.errors:
+            yield Sample("kvtax_last_scrape_error", (reason,), float(reason == h.last_reason))
+        for reason, count in h.rejected.items():
+            yield Sample("kvtax_scrape_rejected_samples_total", (reason,), float(count))
+        yield Sample("kvtax_scrape_dropped_models_total", (), float(self.history.dropped_models))
         if h.last_success is not None:
             yield Sample("kvtax_last_scrape_success_timestamp_seconds", (), h.last_success)
         yield Sample("kvtax_vllm_restarts_total", (), float(self.history.restarts))
@@ -237,3 +275,5 @@ class Sidecar:
             await self._runner.cleanup()
             self._runner = None
         await self.scraper.close()
+        if self._owns_parser:
+            self.parser.close()

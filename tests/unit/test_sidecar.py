@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.exposition import generate_latest
 
 from kvtax.config import load_config
+from kvtax.parsepool import ParsePool
 from kvtax.sidecar import Sidecar
 from tests.unit.conftest import FakeClock, Labels, one, parse_exposition, read_fixture
 
@@ -66,7 +67,15 @@ async def server(vllm: FakeVllm, aiohttp_server: ServerFactory) -> TestServer:
     return await aiohttp_server(vllm.app())
 
 
-def make_sidecar(port: int, clock: FakeClock) -> Sidecar:
+@pytest.fixture(scope="module")
+def parser() -> Iterator[ParsePool]:
+    """One parse worker for the module: starting a process per test would cost a second each."""
+    pool = ParsePool()
+    yield pool
+    pool.close()
+
+
+def make_sidecar(port: int, clock: FakeClock, parser: ParsePool) -> Sidecar:
     config = load_config(
         {
             "vllm.url": f"http://127.0.0.1:{port}",
@@ -77,13 +86,15 @@ def make_sidecar(port: int, clock: FakeClock) -> Sidecar:
         env={},
         file=None,
     )
-    return Sidecar(config, clock=clock)
+    return Sidecar(config, clock=clock, parser=parser)
 
 
 @pytest.fixture
-async def sidecar(server: TestServer, clock: FakeClock) -> AsyncIterator[Sidecar]:
+async def sidecar(
+    server: TestServer, clock: FakeClock, parser: ParsePool
+) -> AsyncIterator[Sidecar]:
     assert server.port is not None
-    sc = make_sidecar(server.port, clock)
+    sc = make_sidecar(server.port, clock, parser)
     yield sc
     await sc.stop()
 
@@ -109,20 +120,22 @@ async def test_a_good_scrape_publishes_up_and_the_engine_figures(
     assert one(m, "kvtax_kv_capacity_tokens", model_name="tiny-llama") == 2048.0
     assert one(m, "kvtax_last_scrape_success_timestamp_seconds") == clock.now
     assert m["kvtax_scrape_duration_seconds"][frozenset()] >= 0
-    for reason in ("timeout", "connect", "http_status", "parse", "no_models"):
+    for reason in ("timeout", "refused", "connect", "http_status", "parse", "no_models"):
         assert errors(sidecar, reason) == 0.0  # created up front, so rate() works at once
+        assert one(m, "kvtax_last_scrape_error", reason=reason) == 0.0
 
 
-async def test_vllm_down_is_up_0_and_connect_errors_rise(
+async def test_vllm_down_is_up_0_and_refused_errors_rise(
     server: TestServer, sidecar: Sidecar
 ) -> None:
     await server.close()
     await sidecar.scrape_once()
     assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
-    assert errors(sidecar, "connect") == 1.0
+    assert errors(sidecar, "refused") == 1.0
     await sidecar.scrape_once()
-    assert errors(sidecar, "connect") == 2.0
+    assert errors(sidecar, "refused") == 2.0
     assert errors(sidecar, "timeout") == 0.0
+    assert errors(sidecar, "connect") == 0.0
 
 
 async def test_slow_vllm_is_a_timeout(vllm: FakeVllm, sidecar: Sidecar) -> None:
@@ -134,6 +147,7 @@ async def test_slow_vllm_is_a_timeout(vllm: FakeVllm, sidecar: Sidecar) -> None:
     assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
     assert errors(sidecar, "timeout") == 1.0
     assert errors(sidecar, "connect") == 0.0
+    assert errors(sidecar, "refused") == 0.0
 
 
 async def test_http_500_is_http_status(vllm: FakeVllm, sidecar: Sidecar) -> None:
