@@ -252,13 +252,12 @@ async def _phases(
             part = specs[len(specs) * (mark - 1) // MARKS : len(specs) * mark // MARKS]
             await _drive(session, side.proxy, part, result.records, concurrency)
             done = len(result.records)
+
+            def settled(page: str, n: int = done) -> bool:
+                return LedgerView.parse(page).minus(before).requests >= n
+
             # A client may finish before kvtax's handler does (it hung up, or closed at [DONE]).
-            await _wait_for(
-                scrape,
-                side,
-                lambda page, n=done: LedgerView.parse(page).minus(before).requests >= n,
-                SETTLE_S,
-            )
+            await _wait_for(scrape, side, settled, SETTLE_S)
             result.marks.append(await _mark(scrape, side, f"{mark * 100 // MARKS} %", done))
 
 

@@ -27,7 +27,7 @@ import aiohttp
 from bench.soak_compare import ClientRecord
 from bench.soak_upstream import WORD
 
-__all__ = ["KINDS", "MODEL", "Spec", "plan", "run_one"]
+__all__ = ["KINDS", "MODEL", "SeenStream", "Spec", "plan", "run_one"]
 
 MODEL = "tiny-llama"  # the model of the capture the upstream serves on /metrics
 # Kind and weight in the mix (per 1,000 requests).
@@ -104,7 +104,7 @@ def plan(requests: int, seed: int) -> list[Spec]:
 
 
 @dataclass(slots=True)
-class _Seen:
+class SeenStream:
     """The events of one stream as its client parsed them."""
 
     usage_wish: str
@@ -150,9 +150,9 @@ class _Seen:
         return self.words if self.usage is None else self.usage
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, spec: Spec) -> tuple[_Seen, bool]:
+async def _read_stream(resp: aiohttp.ClientResponse, spec: Spec) -> tuple[SeenStream, bool]:
     """Read as the kind says; True when the client hung up before the end of the stream."""
-    seen = _Seen(spec.usage)
+    seen = SeenStream(spec.usage)
     if spec.kind == "slow":
         while data := await resp.content.read(_SLOW_READ):
             seen.feed(data)
@@ -172,7 +172,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, spec: Spec) -> tuple[_Seen,
     return seen, False
 
 
-def _stream_record(spec: Spec, status: int, seen: _Seen, hung_up: bool) -> ClientRecord:
+def _stream_record(spec: Spec, status: int, seen: SeenStream, hung_up: bool) -> ClientRecord:
     if hung_up:
         outcome = "client_disconnected"
     elif seen.error or seen.broken:

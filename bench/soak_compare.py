@@ -58,15 +58,16 @@ class LedgerView:
 
     @classmethod
     def parse(cls, text: str) -> LedgerView:
-        outcomes: Counter[str] = Counter()
+        outcomes: dict[str, float] = {}
         delivered = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == _REQUESTS.name:
-                    outcomes[sample.labels[_OUTCOME_LABEL]] += sample.value
+                    outcome = sample.labels[_OUTCOME_LABEL]
+                    outcomes[outcome] = outcomes.get(outcome, 0.0) + sample.value
                 elif sample.name == _DELIVERED.name and sample.labels[_SOURCE_LABEL] == "proxy":
                     delivered += sample.value
-        return cls(dict(outcomes), delivered)
+        return cls(outcomes, delivered)
 
     def minus(self, before: LedgerView) -> LedgerView:
         """What happened between two scrapes of the same process (counters only grow)."""

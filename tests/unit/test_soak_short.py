@@ -1,0 +1,112 @@
+"""The soak's short form, and its judgement (client records against the ledger) on hand-built data.
+
+The short form runs ``bench.soak`` with 600 requests: a real ``kvtax serve`` and a fake vLLM,
+both on loopback. It asserts only what must hold at any size: kvtax's ledger equals what the
+clients saw, and kvtax's descriptors (and tasks, if published) come back once it is idle. RSS
+growth is judged by the full soak (``python -m bench.soak``); at 600 requests it is noise.
+"""
+
+from __future__ import annotations
+
+import pytest
+from bench.soak import run
+from bench.soak_client import KINDS, SeenStream, plan
+from bench.soak_compare import Check, ClientRecord, LedgerView, compare
+
+from kvtax.ledger import OUTCOMES
+
+OUTS = ("completed", "client_disconnected", "upstream_error")
+
+
+def _failed(checks: list[Check]) -> list[str]:
+    return [c.name for c in checks if not c.ok]
+
+
+def test_a_ledger_that_counted_what_every_client_received_agrees() -> None:
+    records = [
+        ClientRecord("done_close", "completed", 200, 40),
+        ClientRecord("whole", "completed", 200, 7),
+        ClientRecord("drop", "upstream_error", 200, 3),
+        ClientRecord("error", "upstream_error", 500, 0),
+    ]
+    view = LedgerView({"completed": 2, "upstream_error": 2}, delivered=50)
+    assert _failed(compare(records, view, OUTS)) == []
+
+
+def test_a_client_that_closed_at_done_counted_as_disconnected_is_a_mismatch() -> None:
+    # The race of issue 10: the client read [DONE] and closed; kvtax lost its last tokens.
+    records = [ClientRecord("done_close", "completed", 200, 100)] * 24
+    view = LedgerView({"completed": 23, "client_disconnected": 1}, delivered=2396)
+    failed = _failed(compare(records, view, OUTS))
+    assert failed == ["completed", "client_disconnected", "delivered tokens (proxy)"]
+
+
+@pytest.mark.parametrize(("delivered", "ok"), [(10, True), (12, True), (16, True), (9, False)])
+def test_a_client_that_hung_up_bounds_its_tokens_by_what_it_read(delivered: int, ok: bool) -> None:
+    records = [
+        ClientRecord("full", "completed", 200, 10),
+        ClientRecord("disconnect", "client_disconnected", 200, 6),
+    ]
+    view = LedgerView({"completed": 1, "client_disconnected": 1}, delivered=delivered)
+    assert (_failed(compare(records, view, OUTS)) == []) is ok
+    too_many = LedgerView({"completed": 1, "client_disconnected": 1}, delivered=17)
+    assert _failed(compare(records, too_many, OUTS)) == ["delivered tokens (proxy)"]
+
+
+def test_outcomes_come_from_the_caller_and_unknown_ones_are_never_dropped() -> None:
+    records = [ClientRecord("full", "completed", 200, 5), ClientRecord("x", "hung", 0)]
+    # A new outcome kvtax added (0 on both sides) passes; one nobody saw but kvtax counted fails.
+    view = LedgerView({"completed": 1, "stream_without_usage": 0, "mystery": 2}, delivered=5)
+    checks = compare(records, view, ("completed", "stream_without_usage"))
+    assert _failed(checks) == ["hung (not a kvtax outcome)", "mystery (unexpected)"]
+
+
+def test_the_ledger_view_sums_models_and_reads_only_the_proxy_source() -> None:
+    page = (
+        "# TYPE kvtax_requests counter\n"
+        'kvtax_requests_total{model_name="a",outcome="completed"} 3.0\n'
+        'kvtax_requests_total{model_name="other",outcome="completed"} 1.0\n'
+        'kvtax_requests_total{model_name="a",outcome="upstream_error"} 2.0\n'
+        "# TYPE kvtax_delivered_tokens counter\n"
+        'kvtax_delivered_tokens_total{model_name="a",source="proxy"} 30.0\n'
+        'kvtax_delivered_tokens_total{model_name="other",source="proxy"} 4.0\n'
+        'kvtax_delivered_tokens_total{model_name="a",source="push"} 1000.0\n'
+    )
+    view = LedgerView.parse(page)
+    assert view.outcomes == {"completed": 4.0, "upstream_error": 2.0}
+    assert view.delivered == 34.0
+    later = view.minus(LedgerView({"completed": 1.0}, 4.0))
+    assert (later.outcomes["completed"], later.requests, later.delivered) == (3.0, 5.0, 30.0)
+
+
+def test_a_stream_client_counts_events_split_across_reads() -> None:
+    seen = SeenStream("continuous")
+    event = b'data: {"choices":[{"index":0,"text":"lorem lorem "}],"usage":{"completion_tokens":2}}'
+    seen.feed(event[:30])
+    seen.feed(event[30:] + b"\n")
+    seen.feed(b"\ndata: [DONE]\n\n")
+    assert (seen.words, seen.tokens, seen.done, seen.problem) == (2, 2, True, "")
+    leaked = SeenStream("none")
+    leaked.feed(event + b"\n\n")
+    assert leaked.problem == "usage the client did not ask for"
+
+
+def test_the_mix_is_deterministic_and_has_every_kind() -> None:
+    first, again = plan(600, seed=1), plan(600, seed=1)
+    assert [s.body for s in first] == [s.body for s in again]
+    assert {s.kind for s in first} == set(KINDS)
+
+
+def test_a_short_soak_ledger_equals_the_clients_and_kvtax_is_idle_again() -> None:
+    result = run(600, seed=1)
+    assert len(result.records) == 600
+    assert {c.name: (c.clients, c.kvtax) for c in result.checks if not c.ok} == {}
+    # Every outcome kvtax knows was compared, read from the ledger, not from a list here.
+    assert {c.name for c in result.checks} >= set(OUTCOMES)
+    baseline, idle = result.baseline, result.marks[-1]
+    assert result.idle_seconds is not None, (baseline, idle)
+    assert idle.fds <= baseline.fds
+    if idle.tasks is not None and baseline.tasks is not None:
+        assert idle.tasks <= baseline.tasks
+    if idle.streams is not None:
+        assert idle.streams == 0
