@@ -463,7 +463,11 @@ def _read_file(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
+        # Not str(exc): PyYAML quotes the offending line, and it may hold the push token.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"config file {path}: invalid YAML{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):

@@ -61,6 +61,19 @@ def test_a_bad_token_is_refused_without_showing_it() -> None:
     assert "s3cret" not in message
 
 
+def test_a_yaml_error_does_not_quote_the_line_with_the_token(tmp_path: Path) -> None:
+    path = tmp_path / "kvtax.yaml"
+    path.write_text(f"push:\n  token: abc: {SECRET}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config({}, env={}, file=path)
+    message = str(caught.value)
+    assert message == (
+        f"config file {path}: invalid YAML at line 2, column 13: "
+        "mapping values are not allowed here"
+    )
+    assert caught.value.__cause__ is None
+
+
 def test_the_token_is_left_out_of_the_config_repr() -> None:
     cfg = load_config({"push.token": SECRET}, env={}, file=None)
     assert cfg.push_token == SECRET
