@@ -61,7 +61,8 @@ def _refusal(
     token: str | None, allow_unauthenticated: bool
 ) -> Callable[[str], web.Response | None]:
     """Decides, from a request's Authorization header, whether to refuse it (and how)."""
-    if token is None:
+    # An empty token is no token: it would match the empty credentials of any other scheme.
+    if not token:
         if allow_unauthenticated:
             log.warning("push endpoint %s accepts reports from any client (no token)", PUSH_PATH)
             return lambda header: None

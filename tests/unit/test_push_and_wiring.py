@@ -18,7 +18,7 @@ from kvtax.delivery import Delivery, served_requests
 from kvtax.intake import MAX_COUNT, PushError, parse_push
 from kvtax.ledger import RequestRecord
 from kvtax.sidecar import Sidecar
-from kvtax.sources import PUSH_PATH, GatewayPoller
+from kvtax.sources import PUSH_PATH, GatewayPoller, push_handler
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
@@ -69,6 +69,18 @@ async def test_push_is_refused_until_a_token_is_configured(aiohttp_client: Any) 
         assert resp.status == 403
         message = (await resp.json())["error"]["message"]
         assert message.startswith("push is off: start kvtax with --push.token-file")
+    assert delivery.ledger.models() == []
+
+
+async def test_an_empty_token_is_no_token(aiohttp_client: Any) -> None:
+    _, delivery = _delivery()
+    app = web.Application()
+    app.router.add_post(PUSH_PATH, push_handler(delivery.ledger, ""))
+    client: TestClient[Any, Any] = await aiohttp_client(app)
+    body = {"model": "tiny-llama", "delivered_tokens": 1}
+    for auth in ("", "Basic eA==", "Bearer "):
+        resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": auth})
+        assert resp.status == 403, auth
     assert delivery.ledger.models() == []
 
 
