@@ -31,12 +31,22 @@ from .intake import PushError, gateway_totals, parse_push
 from .ledger import DeliveryCounts, DeliveryLedger
 from .logsafe import redact_url
 
-__all__ = ["MAX_PUSH_BODY", "PUSH_PATH", "GatewayPoller", "Redirected", "push_handler"]
+__all__ = [
+    "MAX_GATEWAY_PAGE",
+    "MAX_PUSH_BODY",
+    "PUSH_PATH",
+    "GatewayError",
+    "GatewayPoller",
+    "Redirected",
+    "push_handler",
+]
 
 log = logging.getLogger("kvtax.sources")
 
 PUSH_PATH = "/api/v1/delivered"
 MAX_PUSH_BODY = 1024 * 1024
+# A gateway's page is held whole while it is parsed; this is the scraper's default bound too.
+MAX_GATEWAY_PAGE = 8 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -114,7 +124,11 @@ def push_handler(
     return handle
 
 
-class Redirected(ValueError):
+class GatewayError(ValueError):
+    """The gateway's answer cannot be used; the message says why, without the URL's secrets."""
+
+
+class Redirected(GatewayError):
     """The gateway answered with a redirect, which kvtax does not follow."""
 
     def __init__(self, status: int, location: str) -> None:
@@ -161,19 +175,24 @@ class GatewayPoller:
             if delivered > 0:
                 self.ledger.add(model, DeliveryCounts(delivered_tokens=delivered), "gateway")
 
+    async def _fetch(self, session: aiohttp.ClientSession) -> str:
+        # A redirect could lead anywhere, and the page there would be taken as the gateway's.
+        async with session.get(
+            self.url, timeout=aiohttp.ClientTimeout(total=self.timeout), allow_redirects=False
+        ) as resp:
+            if 300 <= resp.status < 400:
+                raise Redirected(resp.status, resp.headers.get("Location", ""))
+            # Not raise_for_status: its message quotes the URL, query string and all.
+            if resp.status >= 400:
+                raise GatewayError(f"it answered {resp.status}")
+            page = await read_bounded(resp.content, MAX_GATEWAY_PAGE, resp.content_length)
+        return page.decode("utf-8", "replace")
+
     async def poll_once(self) -> None:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
-            # A redirect could lead anywhere, and the page there would be taken as the gateway's.
-            async with self._session.get(
-                self.url, timeout=aiohttp.ClientTimeout(total=self.timeout), allow_redirects=False
-            ) as resp:
-                if 300 <= resp.status < 400:
-                    raise Redirected(resp.status, resp.headers.get("Location", ""))
-                resp.raise_for_status()
-                text = await resp.text()
-            self.fold(text)
+            self.fold(await self._fetch(self._session))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if self.errors == 0:
                 log.warning(

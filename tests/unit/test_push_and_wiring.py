@@ -18,7 +18,7 @@ from kvtax.delivery import Delivery, served_requests
 from kvtax.intake import MAX_COUNT, PushError, parse_push
 from kvtax.ledger import RequestRecord
 from kvtax.sidecar import Sidecar
-from kvtax.sources import PUSH_PATH, GatewayPoller, push_handler
+from kvtax.sources import MAX_GATEWAY_PAGE, PUSH_PATH, GatewayPoller, push_handler
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
@@ -185,24 +185,15 @@ GATEWAY_PAGE = (
 )
 
 
-async def test_the_gateway_poller_does_not_follow_a_redirect(
-    aiohttp_server: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    async def redirect(request: web.Request) -> web.Response:
-        raise web.HTTPFound("/elsewhere?sig=SECRET-SIGNATURE")
-
-    async def foreign(request: web.Request) -> web.Response:
-        return web.Response(text=GATEWAY_PAGE)
-
-    app = web.Application()
-    app.router.add_get("/metrics", redirect)
-    app.router.add_get("/elsewhere", foreign)
-    server: TestServer = await aiohttp_server(app)
+async def _poll_once(
+    server: TestServer, path: str, caplog: pytest.LogCaptureFixture
+) -> tuple[Delivery, GatewayPoller]:
     _, delivery = _delivery()
     delivery.names.update(["m"])
+    url = str(server.make_url(path)).replace("http://", "http://user:PASSWORD@")
     poller = GatewayPoller(
         delivery.ledger,
-        url=str(server.make_url("/metrics")).replace("http://", "http://user:PASSWORD@"),
+        url=url + "?key=QUERY-SECRET",
         metric="litellm_output_tokens_metric_total",
         model_label="model",
         selector=(),
@@ -214,10 +205,53 @@ async def test_the_gateway_poller_does_not_follow_a_redirect(
             await poller.poll_once()
     finally:
         await poller.stop()
+    for secret in ("PASSWORD", "QUERY-SECRET", "SIGNATURE-SECRET"):
+        assert secret not in caplog.text
+    return delivery, poller
+
+
+async def _gateway(aiohttp_server: Any) -> TestServer:
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/elsewhere?sig=SIGNATURE-SECRET")
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text=GATEWAY_PAGE)
+
+    async def huge(request: web.Request) -> web.Response:
+        return web.Response(text=GATEWAY_PAGE + "# padding\n" * (MAX_GATEWAY_PAGE // 10))
+
+    app = web.Application()
+    for path, handler in (("/redirect", redirect), ("/elsewhere", page), ("/huge", huge)):
+        app.router.add_get(path, handler)
+    server: TestServer = await aiohttp_server(app)
+    return server
+
+
+async def test_the_gateway_poller_reads_a_page(
+    aiohttp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    delivery, poller = await _poll_once(await _gateway(aiohttp_server), "/elsewhere", caplog)
+    assert delivery.ledger.totals()["m"].delivered == 500
+    assert poller.errors == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        (
+            "/redirect",
+            "it answered 302, a redirect to /elsewhere; kvtax does not follow redirects, "
+            "so set --gateway.url to the final URL",
+        ),
+        ("/missing", "it answered 404"),
+        ("/huge", f"body exceeds {MAX_GATEWAY_PAGE} bytes"),
+    ],
+)
+async def test_the_gateway_poller_refuses_a_redirect_an_error_and_a_huge_page(
+    aiohttp_server: Any, caplog: pytest.LogCaptureFixture, path: str, reason: str
+) -> None:
+    delivery, poller = await _poll_once(await _gateway(aiohttp_server), path, caplog)
     assert delivery.ledger.models() == []
     assert poller.errors == 1
     [record] = caplog.records
-    assert "it answered 302, a redirect to" in record.getMessage()
-    assert "kvtax does not follow redirects" in record.getMessage()
-    assert "SECRET-SIGNATURE" not in caplog.text
-    assert "PASSWORD" not in caplog.text
+    assert record.getMessage().endswith(f"/{path.strip('/')} failed: {reason}")
