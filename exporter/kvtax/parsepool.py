@@ -5,9 +5,12 @@ series on a 2-core pod), and a thread that holds the GIL delays each socket call
 loop by up to the interpreter's switch interval (5 ms), so a relay chunk that needs several calls
 waits tens of milliseconds. Measured on this project's 2-core machine, 32 loopback streams doing
 ping-pong while a 25,500-series page (60 models) was parsed: round-trip p99 3 ms idle, 134 ms with
-the parse in a thread, 7 ms with it in a process (``/tmp`` experiment recorded in
-``bench/results/bigpage.md``). The worker costs one more Python process (its RSS is in the same
-table); the page bounds (``--scrape.max-bytes``, ``--scrape.max-series``) cap what it holds.
+the parse in a thread, 7 ms with it in a process (see ``bench/results/bigpage.md``). The worker
+(:mod:`kvtax.parseworker`) is a plain child process, not a ``multiprocessing`` pool, because a
+spawned pool worker re-imports the CLI and brings a resource tracker: 53 MiB against 24 MiB.
+
+Only the pipe I/O runs in a thread (blocking reads and writes release the GIL), so the class
+works from any event loop. One page is parsed at a time.
 
 Example::
 
@@ -19,55 +22,77 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import functools
-import multiprocessing
-import signal
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import pickle
+import subprocess
+import sys
+import threading
 
-from .normalize import ParseError, normalize
+from .normalize import ParseError
+from .parseworker import receive_frame, send_frame
 from .snapshot import VllmSnapshot
 
 __all__ = ["ParsePool"]
-
-
-def _ignore_interrupts() -> None:
-    # Ctrl-C reaches the whole process group; the parent decides when the worker stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class ParsePool:
     """One lazily started worker process that runs :func:`~kvtax.normalize.normalize`."""
 
     def __init__(self) -> None:
-        self._pool: ProcessPoolExecutor | None = None
-
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            # spawn, not fork: the parent runs an event loop and threads, which fork would copy.
-            self._pool = ProcessPoolExecutor(
-                max_workers=1,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_ignore_interrupts,
-            )
-        return self._pool
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
 
     async def normalize(
         self, text: str, *, timestamp: float, version: str | None, max_series: int | None
     ) -> VllmSnapshot:
         """:func:`~kvtax.normalize.normalize` in the worker. Raises :class:`ParseError`."""
-        pool = self._executor()
-        call = functools.partial(
-            normalize, text, timestamp=timestamp, version=version, max_series=max_series
-        )
+        return await asyncio.to_thread(self._call, (text, timestamp, version, max_series))
+
+    def _call(self, request: tuple[str, float, str | None, int | None]) -> VllmSnapshot:
+        with self._lock:
+            proc = self._started()
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            try:
+                send_frame(proc.stdin, pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+                frame = receive_frame(proc.stdout)
+                if frame is None:
+                    raise EOFError("the worker closed its output")
+                status, value = pickle.loads(frame)
+            except (OSError, EOFError, pickle.UnpicklingError) as exc:
+                # The worker died (killed, out of memory): the next scrape starts a fresh one.
+                self._stop()
+                raise ParseError(f"the parse worker process failed: {exc!r}") from exc
+        if status == "error":
+            assert isinstance(value, ParseError)
+            raise value
+        assert isinstance(value, VllmSnapshot)
+        return value
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is not None:
+            self._stop()  # it died between pages: close its pipes, start another
+        if self._proc is None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtax.parseworker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
+        return self._proc
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()  # EOF on its stdin: a healthy worker exits at once
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, call)
-        except BrokenProcessPool as exc:
-            # The worker died (killed, out of memory): the next scrape starts a fresh one.
-            self.close()
-            raise ParseError(f"the parse worker process died: {exc}") from exc
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stop the worker; the next :meth:`normalize` would start another."""
+        with self._lock:
+            self._stop()
