@@ -1,11 +1,12 @@
 """Parse vLLM's page in a worker process, so the event loop the proxy shares never waits on it.
 
-Why a process and not a thread: :func:`~kvtax.normalize.normalize` is pure Python (about 60 us a
-series on a 2-core pod), and a thread that holds the GIL delays each socket call of the event
-loop by up to the interpreter's switch interval (5 ms), so a relay chunk that needs several calls
-waits tens of milliseconds. Measured on this project's 2-core machine, 32 loopback streams doing
-ping-pong while a 25,500-series page (60 models) was parsed: round-trip p99 3 ms idle, 134 ms with
-the parse in a thread, 7 ms with it in a process (see ``bench/results/bigpage.md``). The worker
+Why a process and not a thread: :func:`~kvtax.normalize.normalize` is pure Python (about 50 us a
+series on a 2-core machine), and a thread that holds the GIL delays each socket call of the event
+loop by up to the interpreter's switch interval (5 ms), so work that needs several calls waits
+hundreds of milliseconds. ``bench.parselag`` measures it: 32 loopback ping-pong streams on the
+loop while a 42,000-series page (100 models, the largest the default bounds accept) is parsed.
+Round trip p99: 4 ms idle; 478 ms with the parse in a thread (100 round trips/s instead of
+2,400); 5 ms in this worker; and none at all for 2.1 s on the loop. The worker
 (:mod:`kvtax.parseworker`) is a plain child process, not a ``multiprocessing`` pool, because a
 spawned pool worker re-imports the CLI and brings a resource tracker: 53 MiB against 24 MiB.
 
