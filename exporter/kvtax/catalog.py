@@ -260,6 +260,15 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "delivery",
     ),
     _S(
+        "kvtax_requests_without_usage_total",
+        "counter",
+        "Requests relayed to the end whose token count could not be read: vLLM sent no usage "
+        "kvtax could parse (stream_options ignored, unusual framing). Their tokens are missing "
+        "from delivered; above 0, the delivered figures undercount.",
+        (M,),
+        "delivery",
+    ),
+    _S(
         "kvtax_slo_met_requests_total",
         "counter",
         "Completed requests that met both the TTFT and the ITL SLO.",

@@ -129,6 +129,8 @@ class RequestRecord:
     gaps: tuple[float, ...] = ()
     stalls: tuple[tuple[float, int], ...] = ()
     slo_met: bool = False
+    # Completed, but vLLM sent no usage kvtax could read: its tokens are missing from delivered.
+    usage_missing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +168,7 @@ class _ModelBook:
         self.undelivered: dict[str, float] = {}
         self.outcomes: dict[str, float] = dict.fromkeys(OUTCOMES, 0.0)
         self.joined_requests = 0.0
+        self.usage_missing = 0.0
         self.slo_met_requests = 0.0
         self.slo_met_tokens = 0.0
         self.stall_context = 0.0
@@ -218,6 +221,8 @@ class DeliveryLedger:
         book.add_tokens("proxy", remaining, prompt, record.undelivered_tokens)
         if record.forwarded:
             book.joined_requests += 1
+        if record.usage_missing:
+            book.usage_missing += 1
         if record.slo_met and record.outcome == "completed":
             book.slo_met_requests += 1
             book.slo_met_tokens += record.delivered_tokens
@@ -285,6 +290,7 @@ class DeliveryLedger:
             for outcome, n in book.outcomes.items():
                 yield Sample("kvtax_requests_total", (label, outcome), n)
             yield Sample("kvtax_joined_requests_total", m, book.joined_requests)
+            yield Sample("kvtax_requests_without_usage_total", m, book.usage_missing)
             yield Sample("kvtax_slo_met_requests_total", m, book.slo_met_requests)
             yield Sample("kvtax_slo_met_tokens_total", m, book.slo_met_tokens)
             yield Sample("kvtax_stall_context_tokens_total", m, book.stall_context)

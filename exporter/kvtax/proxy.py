@@ -2,14 +2,18 @@
 
 :class:`Proxy` is an aiohttp server with one shared upstream client. ``/v1/completions`` and
 ``/v1/chat/completions`` are relayed with accounting; every other path passes through untouched.
-Streams are relayed chunk by chunk: each write waits for the client's socket to drain, and the
-upstream reader pauses when its buffer is full, so a slow client slows vLLM's TCP stream instead
-of growing memory. The proxy asks vLLM for usage on every chunk and trims it back to what the
-client asked for (:mod:`kvtax.sse`); tokens count as delivered once the bytes carrying them were
-written to the client and its TCP stack acknowledged them (bytes still queued in our socket when a
-stalled client leaves never reached it). A client that goes away cancels its handler (aiohttp's
-handler cancellation), which closes the upstream connection at once, so vLLM aborts the request
-and frees its KV. Each request settles one :class:`~kvtax.ledger.RequestRecord` in a ``finally``.
+Responses are relayed as their bytes arrive, never held whole: each write waits for the client's
+socket to drain, and the upstream reader pauses when its buffer is full, so a slow client slows
+vLLM's TCP stream instead of growing memory. The proxy asks vLLM for usage on every chunk and
+trims it back to what the client asked for (:mod:`kvtax.sse`); a non-streamed body's usage is
+read as it passes (:mod:`kvtax.usage`). Tokens count as delivered once the client's TCP stack
+acknowledged the bytes carrying them (:mod:`kvtax.acks`). A client that goes away cancels its
+handler (aiohttp's handler cancellation), which closes the upstream connection at once, so vLLM
+aborts the request and frees its KV.
+
+Each request gathers facts in an :class:`Exchange` as it goes (what vLLM answered, what was
+written, whether the client or vLLM went away); when it ends, however it ends, :func:`outcome_of`
+decides its outcome from those facts, in one place, and the ledger settles one record.
 
 Errors the proxy itself produces (vLLM unreachable, timed out, body too large) are OpenAI-style
 JSON; vLLM's own statuses, headers and error bodies pass through unchanged. Nothing of a prompt,
@@ -26,27 +30,25 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
+import io
 import json
 import logging
-import struct
-import termios
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from .acks import AckTracker
 from .ledger import DeliveryLedger, RequestRecord
-from .sse import StreamRewriter, UsageWish, with_usage
+from .sse import HoldBudget, StreamRewriter, UsageWish, with_usage
 from .timing import SloTargets, StreamTiming, meets_slo_unstreamed
+from .usage import UsageScanner
 
-__all__ = ["ACCOUNTED_PATHS", "Proxy", "ProxySettings", "openai_error"]
+__all__ = ["ACCOUNTED_PATHS", "Exchange", "Proxy", "ProxySettings", "openai_error", "outcome_of"]
 
 log = logging.getLogger("kvtax.proxy")
 
@@ -70,18 +72,22 @@ _HOP = frozenset(
 )
 # Headers aiohttp's client would add on its own; the upstream must see only the client's.
 _NO_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
-_MAX_RESPONSE = 256 * 1024**2  # a non-streamed answer larger than this is not a completion
+_ONE_WRITE = 1024**2
+
+State = Literal["serving", "draining", "cutting"]
 
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     upstream: str
-    max_body: int = 32 * 1024**2
+    max_body: int = 4 * 1024**2
     timeout: float = 300.0
     stall_factor: float = 5.0
     stall_min: float = 0.05
     slo_ttft: float = 2.0
     slo_itl: float = 0.2
+    # Partial SSE lines all streams together may hold while waiting for their end.
+    max_held: int = 16 * 1024**2
 
     @property
     def slo(self) -> SloTargets:
@@ -118,27 +124,63 @@ def _response_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
 
 
 @dataclass(slots=True)
-class _Exchange:
-    """Mutable facts about one accounted request, settled into the ledger at the end."""
+class Exchange:
+    """The facts of one accounted request, gathered as it runs; :func:`outcome_of` reads them.
+
+    ``status`` is vLLM's (None: it never answered). ``wrote_all`` means every byte of the
+    response, ``[DONE]`` included, was handed to the client's socket; ``eof`` that the response
+    was also ended cleanly. ``client_gone`` and ``upstream_broke`` say who left early.
+    """
 
     started: float
     model: str | None = None
-    outcome: str = "upstream_error"
-    forwarded: bool = False
-    delivered: int = 0
-    credited: int = 0  # of ``delivered``, what the ledger already counted mid-stream
-    prompt: int = 0
-    upstream_tokens: int = 0
+    too_large: bool = False
+    status: int | None = None
+    streamed: bool = False
+    wrote_all: bool = False
+    eof: bool = False
+    client_gone: bool = False
+    upstream_broke: bool = False
+    cut: bool = False  # ended by shutdown after its grace period
+    acks: AckTracker | None = None
+    rewriter: StreamRewriter | None = None
     timing: StreamTiming | None = None
-    slo_met: bool = False
-    # Set when shutdown's grace period ran out while this request was still streaming.
-    cut: bool = False
-    # Every byte of the response was handed to the client (only the end-of-stream remained).
-    relayed_all: bool = False
+    usage: tuple[int, int] | None = None  # non-streamed: (completion, prompt)
+    credited: int = 0  # delivered tokens the ledger already counted mid-stream
+    finished_at: float | None = None
+    sent: bool = False  # vLLM got the request even if it never answered
+
+    @property
+    def reached_client(self) -> bool:
+        """Every byte reached the client: ended cleanly, or its acknowledgements cover it all."""
+        if not self.wrote_all:
+            return False
+        if self.eof and not self.client_gone:
+            return True
+        return self.acks is None or self.acks.all_acknowledged
+
+
+def outcome_of(ex: Exchange) -> str:
+    """The one place a request's outcome is decided."""
+    if ex.too_large:
+        return "rejected"
+    if ex.status is None:
+        return "upstream_error"
+    if ex.status >= 500:
+        return "upstream_error"
+    if ex.status >= 400:
+        return "rejected"
+    if ex.reached_client:
+        return "completed"
+    if ex.cut:
+        return "shutdown"
+    if ex.upstream_broke:
+        return "upstream_error"
+    return "client_disconnected"
 
 
 class Proxy:
-    """The relay. ``in_flight`` counts accounted requests not yet settled (for tests)."""
+    """The relay. ``in_flight`` counts accounted requests not yet settled."""
 
     def __init__(
         self,
@@ -151,11 +193,16 @@ class Proxy:
         self.ledger = ledger
         self.clock = clock
         self.in_flight = 0
+        self.held = HoldBudget(settings.max_held)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         # Streams in flight, so that shutdown can end the ones its grace period does not cover.
-        self._streams: dict[int, tuple[_Exchange, aiohttp.ClientResponse]] = {}
-        self._cutting = False
+        self._streams: dict[int, tuple[Exchange, aiohttp.ClientResponse]] = {}
+        self.state: State = "serving"
+
+    @property
+    def streams_open(self) -> int:
+        return len(self._streams)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -197,6 +244,7 @@ class Proxy:
         """
         runner, self._runner = self._runner, None
         if runner is not None:
+            self.state = "draining"
             for site in list(runner.sites):
                 await site.stop()  # no new connections from here on
             loop = asyncio.get_running_loop()
@@ -205,9 +253,8 @@ class Proxy:
                 await asyncio.sleep(0.05)
             if self.in_flight:
                 log.info("grace period over: ending %d request(s) still in flight", self.in_flight)
-            self._cutting = True
-            for ex, upstream in list(self._streams.values()):
-                ex.cut = True
+            self.state = "cutting"
+            for _, upstream in list(self._streams.values()):
                 upstream.close()
             await runner.cleanup()
         await self.close()
@@ -224,9 +271,12 @@ class Proxy:
         ledger work, and still keeps windowed goodput in step with the engine.
         """
         for ex, _ in self._streams.values():
-            if ex.delivered > ex.credited:
-                self.ledger.credit(ex.model, ex.delivered - ex.credited)
-                ex.credited = ex.delivered
+            if ex.acks is None:
+                continue
+            delivered = ex.acks.refresh()
+            if delivered > ex.credited:
+                self.ledger.credit(ex.model, delivered - ex.credited)
+                ex.credited = delivered
 
     # -- helpers -----------------------------------------------------------------------------
     def _timeout(self) -> aiohttp.ClientTimeout:
@@ -235,24 +285,28 @@ class Proxy:
         )
 
     async def _read_body(self, request: web.Request) -> bytes:
+        """The whole request body, read to its end however many writes it came in, or
+        :class:`_TooLarge` as soon as it passes the limit (the rest is never read)."""
         limit = self.settings.max_body
         if request.content_length is not None and request.content_length > limit:
             raise _TooLarge
-        parts: list[bytes] = []
-        size = 0
+        body = bytearray()
         async for chunk in request.content.iter_any():
-            size += len(chunk)
-            if size > limit:
+            if len(body) + len(chunk) > limit:
                 raise _TooLarge
-            parts.append(chunk)
-        return b"".join(parts)
+            body += chunk
+        return bytes(body)
 
     def _too_large(self) -> web.Response:
-        return openai_error(
+        response = openai_error(
             413,
-            f"request body exceeds the proxy's limit of {self.settings.max_body} bytes",
+            f"request body exceeds the proxy's limit of {self.settings.max_body} bytes "
+            "(--proxy.max-body)",
             "invalid_request_error",
         )
+        # The rest of the body was never read: the connection cannot carry another request.
+        response.force_close()
+        return response
 
     def _upstream_failure(self, exc: BaseException) -> web.Response:
         if isinstance(exc, TimeoutError):
@@ -263,12 +317,26 @@ class Proxy:
             )
         return openai_error(502, "vLLM is unreachable", "upstream_unavailable")
 
+    @staticmethod
+    def _break(request: web.Request) -> None:
+        """Close the client's connection so a body cut short can never look complete."""
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+
     # -- pass-through ------------------------------------------------------------------------
     async def _passthrough(self, request: web.Request) -> web.StreamResponse:
-        limit = self.settings.max_body
-        if request.content_length is not None and request.content_length > limit:
-            return self._too_large()
-        data: Any = request.content if request.body_exists else None
+        data: Any = None
+        if request.body_exists:
+            if request.content_length is not None:
+                if request.content_length > self.settings.max_body:
+                    return self._too_large()
+                data = request.content  # streamed; the length is already known to be in bounds
+            else:
+                try:  # chunked: no length to check up front, so read it within the limit
+                    data = await self._read_body(request)
+                except _TooLarge:
+                    return self._too_large()
         try:
             upstream = await self.session.request(
                 request.method,
@@ -290,13 +358,18 @@ class Proxy:
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
             await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientError, TimeoutError):
+                self._break(request)
+                upstream.close()
+                return response
             await response.write_eof()
             return response
         except BaseException:
-            # Client gone (cancelled), client reset, or upstream broke: drop the connection
-            # rather than return a half-read one to the pool.
+            # Client gone (cancelled), client reset: drop the connection rather than return a
+            # half-read one to the pool.
             upstream.close()
             raise
         finally:
@@ -304,62 +377,91 @@ class Proxy:
 
     # -- accounted endpoints -----------------------------------------------------------------
     async def _accounted(self, request: web.Request) -> web.StreamResponse:
-        ex = _Exchange(started=self.clock())
+        ex = Exchange(started=self.clock())
         self.in_flight += 1
         try:
             return await self._handle(request, ex)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionResetError):
             # aiohttp cancels the handler when the client disconnects, and at shutdown.
-            if ex.outcome != "completed":
-                ex.outcome = "shutdown" if self._cutting else "client_disconnected"
+            ex.client_gone = True
             raise
         finally:
             self.in_flight -= 1
             self._settle(ex)
 
-    def _settle(self, ex: _Exchange) -> None:
+    def _settle(self, ex: Exchange) -> None:
+        acks = ex.acks
+        if acks is not None:
+            acks.refresh()  # a last reading: the client may have acknowledged since
+            acks.close()
+        outcome = outcome_of(ex)
+        delivered, upstream_tokens, prompt = self._tokens(ex, outcome)
         timing = ex.timing
+        completed = outcome == "completed"
         self.ledger.settle(
             RequestRecord(
                 model=ex.model,
-                outcome=ex.outcome,
-                delivered_tokens=ex.delivered,
+                outcome=outcome,
+                delivered_tokens=delivered,
                 credited_tokens=ex.credited,
-                prompt_tokens=ex.prompt,
-                undelivered_tokens=max(0, ex.upstream_tokens - ex.delivered),
-                forwarded=ex.forwarded,
+                prompt_tokens=prompt,
+                undelivered_tokens=max(0, upstream_tokens - delivered),
+                forwarded=ex.status is not None or ex.sent,
                 duration=self.clock() - ex.started,
                 ttft=timing.ttft if timing else None,
                 gaps=tuple(timing.gaps) if timing else (),
                 stalls=tuple(timing.stalls) if timing else (),
-                slo_met=ex.slo_met,
+                slo_met=completed and self._slo_met(ex, delivered),
+                usage_missing=completed and self._usage_missing(ex),
             )
         )
 
-    async def _handle(self, request: web.Request, ex: _Exchange) -> web.StreamResponse:
+    @staticmethod
+    def _tokens(ex: Exchange, outcome: str) -> tuple[int, int, int]:
+        """(delivered, sent by vLLM, prompt) tokens, by outcome."""
+        rw = ex.rewriter
+        if rw is not None:
+            upstream = rw.upstream_completion_tokens
+            if outcome == "completed":
+                # Every byte reached the client, so every token did.
+                delivered = rw.final_completion_tokens or rw.completion_tokens
+                return delivered, max(upstream, delivered), rw.prompt_tokens
+            confirmed = ex.acks.confirmed if ex.acks is not None else 0
+            return confirmed, upstream, rw.prompt_tokens
+        if ex.usage is None or ex.status is None or ex.status >= 300:
+            return 0, 0, 0
+        completion, prompt = ex.usage
+        # A non-streamed answer is useful only whole: all of it reached the client, or none.
+        return (completion if outcome == "completed" else 0), completion, prompt
+
+    def _slo_met(self, ex: Exchange, delivered: int) -> bool:
+        if ex.timing is not None:
+            return ex.timing.meets(self.settings.slo)
+        if ex.status is not None and ex.status < 300 and ex.finished_at is not None:
+            return meets_slo_unstreamed(ex.finished_at - ex.started, delivered, self.settings.slo)
+        return False
+
+    @staticmethod
+    def _usage_missing(ex: Exchange) -> bool:
+        if ex.status is None or ex.status >= 300:
+            return False
+        if ex.rewriter is not None:
+            return ex.rewriter.usage_lines == 0
+        return ex.usage is None
+
+    async def _handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         try:
             body = await self._read_body(request)
         except _TooLarge:
-            ex.outcome = "rejected"
+            ex.too_large = True
             return self._too_large()
-        payload: Any
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            payload = None
-        wish: UsageWish | None = None
-        if isinstance(payload, dict):
-            model = payload.get("model")
-            ex.model = model if isinstance(model, str) else None
-            if payload.get("stream") is True:
-                wish, upstream_payload = with_usage(payload)
-                body = json.dumps(upstream_payload, ensure_ascii=False).encode()
-        # Anything that is not a JSON object goes to vLLM as it came; vLLM answers the 400.
+        wish, body = self._prepare(body, ex)
         try:
             upstream = await self.session.post(
                 self.settings.upstream + request.rel_url.raw_path_qs,
                 headers=_request_headers(request.headers, identity=True),
-                data=body,
+                # aiohttp writes a large bytes body in one go; a file-like one goes in pieces.
+                data=body if len(body) <= _ONE_WRITE else io.BytesIO(body),
                 skip_auto_headers=_NO_AUTO,
                 allow_redirects=False,
                 timeout=self._timeout(),
@@ -367,229 +469,147 @@ class Proxy:
         except aiohttp.ClientConnectorError as exc:
             return self._upstream_failure(exc)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            ex.forwarded = True
+            ex.sent = True  # vLLM had the request: its HTTP counter counts it
             return self._upstream_failure(exc)
-        ex.forwarded = True
-        try:
-            if upstream.status < 300 and ex.model is not None:
-                self.ledger.names.learn(ex.model)
-            if (
-                wish is None
-                or upstream.status >= 300
-                or upstream.content_type != "text/event-stream"
-            ):
-                return await self._relay_whole(request, upstream, ex)
-            return await self._relay_stream(request, upstream, ex, wish)
-        except BaseException:
-            if ex.outcome != "completed":
-                ex.outcome = "shutdown" if self._cutting else "client_disconnected"
-            raise
-        finally:
-            if ex.outcome == "completed":
-                upstream.release()
-            else:
-                # Closing (not releasing) drops the connection: vLLM sees the disconnect and
-                # aborts the request, freeing its KV blocks.
-                upstream.close()
-
-    async def _relay_whole(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, ex: _Exchange
-    ) -> web.StreamResponse:
-        try:
-            body = await upstream.content.read(_MAX_RESPONSE)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return self._upstream_failure(exc)
-        status = upstream.status
-        ex.outcome = "rejected" if 400 <= status < 500 else "upstream_error"
-        usage = _usage_of(body) if status < 300 else None
-        if usage is not None:
-            ex.upstream_tokens, ex.prompt = usage
-        response = web.StreamResponse(
-            status=status, reason=upstream.reason, headers=_response_headers(upstream.headers)
-        )
-        response.content_length = len(body)
-        try:
-            await response.prepare(request)
-            await response.write(body)
-            await response.write_eof()
-        except ConnectionResetError:
-            ex.outcome = "client_disconnected"
-            return response
-        if status < 300:
-            ex.outcome = "completed"
-            ex.delivered = ex.upstream_tokens
-            ex.slo_met = meets_slo_unstreamed(
-                self.clock() - ex.started, ex.delivered, self.settings.slo
-            )
-        elif status < 400:
-            ex.outcome = "completed"
-        return response
-
-    async def _relay_stream(
-        self,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
-        ex: _Exchange,
-        wish: UsageWish,
-    ) -> web.StreamResponse:
-        rewriter = StreamRewriter(wish)
-        ex.timing = StreamTiming(ex.started, self.settings.stall_factor, self.settings.stall_min)
+        ex.status = upstream.status
         response = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
             headers=_response_headers(upstream.headers),
         )
-        await response.prepare(request)
-        acks = _Acks(request.transport)
-        self._streams[id(ex)] = (ex, upstream)
         try:
-            return await self._relay_events(response, upstream, ex, rewriter, acks)
+            if upstream.status < 300 and ex.model is not None:
+                self.ledger.names.learn(ex.model)
+            if wish is not None and upstream.status < 300 and self._is_sse(upstream):
+                await self._relay_stream(request, response, upstream, ex, wish)
+            else:
+                await self._relay_body(request, response, upstream, ex)
+        except ConnectionResetError:
+            ex.client_gone = True  # a write found the client gone
         finally:
-            del self._streams[id(ex)]
+            if outcome_of(ex) == "completed" and ex.eof:
+                upstream.release()
+            else:
+                # Closing (not releasing) drops the connection: vLLM sees the disconnect and
+                # aborts the request, freeing its KV blocks.
+                upstream.close()
+        return response
 
-    async def _relay_events(
+    @staticmethod
+    def _is_sse(upstream: aiohttp.ClientResponse) -> bool:
+        return upstream.content_type == "text/event-stream"
+
+    @staticmethod
+    def _prepare(body: bytes, ex: Exchange) -> tuple[UsageWish | None, bytes]:
+        """Learn the model; for a stream, ask vLLM for usage. Other bodies go as they came."""
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return None, body  # vLLM answers the 400 for a body that is not JSON
+        if not isinstance(payload, dict):
+            return None, body
+        model = payload.get("model")
+        ex.model = model if isinstance(model, str) else None
+        if payload.get("stream") is not True:
+            return None, body
+        ex.streamed = True
+        wish, upstream_payload = with_usage(payload)
+        return wish, json.dumps(upstream_payload, ensure_ascii=False).encode()
+
+    async def _relay_body(
         self,
+        request: web.Request,
         response: web.StreamResponse,
         upstream: aiohttp.ClientResponse,
-        ex: _Exchange,
-        rewriter: StreamRewriter,
-        acks: _Acks,
-    ) -> web.StreamResponse:
-        timing = ex.timing
-        assert timing is not None
-        clock = self.clock
-        written = 0
-        try:
-            try:
-                async for data in upstream.content.iter_any():
-                    out = rewriter.feed(data)
-                    ex.upstream_tokens = rewriter.upstream_completion_tokens
-                    if out.payload:
-                        await response.write(out.payload)
-                        if out.completion_tokens > written:
-                            timing.tokens_written(clock(), rewriter.prompt_tokens + written)
-                            written = out.completion_tokens
-                            ex.prompt = rewriter.prompt_tokens
-                        ex.delivered = acks.wrote(len(out.payload), written)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                if ex.cut:
-                    return await self._end_cut(response, ex, rewriter, written)
-                # The headers are gone; tell the client in the stream, the way vLLM does.
-                reason = "timed out" if isinstance(exc, TimeoutError) else "broke off"
-                ex.outcome = "upstream_error"
-                ex.upstream_tokens = rewriter.upstream_completion_tokens
-                await response.write(_sse_error(f"vLLM's stream {reason}", "upstream_error", 502))
-                await response.write_eof()
-                ex.delivered = written
-                return response
-            if ex.cut:
-                return await self._end_cut(response, ex, rewriter, written)
-            out = rewriter.finish()
-            if out.payload:
-                await response.write(out.payload)
-                if out.completion_tokens > written:
-                    timing.tokens_written(clock(), rewriter.prompt_tokens + written)
-                    written = out.completion_tokens
-                ex.delivered = acks.wrote(len(out.payload), written)
-            ex.relayed_all = True
-            await response.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError) as exc:
-            if ex.relayed_all and ex.delivered >= written:
-                # The client read the whole stream, [DONE] included, and hung up before our
-                # end-of-stream: a completed request, not a disconnect.
-                self._completed(ex, rewriter, written, timing)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                return response
-            ex.outcome = "shutdown" if ex.cut else "client_disconnected"
-            # Whatever vLLM already sent us but the client never got is undelivered too.
-            with contextlib.suppress(aiohttp.ClientError, RuntimeError):
-                rewriter.feed(upstream.content.read_nowait())
-            ex.upstream_tokens = rewriter.upstream_completion_tokens
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return response
-        self._completed(ex, rewriter, written, timing)
-        return response
-
-    def _completed(
-        self, ex: _Exchange, rewriter: StreamRewriter, written: int, timing: StreamTiming
+        ex: Exchange,
     ) -> None:
-        ex.outcome = "completed"
-        ex.prompt = rewriter.prompt_tokens
-        ex.delivered = written
-        if rewriter.final_completion_tokens is not None:
-            # Every byte reached the client, so every token did.
-            ex.upstream_tokens = ex.delivered = rewriter.final_completion_tokens
-        ex.slo_met = timing.meets(self.settings.slo)
-
-    async def _end_cut(
-        self,
-        response: web.StreamResponse,
-        ex: _Exchange,
-        rewriter: StreamRewriter,
-        written: int,
-    ) -> web.StreamResponse:
-        """End a stream that shutdown's grace period did not cover, as cleanly as vLLM would."""
-        ex.outcome = "shutdown"
-        ex.upstream_tokens = rewriter.upstream_completion_tokens
-        ex.delivered = written
-        await response.write(
-            _sse_error("kvtax is shutting down; retry the request", "server_shutdown", 503)
-        )
-        await response.write_eof()
-        return response
-
-
-class _Acks:
-    """Which written tokens the client's TCP stack has acknowledged.
-
-    A write hands bytes to the kernel, not to the client: a client that stopped reading
-    leaves them queued in our socket. After each write we ask the kernel how many bytes are
-    still unacknowledged (Linux ``SIOCOUTQ``; plus what the transport still buffers) and confirm
-    the tokens of every write whose bytes have all been acknowledged. Where the kernel cannot
-    tell (not a TCP socket, not Linux), a write counts as soon as it returns.
-    """
-
-    __slots__ = ("_fd", "_pending", "_transport", "_written", "confirmed")
-
-    def __init__(self, transport: asyncio.Transport | None) -> None:
-        self._transport = transport
-        sock = transport.get_extra_info("socket") if transport is not None else None
-        self._fd: int = sock.fileno() if sock is not None else -1
-        self._written = 0
-        self._pending: deque[tuple[int, int]] = deque()
-        self.confirmed = 0
-
-    def wrote(self, nbytes: int, tokens: int) -> int:
-        """Record a finished write that brought the client up to ``tokens``; return the
-        tokens confirmed so far."""
-        self._written += nbytes
-        self._pending.append((self._written, tokens))
-        unacked = self._unacked()
-        acked = self._written - unacked if unacked is not None else self._written
-        while self._pending and self._pending[0][0] <= acked:
-            self.confirmed = self._pending.popleft()[1]
-        return self.confirmed
-
-    def _unacked(self) -> int | None:
-        transport = self._transport
-        # Never ask about a closed socket: its descriptor may already belong to another.
-        if self._fd < 0 or transport is None or transport.is_closing():
-            return None
+        """A whole (non-SSE) response: relayed as it arrives, its usage read on the way."""
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        scanner = UsageScanner() if upstream.status < 300 else None
+        await response.prepare(request)
+        acks = ex.acks = AckTracker(request.transport)
         try:
-            queued = fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0")
-        except OSError:
-            self._fd = -1
-            return None
-        outq: int = struct.unpack("i", queued)[0]
-        return outq + transport.get_write_buffer_size()
+            async for chunk in upstream.content.iter_any():
+                if scanner is not None:
+                    scanner.feed(chunk)
+                await response.write(chunk)
+                acks.wrote(len(chunk), 0)
+        except (aiohttp.ClientError, TimeoutError):
+            ex.upstream_broke = True
+            self._break(request)
+            return
+        ex.usage = scanner.tokens() if scanner is not None else None
+        ex.wrote_all = True
+        ex.finished_at = self.clock()
+        await response.write_eof()
+        ex.eof = True
 
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        ex: Exchange,
+        wish: UsageWish,
+    ) -> None:
+        rewriter = ex.rewriter = StreamRewriter(wish, budget=self.held)
+        ex.timing = StreamTiming(ex.started, self.settings.stall_factor, self.settings.stall_min)
+        await response.prepare(request)
+        ex.acks = AckTracker(request.transport)
+        self._streams[id(ex)] = (ex, upstream)
+        try:
+            failure = await self._relay_events(response, upstream.content.iter_any(), ex)
+            if failure is None and self.state == "cutting" and not rewriter.done:
+                failure = TimeoutError()  # shutdown closed vLLM's side: it ended early
+            if failure is None:
+                out = rewriter.finish()
+                if out.payload:
+                    await self._write(response, out.payload, out.completion_tokens, ex)
+                ex.wrote_all = True
+            elif not rewriter.done:
+                await response.write(self._stream_error(failure, ex))
+            await response.write_eof()
+            ex.eof = True
+        finally:
+            del self._streams[id(ex)]
+            rewriter.close()
 
-def _usage_of(body: bytes) -> tuple[int, int] | None:
-    """(completion_tokens, prompt_tokens) from a non-streamed OpenAI response body."""
-    try:
-        usage = json.loads(body).get("usage")
-        return int(usage.get("completion_tokens") or 0), int(usage.get("prompt_tokens") or 0)
-    except (ValueError, AttributeError, TypeError):
+    def _stream_error(self, failure: BaseException, ex: Exchange) -> bytes:
+        """The error event that ends a stream vLLM did not finish (headers are long gone)."""
+        ex.upstream_broke = True
+        if self.state == "cutting":
+            ex.cut = True
+            return _sse_error("kvtax is shutting down; retry the request", "server_shutdown", 503)
+        reason = "timed out" if isinstance(failure, TimeoutError) else "broke off"
+        return _sse_error(f"vLLM's stream {reason}", "upstream_error", 502)
+
+    async def _relay_events(
+        self, response: web.StreamResponse, chunks: AsyncIterator[bytes], ex: Exchange
+    ) -> BaseException | None:
+        """Relay events until vLLM's stream ends; return what broke it, if anything did."""
+        rewriter = ex.rewriter
+        assert rewriter is not None
+        try:
+            async for data in chunks:
+                out = rewriter.feed(data)
+                if out.payload:
+                    await self._write(response, out.payload, out.completion_tokens, ex)
+                    if rewriter.done:
+                        ex.wrote_all = True  # [DONE] is with the client's kernel
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return exc
         return None
+
+    async def _write(
+        self, response: web.StreamResponse, payload: bytes, tokens: int, ex: Exchange
+    ) -> None:
+        await response.write(payload)
+        acks, timing, rewriter = ex.acks, ex.timing, ex.rewriter
+        assert acks is not None
+        assert timing is not None
+        assert rewriter is not None
+        before = acks.written_tokens
+        if tokens > before:
+            timing.tokens_written(self.clock(), rewriter.prompt_tokens + before)
+        acks.wrote(len(payload), max(tokens, before))

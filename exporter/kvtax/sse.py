@@ -3,11 +3,18 @@
 The proxy asks vLLM for usage on every chunk (``stream_options.include_usage`` and
 ``continuous_usage_stats``) because that is the only exact token count a stream carries. The
 client may have asked for less. :class:`StreamRewriter` takes upstream bytes as they arrive,
-splits them into events, reads each event's cumulative completion tokens, and cuts out of the
+splits them into lines, reads each data line's cumulative completion tokens, and cuts out of the
 bytes what vLLM would not have sent the client: the ``usage`` field of ordinary chunks, the
 trailing usage-only chunk, and it moves ``system_fingerprint`` back onto the terminal chunks,
 where vLLM puts it when no usage chunk follows. Everything else passes byte for byte: the cut is
 made on the raw bytes, never by re-serializing JSON. Pure: no I/O, no clock.
+
+Working by line rather than by blank-line-separated event means an upstream that frames events
+with single newlines is still read. The usage object is located on the bytes and then verified
+with a real JSON parse; a data line whose usage cannot be parsed passes untouched and is counted
+(``unparsed``). A line longer than the hold limit, or one that would push every stream's held
+bytes over a shared :class:`HoldBudget`, is passed on raw as it arrives (``oversized``): memory
+stays bounded and the client is never held back, at the price of that line's usage.
 
 Example::
 
@@ -19,20 +26,46 @@ Example::
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Relayed", "StreamRewriter", "UsageWish", "with_usage"]
+from .usage import usage_tokens
+
+__all__ = ["HoldBudget", "Relayed", "StreamRewriter", "UsageWish", "with_usage"]
 
 _USAGE_KEY = b',"usage":{'
+_USAGE_ANY = b'"usage"'
+_DATA = b"data: {"
+_DONE = b"data: [DONE]"
 _FINAL_CHOICES = b'"choices":[]'
 _TERMINAL = b'"finish_reason":"'
-_COMPLETION = re.compile(rb'"completion_tokens":(\d+)')
-_PROMPT = re.compile(rb'"prompt_tokens":(\d+)')
 _INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
 _FINGERPRINT = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*")')
-_SEP = b"\n\n"
+_NL = b"\n"
+
+# A data line of vLLM's is a few hundred bytes; one this long is not worth holding to trim.
+MAX_LINE = 256 * 1024
+
+
+class HoldBudget:
+    """Bytes all streams may hold back at once while waiting for a line to complete."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held = max(0, self.held - nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,23 +99,36 @@ class Relayed:
     completion_tokens: int
 
 
-def _usage_span(event: bytes) -> tuple[int, int] | None:
-    """Start and end of ``,"usage":{...}`` in an event, or None. Usage holds no strings with
-    braces, so counting braces is exact; a literal ``,"usage":{`` cannot occur inside a JSON
-    string (its quotes would be escaped)."""
-    start = event.rfind(_USAGE_KEY)
+def _usage_span(line: bytes) -> tuple[int, int] | None:
+    """Start and end of ``,"usage":{...}`` in a data line, or None. A literal ``,"usage":{``
+    cannot occur inside a JSON string (its quotes would be escaped), and usage holds no strings
+    with braces, so counting braces finds its end; the JSON parse that follows checks it."""
+    start = line.rfind(_USAGE_KEY)
     if start < 0:
         return None
     pos = start + len(_USAGE_KEY)
     depth = 1
     while depth:
-        close = event.find(b"}", pos)
+        close = line.find(b"}", pos)
         if close < 0:
             return None
-        opened = event.count(b"{", pos, close)
-        depth += opened - 1
+        depth += line.count(b"{", pos, close) - 1
         pos = close + 1
     return start, pos
+
+
+def _parse_usage(line: bytes, span: tuple[int, int] | None) -> tuple[int, int] | None:
+    if span is not None:
+        try:
+            return usage_tokens(json.loads(line[span[0] + len(_USAGE_KEY) - 1 : span[1]]))
+        except ValueError:
+            return None
+    # Not vLLM's compact form (spaces, another key order): read the whole event.
+    try:
+        event = json.loads(line[len(b"data:") :])
+    except ValueError:
+        return None
+    return usage_tokens(event.get("usage")) if isinstance(event, dict) else None
 
 
 class StreamRewriter:
@@ -90,93 +136,177 @@ class StreamRewriter:
 
     ``upstream_completion_tokens`` is what vLLM has sent so far, ``completion_tokens`` what has
     been handed out for writing; the difference is what a disconnect leaves undelivered.
+    ``done`` is set once ``data: [DONE]`` has been handed out: the stream is complete.
     """
 
-    def __init__(self, wish: UsageWish) -> None:
+    def __init__(
+        self, wish: UsageWish, *, max_line: int = MAX_LINE, budget: HoldBudget | None = None
+    ) -> None:
         self.wish = wish
+        self.max_line = max_line
+        self.budget = budget
         self.prompt_tokens = 0
         self.final_completion_tokens: int | None = None
-        self._buffer = b""
+        self.completion_tokens = 0
+        self.done = False
+        self.usage_lines = 0
+        self.unparsed = 0
+        self.oversized = 0
+        self._buffer = bytearray()
+        self._charged = 0  # bytes of _buffer taken from the budget
+        self._raw = False  # passing an oversized line through until its newline
+        self._skip_blank = False  # a dropped usage chunk's terminating blank line is next
         self._seen: dict[int, int] = {}
         self._emitted: dict[int, int] = {}
-        # Held events: bytes, cut position, choice, tokens, and whether it is terminal.
-        self._held: list[tuple[bytes, int, int, int, bool]] = []
-        self.completion_tokens = 0
+        # Held lines: bytes, cut position, choice, tokens, terminal (choice None: not data).
+        self._held: list[tuple[bytes, int, int | None, int, bool]] = []
 
     @property
     def upstream_completion_tokens(self) -> int:
         return max(sum(self._seen.values()), self.final_completion_tokens or 0)
 
     def feed(self, data: bytes) -> Relayed:
-        buffer = self._buffer + data if self._buffer else data
-        end = buffer.rfind(_SEP)
-        if end < 0:
-            self._buffer = buffer
-            return Relayed(b"", self.completion_tokens)
-        self._buffer = buffer[end + 2 :]
         out: list[bytes] = []
-        for event in buffer[: end + 2].split(_SEP)[:-1]:
-            self._event(event + _SEP, out)
+        if self._raw:
+            data = self._pass_raw(data, out)
+        end = data.rfind(_NL)
+        if end < 0:
+            self._hold(data, out)
+        else:
+            if self._buffer:
+                complete = bytes(self._buffer) + data[: end + 1]
+                self._release()
+            else:
+                complete = data[: end + 1] if end + 1 < len(data) else data
+            for line in complete.split(_NL)[:-1]:
+                self._line(line, out)
+            if end + 1 < len(data):
+                self._hold(data[end + 1 :], out)
         return Relayed(b"".join(out), self.completion_tokens)
 
     def finish(self) -> Relayed:
-        """End of the upstream stream: release held chunks and any unterminated tail."""
+        """End of the upstream stream: release held lines and any unterminated tail."""
         out: list[bytes] = []
         self._flush(None, out)
         if self._buffer:
-            out.append(self._buffer)
-            self._buffer = b""
+            out.append(bytes(self._buffer))
+            self._release()
         return Relayed(b"".join(out), self.completion_tokens)
 
-    def _emit(self, event: bytes, choice: int | None, tokens: int | None, out: list[bytes]) -> None:
-        out.append(event)
-        if choice is not None and tokens is not None:
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of a partial line held back, waiting for its end."""
+        return len(self._buffer)
+
+    def close(self) -> None:
+        """Give back whatever the stream still holds of the shared budget."""
+        self._release()
+
+    # -- holding partial lines, within bounds --------------------------------------------------
+    def _pass_raw(self, data: bytes, out: list[bytes]) -> bytes:
+        """Inside an oversized line: pass bytes through up to and including its newline."""
+        end = data.find(_NL)
+        if end < 0:
+            out.append(data)
+            return b""
+        out.append(data[: end + 1])
+        self._raw = False
+        return data[end + 1 :]
+
+    def _hold(self, data: bytes, out: list[bytes]) -> None:
+        if not data:
+            return
+        size = len(self._buffer) + len(data)
+        needed = size - self._charged
+        if size <= self.max_line and (self.budget is None or self.budget.take(needed)):
+            self._buffer += data
+            self._charged = size if self.budget is not None else 0
+            return
+        # Too long to hold: what is held goes first, then this line's bytes as they are.
+        self.oversized += 1
+        self._flush(None, out)
+        if self._buffer:
+            out.append(bytes(self._buffer))
+            self._release()
+        out.append(data)
+        self._raw = True
+
+    def _release(self) -> None:
+        self._buffer = bytearray()
+        if self.budget is not None and self._charged:
+            self.budget.give(self._charged)
+        self._charged = 0
+
+    # -- one complete line ----------------------------------------------------------------------
+    def _emit(self, line: bytes, choice: int | None, tokens: int, out: list[bytes]) -> None:
+        out.append(line)
+        if choice is not None:
             self._emitted[choice] = tokens
             self.completion_tokens = sum(self._emitted.values())
 
     def _flush(self, fingerprint: bytes | None, out: list[bytes]) -> None:
-        for event, cut, choice, tokens, terminal in self._held:
-            stamped = event
+        for held, cut, choice, tokens, terminal in self._held:
+            line = held
             if fingerprint is not None and terminal:
-                stamped = event[:cut] + b',"system_fingerprint":' + fingerprint + event[cut:]
-            self._emit(stamped, choice, tokens, out)
+                line = held[:cut] + b',"system_fingerprint":' + fingerprint + held[cut:]
+            self._emit(line, choice, tokens, out)
         self._held.clear()
 
-    def _event(self, event: bytes, out: list[bytes]) -> None:
-        span = _usage_span(event) if event.startswith(b"data: {") else None
-        if span is None:
-            # [DONE], comments, error events: vLLM's own bytes, untouched.
-            self._flush(None, out)
-            out.append(event)
-            return
-        start, end = span
-        usage = event[start:end]
-        found = _COMPLETION.search(usage)
-        tokens = int(found.group(1)) if found else 0
-        prompt = _PROMPT.search(usage)
-        if prompt is not None:
-            self.prompt_tokens = max(self.prompt_tokens, int(prompt.group(1)))
-
-        if _FINAL_CHOICES in event:
-            # The trailing usage-only chunk: the exact total over all choices.
-            self.final_completion_tokens = tokens
-            if self.wish.include_usage:
+    def _line(self, line: bytes, out: list[bytes]) -> None:
+        if self._skip_blank:
+            self._skip_blank = False
+            if not line.rstrip(b"\r"):
+                return
+        if not line.startswith(_DATA) or _USAGE_ANY not in line:
+            if line.rstrip(b"\r") == _DONE:
                 self._flush(None, out)
-                out.append(event)
-                self.completion_tokens = max(self.completion_tokens, tokens)
+                self.done = True
+            if self._held:  # keep the order: what follows a held line waits with it
+                self._held.append((line + _NL, 0, None, 0, False))
             else:
-                fp = _FINGERPRINT.search(event)
-                self._flush(fp.group(1) if fp else None, out)
+                out.append(line + _NL)
             return
+        span = _usage_span(line)
+        parsed = _parse_usage(line, span)
+        if parsed is None:
+            self.unparsed += 1
+            self._flush(None, out)
+            out.append(line + _NL)
+            return
+        self.usage_lines += 1
+        tokens, prompt = parsed
+        self.prompt_tokens = max(self.prompt_tokens, prompt)
+        if _FINAL_CHOICES in line:
+            self._final(line, tokens, out)
+        else:
+            self._chunk(line, span, tokens, out)
 
-        index = _INDEX.search(event)
+    def _final(self, line: bytes, tokens: int, out: list[bytes]) -> None:
+        """The trailing usage-only chunk: the exact total over all choices."""
+        self.final_completion_tokens = tokens
+        if self.wish.include_usage:
+            self._flush(None, out)
+            out.append(line + _NL)
+            self.completion_tokens = max(self.completion_tokens, tokens)
+            return
+        fp = _FINGERPRINT.search(line)
+        self._flush(fp.group(1) if fp else None, out)
+        # The blank line that ends the dropped chunk goes with it.
+        self._skip_blank = True
+
+    def _chunk(
+        self, line: bytes, span: tuple[int, int] | None, tokens: int, out: list[bytes]
+    ) -> None:
+        index = _INDEX.search(line)
         choice = int(index.group(1)) if index else 0
         self._seen[choice] = tokens
-        if self.wish.continuous:
-            self._emit(event, choice, tokens, out)
+        if self.wish.continuous or span is None:
+            # Continuous usage was asked for, or the usage is in a form we cannot cut cleanly.
+            self._emit(line + _NL, choice, tokens, out)
             return
-        trimmed = event[:start] + event[end:]
-        terminal = _TERMINAL in event
+        start, end = span
+        trimmed = line[:start] + line[end:] + _NL
+        terminal = _TERMINAL in line
         if not self.wish.include_usage and (terminal or self._held):
             # vLLM stamps system_fingerprint on terminal chunks only when no usage chunk
             # follows; hold them (and, to keep the order, what comes after) until the usage

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvtax.sse import StreamRewriter, UsageWish, with_usage
+from kvtax.sse import HoldBudget, StreamRewriter, UsageWish, with_usage
 
 FP = '"system_fingerprint":"vllm-0.32.0-abc"'
 
@@ -127,3 +127,52 @@ def test_error_events_and_comments_pass_through() -> None:
 def test_unterminated_tail_is_released_at_the_end() -> None:
     out, _ = _run(UsageWish(True, True), [b"data: [DONE]"])
     assert out == b"data: [DONE]"
+
+
+def test_a_line_longer_than_the_hold_limit_passes_raw_and_memory_stays_bounded() -> None:
+    # Protection: a 10 MB event with no newline is not held whole (twenty such streams took
+    # 470 MB); it passes as it arrives, and the rewriter resumes at the next line.
+    rw = StreamRewriter(UsageWish(False, False), max_line=64 * 1024)
+    huge = b'data: {"id":"c","choices":[{"index":0,"text":"' + b"z" * (10 * 1024**2) + b'"}]}\n\n'
+    pieces = [huge[i : i + 65536] for i in range(0, len(huge), 65536)]
+    out = []
+    for piece in pieces:
+        out.append(rw.feed(piece).payload)
+        assert rw.held_bytes <= 64 * 1024
+    out.append(rw.feed(_chunk("a", 3)).payload)
+    out.append(rw.finish().payload)
+    relayed = b"".join(out)
+    assert relayed.startswith(huge)
+    assert rw.oversized == 1
+    assert rw.upstream_completion_tokens == 3  # the next line was read normally
+
+
+def test_the_shared_budget_bounds_what_all_streams_hold_together() -> None:
+    budget = HoldBudget(100_000)
+    streams = [StreamRewriter(UsageWish(False, False), budget=budget) for _ in range(5)]
+    partial = b'data: {"id":"c","choices":[{"index":0,"text":"' + b"q" * 30_000
+    passed = 0
+    for rw in streams:
+        passed += len(rw.feed(partial).payload)
+        assert budget.held <= 100_000
+    assert passed > 0  # the streams past the budget passed their bytes on instead of holding
+    for rw in streams:
+        rw.close()
+    assert budget.held == 0
+
+
+def test_a_partial_line_fed_byte_by_byte_is_reassembled() -> None:
+    out, rw = _run(UsageWish(False, False), [bytes([b]) for b in b"".join(UPSTREAM)])
+    reference, _ = _run(UsageWish(False, False), UPSTREAM)
+    assert out == reference
+    assert rw.completion_tokens == 4
+
+
+def test_usage_that_is_not_a_usage_object_is_counted_as_unparsed() -> None:
+    bad = (
+        b'data: {"id":"c","choices":[{"index":0,"text":"a"}],"usage":{"completion_tokens":"x"}}\n\n'
+    )
+    out, rw = _run(UsageWish(False, False), [bad, b"data: [DONE]\n\n"])
+    assert out == bad + b"data: [DONE]\n\n"  # passed untouched
+    assert rw.unparsed == 1
+    assert rw.usage_lines == 0

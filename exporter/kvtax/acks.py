@@ -1,0 +1,167 @@
+"""Which bytes written to a client its TCP stack has acknowledged: delivery as the client saw it.
+
+A write hands bytes to the kernel, not to the client. A client that stopped reading leaves them
+queued in our socket, and one that hung up never gets them. :class:`AckTracker` records, for
+each write, the offset its bytes end at and the tokens they bring the client up to, and reads
+the kernel's count of acknowledged bytes (Linux ``TCP_INFO.tcpi_bytes_acked``) to confirm them.
+
+The tracker reads through its own duplicate of the socket's descriptor. When a client reads
+``[DONE]`` and closes at once, aiohttp sees the FIN and closes its transport before the handler
+learns of it; the FIN carried the client's final acknowledgement, and the duplicate keeps the
+socket (and that count) readable until :meth:`AckTracker.close`. A count of acknowledged bytes,
+unlike the send queue's length, also survives a reset, which purges the queue.
+
+The kernel is asked only when an answer is needed: when a scrape credits running streams, when a
+stream ends, and every :data:`CHECK_EVERY` writes to keep the list of pending writes short.
+Where the kernel cannot tell (not a TCP socket, not Linux), a write counts once it returns.
+
+Example::
+
+    acks = AckTracker(request.transport)
+    acks.wrote(len(payload), tokens=12)
+    acks.refresh()  # -> tokens the client has acknowledged so far
+    acks.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import socket
+import struct
+import termios
+from collections import deque
+
+__all__ = ["CHECK_EVERY", "AckTracker"]
+
+# Pending writes kept before the kernel is asked again: one syscall per this many chunks.
+CHECK_EVERY = 32
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked is a u64 at byte 120 since Linux 4.1.
+_BYTES_ACKED = struct.Struct("Q")
+_BYTES_ACKED_AT = 120
+_INFO_SIZE = _BYTES_ACKED_AT + _BYTES_ACKED.size
+
+
+def _queued(fd: int) -> int | None:
+    """Bytes in the socket's send queue: written to the kernel, not yet acknowledged."""
+    try:
+        raw = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return None
+    return int(struct.unpack("i", raw)[0])
+
+
+class _Probe:
+    """A duplicate descriptor of one TCP socket, read with getsockopt and never with I/O."""
+
+    __slots__ = ("_sock",)
+
+    def __init__(self, fd: int) -> None:
+        # A socket object owns the duplicate and closes it; it is never used for I/O.
+        self._sock: socket.socket | None = socket.socket(fileno=os.dup(fd))
+
+    def acked(self) -> int | None:
+        sock = self._sock
+        if sock is None:
+            return None
+        try:
+            raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _INFO_SIZE)
+        except OSError:
+            return None
+        if len(raw) < _INFO_SIZE:
+            return None
+        return int(_BYTES_ACKED.unpack_from(raw, _BYTES_ACKED_AT)[0])
+
+    def queued(self) -> int | None:
+        return _queued(self._sock.fileno()) if self._sock is not None else None
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            # Closing the duplicate sends nothing; the connection ends when aiohttp closes its own.
+            with contextlib.suppress(OSError):
+                os.close(sock.detach())
+
+
+def _probe_for(transport: asyncio.BaseTransport | None) -> _Probe | None:
+    if transport is None or transport.is_closing():
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.type != socket.SOCK_STREAM or sock.family == socket.AF_UNIX:
+        return None
+    try:
+        return _Probe(sock.fileno())
+    except OSError:
+        return None
+
+
+class AckTracker:
+    """Tokens confirmed by the client's acknowledgements, for one response. See the module doc."""
+
+    __slots__ = ("_base", "_pending", "_probe", "_sent", "confirmed", "written_tokens")
+
+    def __init__(self, transport: asyncio.BaseTransport | None) -> None:
+        self._probe = _probe_for(transport)
+        self._sent = 0
+        self._base = 0
+        self._pending: deque[tuple[int, int]] = deque()
+        self.confirmed = 0
+        self.written_tokens = 0
+        if self._probe is not None:
+            acked, queued = self._probe.acked(), self._probe.queued()
+            buffered = (
+                transport.get_write_buffer_size()
+                if isinstance(transport, asyncio.WriteTransport)
+                else 0
+            )
+            if acked is None or queued is None:
+                self._drop_probe()
+            else:
+                # Everything written on this connection before our first byte: earlier
+                # responses (keep-alive), and our own headers still queued or buffered.
+                self._base = acked + queued + buffered
+
+    @property
+    def exact(self) -> bool:
+        """Whether acknowledgements are read from the kernel (else a write counts as delivered)."""
+        return self._probe is not None
+
+    def wrote(self, nbytes: int, tokens: int) -> None:
+        """A write of ``nbytes`` finished; its bytes bring the client up to ``tokens``."""
+        self._sent += nbytes
+        self.written_tokens = tokens
+        if self._probe is None:
+            self.confirmed = tokens
+            return
+        self._pending.append((self._sent, tokens))
+        if len(self._pending) >= CHECK_EVERY:
+            self.refresh()
+
+    def refresh(self) -> int:
+        """Ask the kernel again; return the tokens confirmed so far."""
+        if self._probe is None:
+            return self.confirmed
+        acked = self._probe.acked()
+        if acked is None:
+            return self.confirmed
+        through = acked - self._base
+        pending = self._pending
+        while pending and pending[0][0] <= through:
+            self.confirmed = pending.popleft()[1]
+        return self.confirmed
+
+    @property
+    def all_acknowledged(self) -> bool:
+        """Every byte written so far reached the client (after :meth:`refresh`)."""
+        return not self._pending if self._probe is not None else True
+
+    def _drop_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+    def close(self) -> None:
+        """Release the duplicate descriptor (the socket closes once aiohttp has closed too)."""
+        self._drop_probe()

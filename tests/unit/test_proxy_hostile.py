@@ -1,0 +1,335 @@
+"""The proxy against upstreams and clients that misbehave: bodies in several writes, streams
+that break, clients that hang up the moment they read ``[DONE]``, usage that never comes.
+
+Each test names the protection it checks; each fails when that protection is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvtax.ledger import DeliveryLedger, ModelNames
+from kvtax.proxy import Proxy, ProxySettings
+from kvtax.testbed.engine import free_port
+
+Script = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+
+
+class Upstream:
+    """A vLLM stand-in whose answer to each request is a script the test sets."""
+
+    def __init__(self) -> None:
+        self.script: Script | None = None
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024**2)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw) if raw.startswith(b"{") else {}
+        assert self.script is not None
+        return await self.script(request, body)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    up = Upstream()
+    await up.start()
+    yield up
+    assert up.runner is not None
+    await up.runner.cleanup()
+
+
+@pytest.fixture
+async def proxy(upstream: Upstream) -> AsyncIterator[tuple[str, Proxy]]:
+    names = ModelNames()
+    names.update(["m"])
+    relay = Proxy(ProxySettings(upstream=upstream.url), DeliveryLedger(names))
+    port = free_port()
+    await relay.start("127.0.0.1", port)
+    yield f"http://127.0.0.1:{port}", relay
+    await relay.stop()
+
+
+def _outcomes(proxy: Proxy) -> dict[str, float]:
+    return {
+        s.labels[1]: s.value
+        for s in proxy.ledger.samples()
+        if getattr(s, "metric", "") == "kvtax_requests_total" and s.labels[0] == "m" and s.value
+    }
+
+
+def _counter(proxy: Proxy, metric: str) -> float:
+    return sum(
+        s.value
+        for s in proxy.ledger.samples()
+        if getattr(s, "metric", "") == metric and s.labels[0] == "m"
+    )
+
+
+async def _settled(proxy: Proxy, n: int) -> dict[str, float]:
+    """The outcomes once ``n`` requests have settled (handlers end after clients do)."""
+    for _ in range(500):
+        if sum(_outcomes(proxy).values()) >= n and proxy.in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    return _outcomes(proxy)
+
+
+def completion_body(size: int, tokens: int) -> bytes:
+    """A vLLM-shaped non-streamed completion of about ``size`` bytes, usage last."""
+    head = {"id": "cmpl-1", "object": "text_completion", "model": "m"}
+    usage = {"prompt_tokens": 3, "total_tokens": 3 + tokens, "completion_tokens": tokens}
+    skeleton = {**head, "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    filler = max(0, size - len(json.dumps({**skeleton, "usage": usage})))
+    skeleton["choices"][0]["text"] = "x" * filler
+    return json.dumps({**skeleton, "usage": usage}, separators=(",", ":")).encode()
+
+
+def in_pieces(body: bytes, status: int, *, sized: bool, pieces: int = 3) -> Script:
+    """Answer with ``body`` written in several writes, 20 ms apart."""
+
+    async def script(request: web.Request, _: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
+        if sized:
+            response.content_length = len(body)
+        await response.prepare(request)
+        step = -(-len(body) // pieces)
+        for i in range(0, len(body), step):
+            await response.write(body[i : i + step])
+            await asyncio.sleep(0.02)
+        await response.write_eof()
+        return response
+
+    return script
+
+
+SIZES = {"1KB": 1024, "200KB": 200 * 1024, "1MB": 1024**2, "3MB": 3 * 1024**2}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("sized", [True, False], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("status", [200, 400, 500])
+async def test_a_body_in_several_writes_reaches_the_client_whole(
+    upstream: Upstream, proxy: tuple[str, Proxy], size: str, sized: bool, status: int
+) -> None:
+    # Protection: the body is read to its end, not with one read() of what has arrived.
+    body = completion_body(SIZES[size], tokens=17)
+    upstream.script = in_pieces(body, status, sized=sized)
+    url, relay = proxy
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
+            got = await resp.read()
+            assert resp.status == status
+    assert got == body
+    expected = {200: "completed", 400: "rejected", 500: "upstream_error"}[status]
+    assert await _settled(relay, 1) == {expected: 1}
+    assert relay.ledger.totals()["m"].delivered == (17 if status == 200 else 0)
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["content-length", "chunked"])
+async def test_a_body_vllm_breaks_off_never_looks_complete(
+    upstream: Upstream, proxy: tuple[str, Proxy], sized: bool
+) -> None:
+    # Protection: when vLLM's body breaks off, the client's connection is broken too, so a
+    # cut body can never arrive as a complete 200.
+    body = completion_body(200 * 1024, tokens=9)
+
+    async def half_then_gone(request: web.Request, _: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(body) if sized else None
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    upstream.script = half_then_gone
+    url, relay = proxy
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
+            assert resp.status == 200  # the headers were already on their way
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+    assert await _settled(relay, 1) == {"upstream_error": 1}
+    assert relay.ledger.totals()["m"].delivered == 0
+
+
+def sse(tokens: int, *, linger: float = 0.05, framing: bytes = b"\n\n") -> Script:
+    """vLLM's stream with usage on every chunk; after ``[DONE]`` it lingers before ending, the
+    window in which a client that read ``[DONE]`` hangs up."""
+
+    async def script(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        wants_usage = (body.get("stream_options") or {}).get("continuous_usage_stats")
+        for sent in range(1, tokens + 1):
+            chunk: dict[str, Any] = {
+                "id": "c",
+                "choices": [
+                    {"index": 0, "text": "t", "finish_reason": "length" if sent == tokens else None}
+                ],
+            }
+            if wants_usage:
+                chunk["usage"] = {"prompt_tokens": 2, "completion_tokens": sent}
+            line = b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+            await response.write(line + framing)
+        if wants_usage:
+            final = {
+                "id": "c",
+                "choices": [],
+                "usage": {"prompt_tokens": 2, "completion_tokens": tokens},
+            }
+            await response.write(
+                b"data: " + json.dumps(final, separators=(",", ":")).encode() + framing
+            )
+        await response.write(b"data: [DONE]" + framing)
+        await asyncio.sleep(linger)
+        await response.write_eof()
+        return response
+
+    return script
+
+
+async def _read_to_done_and_hang_up(session: aiohttp.ClientSession, url: str) -> int:
+    """Read a stream until ``[DONE]``, then close at once; return the tokens received."""
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    seen = 0
+    resp = await session.post(url + "/v1/completions", json=body)
+    buffer = b""
+    async for data in resp.content.iter_any():
+        buffer += data
+        if b"data: [DONE]" in buffer:
+            break
+    for line in buffer.split(b"\n"):
+        if line.startswith(b"data: {") and b'"choices":[]' in line:
+            seen = json.loads(line[6:])["usage"]["completion_tokens"]
+    resp.close()  # drops the connection at once: no reading to the end
+    return seen
+
+
+async def test_thousands_of_clients_that_hang_up_at_done_all_completed(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # Protection: a client that received everything is counted as having received
+    # everything, even when it hangs up before kvtax finishes the response: the outcome is
+    # decided from a last reading of its acknowledgements.
+    upstream.script = sse(tokens=20, linger=0.05)
+    url, relay = proxy
+    streams, limit = 2000, asyncio.Semaphore(100)
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+
+    async def one(session: aiohttp.ClientSession) -> int:
+        async with limit:
+            return await _read_to_done_and_hang_up(session, url)
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+        received = await asyncio.gather(*(one(session) for _ in range(streams)))
+    assert sum(received) == streams * 20
+    assert await _settled(relay, streams) == {"completed": streams}
+    assert relay.ledger.totals()["m"].delivered == streams * 20
+    assert relay.ledger.totals()["m"].undelivered == 0
+
+
+async def test_a_stream_without_usage_is_counted_as_such(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # Protection: an upstream that ignores stream_options leaves a signal, not a silent 0.
+    async def no_usage(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"id":"c","choices":[{"index":0,"text":"a"}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    upstream.script = no_usage
+    url, relay = proxy
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", json={"model": "m", "stream": True}) as r:
+            await r.read()
+    assert await _settled(relay, 1) == {"completed": 1}
+    assert _counter(relay, "kvtax_requests_without_usage_total") == 1
+
+
+async def test_a_stream_framed_with_single_newlines_is_still_counted(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # Protection: events are read line by line, so single-newline framing still counts.
+    upstream.script = sse(tokens=6, linger=0, framing=b"\n")
+    url, relay = proxy
+    body = {"model": "m", "stream": True}
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            got = await resp.read()
+    assert b'"usage"' not in got  # the client did not ask for usage
+    assert got.count(b"\n") == 7  # six chunks and [DONE], each on its own line
+    assert await _settled(relay, 1) == {"completed": 1}
+    assert relay.ledger.totals()["m"].delivered == 6
+    assert _counter(relay, "kvtax_requests_without_usage_total") == 0
+
+
+async def test_a_non_streamed_answer_without_usage_is_counted_as_such(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    async def no_usage(request: web.Request, _: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response({"id": "c", "choices": [{"index": 0, "text": "a"}]})
+
+    upstream.script = no_usage
+    url, relay = proxy
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
+            await resp.read()
+    assert await _settled(relay, 1) == {"completed": 1}
+    assert _counter(relay, "kvtax_requests_without_usage_total") == 1
+
+
+async def test_a_chunked_body_to_a_pass_through_path_obeys_max_body(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # Protection: a body with no Content-Length is still held to --proxy.max-body.
+    async def echo(request: web.Request, _: dict[str, Any]) -> web.StreamResponse:
+        return web.Response(text="ok")
+
+    upstream.script = echo
+    url, relay = proxy
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(5):
+            yield b"x" * (1024**2)
+
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/tokenize", data=chunks()) as resp:
+            assert resp.status == 413
+            assert "max-body" in (await resp.json())["error"]["message"]
+        async with client.post(url + "/tokenize", data=b"small") as resp:
+            assert resp.status == 200
+
+
+async def test_the_default_body_limit_fits_a_real_request_not_thirty_megabytes(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # Protection: eight 30 MB bodies must not each be buffered (they were: 847 MB RSS).
+    upstream.script = in_pieces(completion_body(1024, 1), 200, sized=True)
+    url, relay = proxy
+    assert relay.settings.max_body <= 8 * 1024**2
+    body = json.dumps({"model": "m", "prompt": "y" * relay.settings.max_body}).encode()
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", data=io.BytesIO(body)) as r:
+            assert r.status == 413
