@@ -280,9 +280,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "proxy.max_body",
-        "32MiB",
+        "4MiB",
         _size,
-        "Largest request body the proxy accepts; larger ones get 413.",
+        "Largest request body the proxy accepts, with or without Content-Length; larger ones "
+        "get 413. Completion bodies are held whole (to read the model and ask for usage), so "
+        "this bounds memory per request: a 128k-token prompt is about 0.5 MiB.",
         "BYTES",
     ),
     Option(
@@ -419,7 +421,7 @@ class Config:
     target_usage: float = 0.9
     max_num_seqs: int | None = None
     proxy_listen_address: tuple[str, int] | None = ("0.0.0.0", 8001)
-    proxy_max_body: int = 32 * 1024**2
+    proxy_max_body: int = 4 * 1024**2
     proxy_timeout: float = 300.0
     proxy_stall_factor: float = 5.0
     proxy_stall_min: float = 0.05
