@@ -13,9 +13,9 @@ for ``--seconds``:
   the sum of their VmHWM, read from /proc;
 - what kvtax published at the end: up, scrapes, errors by reason, its own series count.
 
-Scenarios: ``capture`` (the real 0.32 page, the control), ``51mb`` (a valid 51 MB page of 1,030
+Scenarios: ``capture`` (the real 0.32 page, the control), ``51mb`` (a valid 51 MB page of 1,250
 models, sent chunked with no Content-Length, so kvtax must read until its byte bound),
-``bounds`` (100 models, 42,000 series, 4.9 MB: the largest page the default bounds accept, so it
+``bounds`` (100 models, 42,000 series, 4.1 MB: the largest page the default bounds accept, so it
 is parsed at every scrape) and ``rotating`` (10,000 model names, 2,000 per page, new names at
 every scrape).
 
@@ -91,7 +91,7 @@ def scenario_pages(name: str) -> list[bytes]:
     if name == "capture":
         return [capture.encode()]
     if name == "51mb":
-        return [multi_model_payload(capture, 1030).encode()]
+        return [multi_model_payload(capture, 1250).encode()]
     if name == "bounds":
         return [multi_model_payload(capture, 100).encode()]
     if name == "rotating":
@@ -149,10 +149,11 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: flo
 
 
 def _family_pids(pid: int) -> list[int]:
-    """The process and its children (kvtax's parse worker)."""
+    """The process and its children (kvtax's parse worker, started from a thread)."""
     pids = [pid]
-    with contextlib.suppress(OSError):
-        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (task / "children").read_text().split()]
     return pids
 
 

@@ -10,8 +10,8 @@ Round trip p99: 4 ms idle; 478 ms with the parse in a thread (100 round trips/s 
 (:mod:`kvtax.parseworker`) is a plain child process, not a ``multiprocessing`` pool, because a
 spawned pool worker re-imports the CLI and brings a resource tracker: 53 MiB against 24 MiB.
 
-Only the pipe I/O runs in a thread (blocking reads and writes release the GIL), so the class
-works from any event loop. One page is parsed at a time.
+The pipe I/O and the pickling run in a thread (blocking reads and writes release the GIL; the
+pickles are C code), so the class works from any event loop. One page is parsed at a time.
 
 Example::
 
@@ -94,6 +94,12 @@ class ParsePool:
             proc.wait()
 
     def close(self) -> None:
-        """Stop the worker; the next :meth:`normalize` would start another."""
+        """Stop the worker at once; the next :meth:`normalize` would start another.
+
+        A parse in flight ends with a :class:`ParseError` rather than holding up the caller.
+        """
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()  # the thread blocked on its output gets EOF, and cleans up
         with self._lock:
             self._stop()

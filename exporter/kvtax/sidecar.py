@@ -271,9 +271,13 @@ class Sidecar:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
+        if self._owns_parser:
+            self.parser.close()  # a parse in flight fails at once
+        # Let a scrape in flight end (its fetch is bounded by the timeout) rather than be
+        # cancelled mid-way when the loop closes, which the scheduler logs as an error.
+        async with self._lock:
+            pass
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
         await self.scraper.close()
-        if self._owns_parser:
-            self.parser.close()
