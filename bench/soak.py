@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,8 +40,16 @@ from pathlib import Path
 import aiohttp
 
 from bench.relay import _port, _wait_port
-from bench.soak_client import MODEL, Spec, plan, run_one
-from bench.soak_compare import Check, ClientRecord, LedgerView, compare, gauge
+from bench.soak_client import HANGUP_MODEL, MODEL, Spec, plan, run_one
+from bench.soak_compare import (
+    Check,
+    ClientRecord,
+    LedgerView,
+    compare,
+    gauge,
+    ledger_delta,
+    parse_ledger,
+)
 from kvtax.ledger import OUTCOMES
 
 __all__ = ["Mark", "SoakResult", "main", "report", "run"]
@@ -52,6 +61,7 @@ MARKS = 5  # samples at 20 %, 40 %, ... 100 %
 SETTLE_S = 30.0  # longest wait for kvtax to settle requests its clients have finished
 IDLE_LIMIT_S = 30.0  # longest wait for descriptors to come back once idle
 RSS_GROWTH = 0.05
+_EXCEPTION = re.compile(r"[\w.]*(Error|Exception)\b[^ ]*(: |$)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +81,11 @@ class SoakResult:
     requests: int
     records: list[ClientRecord] = field(default_factory=list)
     marks: list[Mark] = field(default_factory=list)
-    ledger: LedgerView = field(default_factory=LedgerView)
+    ledger: dict[str, LedgerView] = field(default_factory=dict)  # by model, over the soak
     checks: list[Check] = field(default_factory=list)
     idle_seconds: float | None = None  # time until the idle level was back; None: never
     peak_rss_kib: int = 0
-    log_lines: list[str] = field(default_factory=list)  # errors kvtax or the upstream logged
+    log_lines: Counter[str] = field(default_factory=Counter)  # what kvtax or the upstream logged
 
     @property
     def baseline(self) -> Mark:
@@ -162,6 +172,7 @@ def processes(work: Path) -> Iterator[Sidecar]:
         upstream_port = _port()
         up_log = work / "upstream.log"
         up_args = ["-m", "bench.soak_upstream", f"--port={upstream_port}", f"--metrics={CAPTURE}"]
+        up_args.append(f"--also-model={HANGUP_MODEL}")
         procs.append(_start([sys.executable, *up_args], up_log))
         _wait_port(upstream_port, procs[-1], up_log)
         proxy_port, web_port = _port(), _port()
@@ -242,7 +253,7 @@ async def _phases(
     result: SoakResult,
     *,
     concurrency: int,
-    before: LedgerView,
+    before: dict[str, LedgerView],
 ) -> None:
     """Run the specs in five parts; after each, wait for kvtax to settle them, then sample."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=90)
@@ -254,7 +265,8 @@ async def _phases(
             done = len(result.records)
 
             def settled(page: str, n: int = done) -> bool:
-                return LedgerView.parse(page).minus(before).requests >= n
+                delta = ledger_delta(parse_ledger(page), before)
+                return sum(view.requests for view in delta.values()) >= n
 
             # A client may finish before kvtax's handler does (it hung up, or closed at [DONE]).
             await _wait_for(scrape, side, settled, SETTLE_S)
@@ -297,16 +309,20 @@ async def _back_to_idle(
         result.marks.append(mark)
 
 
+def _knows_models(page: str) -> bool:
+    return all(f'model_name="{model}"' in page for model in (MODEL, HANGUP_MODEL))
+
+
 async def soak(side: Sidecar, specs: list[Spec], concurrency: int, idle: float) -> SoakResult:
     result = SoakResult(len(specs))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as scrape:
         # The model name comes from the first scrape of vLLM; wait for it like a real client.
-        await _wait_for(scrape, side, lambda page: f'model_name="{MODEL}"' in page, SETTLE_S)
+        await _wait_for(scrape, side, _knows_models, SETTLE_S)
         result.marks.append(await _baseline(scrape, side))
-        before = LedgerView.parse(await _page(scrape, side))
+        before = parse_ledger(await _page(scrape, side))
         await _phases(scrape, side, specs, result, concurrency=concurrency, before=before)
         await _back_to_idle(scrape, side, result, idle)
-        result.ledger = LedgerView.parse(await _page(scrape, side)).minus(before)
+        result.ledger = ledger_delta(parse_ledger(await _page(scrape, side)), before)
     result.peak_rss_kib = _proc(side.pid)[1]
     result.checks = compare(result.records, result.ledger, OUTCOMES)
     return result
@@ -321,14 +337,15 @@ def run(requests: int, *, seed: int = 1, concurrency: int = 64, idle: float = 3.
     return result
 
 
-def _log_errors(logs: tuple[Path, ...]) -> list[str]:
-    """Lines of the processes' logs that report an error, to show beside the verdicts."""
-    lines = []
+def _log_errors(logs: tuple[Path, ...]) -> Counter[str]:
+    """The errors the processes logged (exception lines and ERROR records), with their counts."""
+    found: Counter[str] = Counter()
     for log in logs:
-        for line in log.read_text(errors="replace").splitlines():
-            if "Error" in line or "Traceback" in line or "ERROR" in line:
-                lines.append(f"{log.stem}: {line.strip()}")
-    return lines
+        for raw in log.read_text(errors="replace").splitlines():
+            line = raw.strip()
+            if _EXCEPTION.match(line) or "ERROR" in line or "Error handling" in line:
+                found[f"{log.stem}: {line[:160]}"] += 1
+    return found
 
 
 def _cell(value: float | None) -> str:
@@ -378,9 +395,8 @@ def report(result: SoakResult) -> str:
     for c in result.checks:
         lines.append(f"| {c.name} | {c.clients} | {c.kvtax} | {'ok' if c.ok else 'DIFFERS'} |")
     if result.log_lines:
-        shown = result.log_lines[:10]
-        lines += ["", f"Errors in the logs ({len(result.log_lines)} lines; first {len(shown)}):"]
-        lines += [f"    {line[:200]}" for line in shown]
+        lines += ["", "Errors in the logs of kvtax and the fake vLLM (times logged):"]
+        lines += [f"    {n:5} x {line}" for line, n in result.log_lines.most_common(10)]
     lines += ["", "Verdicts:"]
     for name, passed, figures in result.verdicts():
         lines.append(f"- **{'PASS' if passed else 'FAIL'}** {name}: {figures}")
@@ -396,14 +412,28 @@ def _header(argv: list[str]) -> str:
         ),
         platform.machine(),
     )
-    load = os.getloadavg()[0]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return (
-        f"Measured on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.node()}: "
-        f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
-        f"aiohttp {aiohttp.__version__}, load average {load:.1f} at the start.\n\n"
+        f"Measured on {when} on {platform.node()}: {os.cpu_count()} cores ({cpu}), "
+        f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
+        f"load average {os.getloadavg()[0]:.1f} at the start. {_tree()}\n\n"
         f"Command: `.venv/bin/python -m bench.soak {' '.join(argv)}`".rstrip()
         + "\n"
     )
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(ROOT), *args], check=False, capture_output=True)
+    return done.stdout.decode(errors="replace")
+
+
+def _tree() -> str:
+    """The commit measured, and the package files that differed from it (a shared tree)."""
+    changed = sorted(
+        line[3:] for line in _git("status", "--porcelain", "--", "exporter").splitlines()
+    )
+    extra = f", with uncommitted changes to {', '.join(changed)}" if changed else ""
+    return f"kvtax at commit {_git('rev-parse', '--short', 'HEAD').strip() or 'unknown'}{extra}."
 
 
 def main() -> None:

@@ -2,38 +2,53 @@
 
 The load generator keeps one :class:`ClientRecord` per request: the outcome as the client saw
 it and the completion tokens it received. :class:`LedgerView` is the part of kvtax's /metrics
-that should agree with them, summed over models. :func:`compare` checks, per outcome in
-``kvtax.ledger.OUTCOMES``, that kvtax counted as many requests as the clients saw, and that the
-delivered tokens equal what the clients received. Only a client that hung up mid-stream has a
-range rather than a number: kvtax counts the tokens its TCP stack acknowledged, which may be
-fewer than it read (the acknowledgement of the last write may not have been seen yet) but never
-more, because the upstream sends nothing past what it read until the client is gone.
+that should agree with them, for one model label. :func:`compare` checks, per model and per
+outcome in ``kvtax.ledger.OUTCOMES``, that kvtax counted as many requests as the clients saw,
+and that the delivered tokens equal what the clients received. Only a client that hung up
+mid-stream has a range rather than a number: kvtax counts the tokens its TCP stack acknowledged,
+which may be fewer than it read (the acknowledgement of the last write may not have been seen
+yet) but never more, because the upstream sends nothing past what it read until the client is
+gone. The soak sends those clients under a model name of their own, so that their range cannot
+hide a few tokens missing from clients that read everything.
 
 Example::
 
-    records = [ClientRecord("stream", "completed", 200, tokens=12)]
-    view = LedgerView({"completed": 1.0}, delivered=12.0)
-    all(check.ok for check in compare(records, view, ("completed", "client_disconnected")))
+    records = [ClientRecord("stream", "completed", 200, tokens=12, model="m")]
+    ledger = {"m": LedgerView({"completed": 1.0}, delivered=12.0)}
+    all(check.ok for check in compare(records, ledger, ("completed", "client_disconnected")))
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtax.catalog import METRICS
 
-__all__ = ["BOUNDED", "Check", "ClientRecord", "LedgerView", "compare", "gauge"]
+__all__ = [
+    "BOUNDED",
+    "Check",
+    "ClientRecord",
+    "LedgerView",
+    "compare",
+    "compare_one",
+    "gauge",
+    "ledger_delta",
+    "parse_ledger",
+]
 
 # The one client outcome whose tokens are a bound (at most what it read), not an exact count.
 BOUNDED = "client_disconnected"
 _REQUESTS = METRICS["kvtax_requests_total"]
 _DELIVERED = METRICS["kvtax_delivered_tokens_total"]
-_OUTCOME_LABEL = _REQUESTS.labels[-1]
+_MODEL_LABEL, _OUTCOME_LABEL = _REQUESTS.labels
 _SOURCE_LABEL = _DELIVERED.labels[-1]
+# Optional: kvtax counts requests whose usage it could not read; the soak's upstream always sends
+# it, so any is a parsing failure. None while the catalog has no such metric.
+_NO_USAGE = METRICS.get("kvtax_requests_without_usage_total")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +62,7 @@ class ClientRecord:
     status: int
     tokens: int = 0
     problem: str = ""
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +71,7 @@ class LedgerView:
 
     outcomes: dict[str, float] = field(default_factory=dict)
     delivered: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> LedgerView:
-        outcomes: dict[str, float] = {}
-        delivered = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == _REQUESTS.name:
-                    outcome = sample.labels[_OUTCOME_LABEL]
-                    outcomes[outcome] = outcomes.get(outcome, 0.0) + sample.value
-                elif sample.name == _DELIVERED.name and sample.labels[_SOURCE_LABEL] == "proxy":
-                    delivered += sample.value
-        return cls(outcomes, delivered)
+    without_usage: float = 0.0
 
     def minus(self, before: LedgerView) -> LedgerView:
         """What happened between two scrapes of the same process (counters only grow)."""
@@ -75,11 +79,41 @@ class LedgerView:
         return LedgerView(
             {k: self.outcomes.get(k, 0.0) - before.outcomes.get(k, 0.0) for k in keys},
             self.delivered - before.delivered,
+            self.without_usage - before.without_usage,
         )
 
     @property
     def requests(self) -> float:
         return sum(self.outcomes.values())
+
+
+def parse_ledger(text: str) -> dict[str, LedgerView]:
+    """The ledger on a kvtax /metrics page, by model label."""
+    outcomes: dict[str, dict[str, float]] = {}
+    delivered: dict[str, float] = {}
+    no_usage: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            model = sample.labels.get(_MODEL_LABEL, "")
+            if sample.name == _REQUESTS.name:
+                by_outcome = outcomes.setdefault(model, {})
+                outcome = sample.labels[_OUTCOME_LABEL]
+                by_outcome[outcome] = by_outcome.get(outcome, 0.0) + sample.value
+            elif sample.name == _DELIVERED.name and sample.labels[_SOURCE_LABEL] == "proxy":
+                delivered[model] = delivered.get(model, 0.0) + sample.value
+            elif _NO_USAGE is not None and sample.name == _NO_USAGE.name:
+                no_usage[model] = no_usage.get(model, 0.0) + sample.value
+    models = outcomes.keys() | delivered.keys() | no_usage.keys()
+    return {
+        m: LedgerView(outcomes.get(m, {}), delivered.get(m, 0.0), no_usage.get(m, 0.0))
+        for m in models
+    }
+
+
+def ledger_delta(
+    after: Mapping[str, LedgerView], before: Mapping[str, LedgerView]
+) -> dict[str, LedgerView]:
+    return {m: view.minus(before.get(m, LedgerView())) for m, view in after.items()}
 
 
 def gauge(text: str, name: str) -> float | None:
@@ -120,6 +154,19 @@ def _outcome_checks(
 
 
 def compare(
+    records: Sequence[ClientRecord], ledger: Mapping[str, LedgerView], outcomes: Iterable[str]
+) -> list[Check]:
+    """Per model label a client used or kvtax counted: :func:`compare_one`."""
+    known = tuple(outcomes)
+    checks = []
+    for model in sorted({r.model for r in records} | set(ledger)):
+        group = [r for r in records if r.model == model]
+        for check in compare_one(group, ledger.get(model, LedgerView()), known):
+            checks.append(Check(f"{model}: {check.name}", check.clients, check.kvtax, check.ok))
+    return checks
+
+
+def compare_one(
     records: Sequence[ClientRecord], ledger: LedgerView, outcomes: Iterable[str]
 ) -> list[Check]:
     """Requests per outcome, then delivered tokens: exact, plus the disconnected clients' range."""
@@ -132,4 +179,7 @@ def compare(
     else:
         expected, ok = f"{exact:,}", ledger.delivered == exact
     checks.append(Check("delivered tokens (proxy)", expected, f"{ledger.delivered:,.0f}", ok))
+    if _NO_USAGE is not None:
+        missing = ledger.without_usage
+        checks.append(Check("requests without usage", "0", f"{missing:g}", missing == 0))
     return checks

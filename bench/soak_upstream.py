@@ -1,12 +1,13 @@
 """A vLLM-shaped upstream with faults, for the soak (``python -m bench.soak_upstream``).
 
-It serves ``GET /metrics`` from a real vLLM capture (so kvtax learns the model name as it would
-from vLLM) and ``POST /v1/completions`` and ``/v1/chat/completions`` the way vLLM 0.32 answers
-them: streams of ``data: <json>\\n\\n`` events with cumulative usage on every chunk when
-``continuous_usage_stats`` is asked, a usage-only chunk when ``include_usage`` is, then
-``[DONE]``; non-streamed JSON otherwise. Each request says how it should be answered through
-``soak_*`` fields in its body (see :class:`Plan`), so the load generator alone decides the mix
-and knows what each client should see.
+It serves ``GET /metrics`` from a real vLLM capture, so that kvtax learns the model names as it
+would from vLLM (``--also-model`` serves the capture's series under more names). It answers
+``POST /v1/completions`` and ``/v1/chat/completions`` the way vLLM 0.32 does: streams of
+``data: <json>\n\n`` events with cumulative usage on every chunk when ``continuous_usage_stats``
+is asked, a usage-only chunk when ``include_usage`` is, then ``[DONE]``; non-streamed JSON
+otherwise. Each request says how it should be answered through ``soak_*`` fields in its body
+(see :class:`Plan`), so the load generator alone decides the mix and knows what each client
+should see.
 
 Unlike :mod:`bench.sse_upstream`, which is kept minimal so that the relay benchmark measures the
 relay, this server misbehaves on purpose: non-streamed bodies arrive in several writes with
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +31,17 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["HOLD_MAX", "WORD", "Plan", "main"]
+__all__ = ["HOLD_MAX", "WORD", "Plan", "main", "serve_models"]
 
 WORD = "lorem"
 # A held stream resumes after this long even if its client never leaves: every loop is bounded.
 HOLD_MAX = 60.0
 PROMPT_TOKENS = 7
-# vLLM's uvicorn closes idle keep-alive connections after 5 s. A short timeout here makes the
-# proxy's idle pooled connections end soon after the load stops, so a descriptor still open
-# once the soak is idle is a leak, not the pool.
-KEEPALIVE = 1.0
+_MODEL = re.compile(r'model_name="[^"]*"')
+# vLLM's uvicorn closes idle keep-alive connections after 5 s; so does this server. The proxy's
+# pooled connections therefore end a few seconds after the load stops, and a descriptor still
+# open once the soak has been idle longer than that is a leak, not the pool.
+KEEPALIVE = 5.0
 
 
 def _dump(obj: dict[str, Any]) -> bytes:
@@ -201,12 +204,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _in_writes(request, plan, 200, _whole(plan))
 
 
+def serve_models(capture: str, extra: list[str]) -> str:
+    """The captured page, with each series of its model repeated for every ``extra`` model, in
+    place, so that each family's samples stay together as the text format requires."""
+    lines = []
+    for line in capture.splitlines():
+        lines.append(line)
+        found = _MODEL.search(line)
+        if found and not line.startswith("#"):
+            lines += [line.replace(found.group(0), f'model_name="{name}"') for name in extra]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--metrics", type=Path, required=True, help="a captured vLLM page")
+    parser.add_argument("--also-model", action="append", default=[], help="serve this model too")
     args = parser.parse_args()
-    page = args.metrics.read_text()
+    page = serve_models(args.metrics.read_text(), args.also_model)
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(text=page, content_type="text/plain")

@@ -11,7 +11,15 @@ from __future__ import annotations
 import pytest
 from bench.soak import run
 from bench.soak_client import KINDS, SeenStream, plan
-from bench.soak_compare import Check, ClientRecord, LedgerView, compare
+from bench.soak_compare import (
+    Check,
+    ClientRecord,
+    LedgerView,
+    compare,
+    compare_one,
+    ledger_delta,
+    parse_ledger,
+)
 
 from kvtax.ledger import OUTCOMES
 
@@ -30,14 +38,14 @@ def test_a_ledger_that_counted_what_every_client_received_agrees() -> None:
         ClientRecord("error", "upstream_error", 500, 0),
     ]
     view = LedgerView({"completed": 2, "upstream_error": 2}, delivered=50)
-    assert _failed(compare(records, view, OUTS)) == []
+    assert _failed(compare_one(records, view, OUTS)) == []
 
 
 def test_a_client_that_closed_at_done_counted_as_disconnected_is_a_mismatch() -> None:
     # The race of issue 10: the client read [DONE] and closed; kvtax lost its last tokens.
     records = [ClientRecord("done_close", "completed", 200, 100)] * 24
     view = LedgerView({"completed": 23, "client_disconnected": 1}, delivered=2396)
-    failed = _failed(compare(records, view, OUTS))
+    failed = _failed(compare_one(records, view, OUTS))
     assert failed == ["completed", "client_disconnected", "delivered tokens (proxy)"]
 
 
@@ -48,20 +56,20 @@ def test_a_client_that_hung_up_bounds_its_tokens_by_what_it_read(delivered: int,
         ClientRecord("disconnect", "client_disconnected", 200, 6),
     ]
     view = LedgerView({"completed": 1, "client_disconnected": 1}, delivered=delivered)
-    assert (_failed(compare(records, view, OUTS)) == []) is ok
+    assert (_failed(compare_one(records, view, OUTS)) == []) is ok
     too_many = LedgerView({"completed": 1, "client_disconnected": 1}, delivered=17)
-    assert _failed(compare(records, too_many, OUTS)) == ["delivered tokens (proxy)"]
+    assert _failed(compare_one(records, too_many, OUTS)) == ["delivered tokens (proxy)"]
 
 
 def test_outcomes_come_from_the_caller_and_unknown_ones_are_never_dropped() -> None:
     records = [ClientRecord("full", "completed", 200, 5), ClientRecord("x", "hung", 0)]
     # A new outcome kvtax added (0 on both sides) passes; one nobody saw but kvtax counted fails.
     view = LedgerView({"completed": 1, "stream_without_usage": 0, "mystery": 2}, delivered=5)
-    checks = compare(records, view, ("completed", "stream_without_usage"))
+    checks = compare_one(records, view, ("completed", "stream_without_usage"))
     assert _failed(checks) == ["hung (not a kvtax outcome)", "mystery (unexpected)"]
 
 
-def test_the_ledger_view_sums_models_and_reads_only_the_proxy_source() -> None:
+def test_the_ledger_is_read_per_model_from_the_proxy_source_only() -> None:
     page = (
         "# TYPE kvtax_requests counter\n"
         'kvtax_requests_total{model_name="a",outcome="completed"} 3.0\n'
@@ -72,11 +80,35 @@ def test_the_ledger_view_sums_models_and_reads_only_the_proxy_source() -> None:
         'kvtax_delivered_tokens_total{model_name="other",source="proxy"} 4.0\n'
         'kvtax_delivered_tokens_total{model_name="a",source="push"} 1000.0\n'
     )
-    view = LedgerView.parse(page)
-    assert view.outcomes == {"completed": 4.0, "upstream_error": 2.0}
-    assert view.delivered == 34.0
-    later = view.minus(LedgerView({"completed": 1.0}, 4.0))
-    assert (later.outcomes["completed"], later.requests, later.delivered) == (3.0, 5.0, 30.0)
+    ledger = parse_ledger(page)
+    assert ledger == {
+        "a": LedgerView({"completed": 3.0, "upstream_error": 2.0}, 30.0),
+        "other": LedgerView({"completed": 1.0}, 4.0),
+    }
+    delta = ledger_delta(ledger, {"a": LedgerView({"completed": 1.0}, 10.0)})
+    assert (delta["a"].requests, delta["a"].delivered, delta["other"].requests) == (4.0, 20.0, 1.0)
+
+
+def test_a_hung_up_clients_range_cannot_hide_tokens_missing_on_another_model() -> None:
+    records = [
+        ClientRecord("done_close", "completed", 200, 100, model="m"),
+        ClientRecord("disconnect", "client_disconnected", 200, 50, model="m-hangup"),
+    ]
+    # kvtax lost 4 tokens of the client that read everything and credited the hung-up one 54:
+    # one range over both would accept it; per model it does not.
+    ledger = {
+        "m": LedgerView({"completed": 1}, 96),
+        "m-hangup": LedgerView({"client_disconnected": 1}, 54),
+    }
+    failed = _failed(compare(records, ledger, OUTS))
+    assert failed == ["m: delivered tokens (proxy)", "m-hangup: delivered tokens (proxy)"]
+    # A request kvtax put under a label no client used is counted against that label.
+    stray = {
+        **ledger,
+        "m": LedgerView({"completed": 1}, 100),
+        "other": LedgerView({"completed": 1}),
+    }
+    assert "other: completed" in _failed(compare(records, stray, OUTS))
 
 
 def test_a_stream_client_counts_events_split_across_reads() -> None:
@@ -102,7 +134,7 @@ def test_a_short_soak_ledger_equals_the_clients_and_kvtax_is_idle_again() -> Non
     assert len(result.records) == 600
     assert {c.name: (c.clients, c.kvtax) for c in result.checks if not c.ok} == {}
     # Every outcome kvtax knows was compared, read from the ledger, not from a list here.
-    assert {c.name for c in result.checks} >= set(OUTCOMES)
+    assert {c.name.split(": ")[1] for c in result.checks} >= set(OUTCOMES)
     baseline, idle = result.baseline, result.marks[-1]
     assert result.idle_seconds is not None, (baseline, idle)
     assert idle.fds <= baseline.fds
