@@ -9,7 +9,8 @@ The ``model_name`` values come from vLLM's page, so they are bounded here: at mo
 ``max_models`` models are tracked. Models already tracked keep their place; a new one takes a
 free place, else the place of the model gone from the page longest, else it is dropped for this
 scrape and counted in ``dropped_models``. A model gone from the page for longer than the window
-is forgotten, so its series leave kvtax's output.
+is forgotten, so its series leave kvtax's output. :func:`candidates` applies the same rule
+early, in the parse worker, so that a page of thousands of models never crosses to the sidecar.
 
 Example::
 
@@ -21,7 +22,7 @@ Example::
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
 from .counters import CounterTracker
@@ -32,6 +33,7 @@ __all__ = [
     "WINDOW_HISTOGRAMS",
     "EngineHistory",
     "Point",
+    "candidates",
     "computed_prompt_raw",
     "mean_context",
 ]
@@ -99,6 +101,23 @@ def mean_context(histograms: Mapping[str, Histogram]) -> float | None:
     return p + g / 2
 
 
+def candidates(snap: VllmSnapshot, tracked: Collection[str], limit: int) -> VllmSnapshot:
+    """The page's models that :meth:`EngineHistory.observe` could track, the others left out.
+
+    Those are the tracked models on the page, and the first new names in sorted order for the
+    places left: the same choice ``observe`` makes. ``models_on_page`` keeps the drop count
+    right. Pure, so the parse worker can apply it to a page of any size.
+    """
+    page = snap.models
+    present = [model for model in page if model in tracked]
+    room = max(0, limit - len(present))
+    new = sorted(model for model in page if model not in tracked)[:room]
+    if len(present) + len(new) == len(page):
+        return snap
+    kept = {model: page[model] for model in (*present, *new)}
+    return replace(snap, models=kept, models_on_page=len(page))
+
+
 class _ModelHistory:
     def __init__(self, maxlen: int, now: float) -> None:
         self.tracker = CounterTracker()
@@ -159,11 +178,16 @@ class EngineHistory:
         kept = [model for model in page if model in self._models]
         for model in sorted(model for model in page if model not in self._models):
             if len(self._models) >= self._max_models and not self._evict_absent(page):
-                self.dropped_models += len(page) - len(kept)
                 break
             self._models[model] = _ModelHistory(self._max_points, now)
             kept.append(model)
+        on_page = snap.models_on_page if snap.models_on_page is not None else len(page)
+        self.dropped_models += on_page - len(kept)
         return kept
+
+    @property
+    def max_models(self) -> int:
+        return self._max_models
 
     def _evict_absent(self, page: Mapping[str, ModelMetrics]) -> bool:
         """Free the place of the model gone from the page longest, if any is gone."""

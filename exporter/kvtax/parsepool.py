@@ -27,6 +27,7 @@ import pickle
 import subprocess
 import sys
 import threading
+from collections.abc import Collection
 
 from .normalize import ParseError
 from .parseworker import receive_frame, send_frame
@@ -43,12 +44,23 @@ class ParsePool:
         self._lock = threading.Lock()
 
     async def normalize(
-        self, text: str, *, timestamp: float, version: str | None, max_series: int | None
+        self,
+        text: str,
+        *,
+        timestamp: float,
+        version: str | None,
+        max_series: int | None,
+        tracked: Collection[str] = (),
+        max_models: int | None = None,
     ) -> VllmSnapshot:
-        """:func:`~kvtax.normalize.normalize` in the worker. Raises :class:`ParseError`."""
-        return await asyncio.to_thread(self._call, (text, timestamp, version, max_series))
+        """:func:`~kvtax.normalize.normalize` in the worker. Raises :class:`ParseError`.
 
-    def _call(self, request: tuple[str, float, str | None, int | None]) -> VllmSnapshot:
+        With ``max_models``, only :func:`~kvtax.history.candidates` come back.
+        """
+        request = (text, timestamp, version, max_series, frozenset(tracked), max_models)
+        return await asyncio.to_thread(self._call, request)
+
+    def _call(self, request: tuple[object, ...]) -> VllmSnapshot:
         with self._lock:
             proc = self._started()
             assert proc.stdin is not None

@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import IO
 
+from .history import candidates
 from .normalize import ParseError, normalize
 
 __all__ = ["main", "receive_frame", "send_frame"]
@@ -51,15 +52,16 @@ def main() -> None:
         os.nice(10)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while (frame := receive_frame(stdin)) is not None:
-        text, timestamp, version, max_series = pickle.loads(frame)
+        text, timestamp, version, max_series, tracked, max_models = pickle.loads(frame)
         reply: tuple[str, object]
         try:
-            reply = (
-                "ok",
-                normalize(text, timestamp=timestamp, version=version, max_series=max_series),
-            )
+            snap = normalize(text, timestamp=timestamp, version=version, max_series=max_series)
         except ParseError as exc:
             reply = ("error", exc)
+        else:
+            # Only models the sidecar could track cross back: unpickling thousands of them
+            # would hold the GIL of the sidecar's event loop.
+            reply = ("ok", snap if max_models is None else candidates(snap, tracked, max_models))
         del text, frame
         send_frame(stdout, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
 

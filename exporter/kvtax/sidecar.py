@@ -156,6 +156,8 @@ class Sidecar:
                     timestamp=self.clock(),
                     version=self.health.version,
                     max_series=self.config.scrape_max_series,
+                    tracked=self.history.models(),
+                    max_models=self.history.max_models,
                 )
                 del text  # the page can be megabytes: do not hold it while folding
                 snap = self._fold(parsed)

@@ -85,6 +85,8 @@ class VllmSnapshot:
     ``marks`` are version fingerprints seen (``"v0"``, ``"0.16+"``, ``"engine_label"``, ...);
     ``names`` records which exposed name fed each concept, for the docs and for debugging.
     ``rejected`` counts samples left out by reason (``non_finite``, ``negative``).
+    ``models_on_page`` is set when models that could not be tracked were already left out
+    (see :func:`kvtax.history.candidates`): how many the page had.
     """
 
     timestamp: float
@@ -93,6 +95,7 @@ class VllmSnapshot:
     names: Mapping[str, str] = field(default_factory=dict)
     version: str | None = None
     rejected: Mapping[str, int] = field(default_factory=dict)
+    models_on_page: int | None = None
 
     @property
     def is_v0(self) -> bool:

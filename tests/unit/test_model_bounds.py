@@ -7,7 +7,9 @@ forgets it too, so rotating names cannot grow kvtax's memory or its output.
 
 from __future__ import annotations
 
-from kvtax.history import EngineHistory
+import random
+
+from kvtax.history import EngineHistory, candidates
 from kvtax.join import JoinHistory
 from kvtax.ledger import LedgerTotals
 from kvtax.snapshot import ModelMetrics, VllmSnapshot
@@ -89,3 +91,20 @@ def test_the_join_keeps_a_model_the_ledger_still_counts() -> None:
     join.observe(0.0, {"a": totals}, served_requests=None, ledger={})
     join.observe(100.0, {}, served_requests=None, ledger={"a": LedgerTotals()})
     assert join.models() == ["a"]
+
+
+def test_candidates_choose_what_observe_would_keep() -> None:
+    # The parse worker trims the page with candidates(); observe must keep the same models
+    # and count the same drops as from the whole page.
+    rnd = random.Random(7)
+    whole, trimmed = EngineHistory(WINDOW, max_models=5), EngineHistory(WINDOW, max_models=5)
+    for scrape in range(60):
+        names = rnd.sample([f"m{i:02d}" for i in range(30)], rnd.randint(0, 12))
+        snap = page(5.0 * scrape, *names)
+        cut = candidates(snap, trimmed.models(), 5)
+        assert len(cut.models) <= 5
+        kept_whole = whole.observe(snap)
+        kept_trimmed = trimmed.observe(cut)
+        assert sorted(kept_trimmed.models) == sorted(kept_whole.models)
+        assert trimmed.models() == whole.models()
+        assert trimmed.dropped_models == whole.dropped_models

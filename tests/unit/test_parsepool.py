@@ -58,3 +58,13 @@ def test_close_ends_the_worker(pool: ParsePool) -> None:
     assert proc is not None
     pool.close()
     assert proc.poll() is not None
+
+
+async def test_only_models_the_sidecar_could_track_come_back(pool: ParsePool) -> None:
+    lines = [f'vllm:num_requests_running{{model_name="m{i:04d}"}} 1\n' for i in range(5_000)]
+    text = "# TYPE vllm:num_requests_running gauge\n" + "".join(lines)
+    snap = await pool.normalize(
+        text, timestamp=0.0, version=None, max_series=None, tracked={"m4999"}, max_models=4
+    )
+    assert sorted(snap.models) == ["m0000", "m0001", "m0002", "m4999"]
+    assert snap.models_on_page == 5_000
