@@ -339,3 +339,8 @@ def test_parse_error_keeps_its_reason_across_processes() -> None:
 
     again = pickle.loads(pickle.dumps(ParseError("cut", "truncated")))
     assert (str(again), again.reason) == ("cut", "truncated")
+
+
+def test_engines_whose_sum_overflows_leave_the_value_out() -> None:
+    snap = normalize(_gen_page("1.7e308", "1.7e308"), timestamp=0.0)
+    assert "generation_tokens" not in snap.models["m"].values
