@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -324,6 +325,7 @@ def run_scenario(name: str, label: str, seconds: float, kvtax_path: str | None) 
             probes = asyncio.run(probe(pid, web_url, f"http://127.0.0.1:{proxy_port}", seconds))
             hwm = _status_kib(_family_pids(pid), "VmHWM")
             page = _kvtax_page(web_url)
+    shutil.rmtree(work)  # kept only when a run fails: the logs are in it
     return Result(
         label=label,
         scenario=name,
