@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from bench.soak import run
-from bench.soak_client import KINDS, SeenStream, plan
+from bench.soak_client import KINDS, SeenStream, Spec, _judge, _whole_record, plan
 from bench.soak_compare import (
     Check,
     ClientRecord,
@@ -121,6 +121,16 @@ def test_a_stream_client_counts_events_split_across_reads() -> None:
     leaked = SeenStream("none")
     leaked.feed(event + b"\n\n")
     assert leaked.problem == "usage the client did not ask for"
+
+
+def test_a_body_cut_short_is_a_problem_even_when_the_ledger_agrees_with_it() -> None:
+    spec = Spec("whole", "/v1/completions", {"max_tokens": 5, "soak_body_bytes": 1000}, 5)
+    record, _ = _whole_record(spec, 200, b'{"id":"cmpl-soak","object":"text_com')
+    assert (record.outcome, record.tokens) == ("completed", 0)
+    assert record.problem == "200 with 36 bytes, not JSON"
+    whole = b'{"usage":{"completion_tokens":5}}'.ljust(1000)
+    record, _ = _whole_record(spec, 200, whole)
+    assert (record.tokens, _judge(spec, record).problem) == (5, "")
 
 
 def test_the_mix_is_deterministic_and_has_every_kind() -> None:
