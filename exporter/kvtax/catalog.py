@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["METRICS", "METRIC_LIST", "MetricSpec", "render_markdown"]
+__all__ = ["METRICS", "METRIC_LIST", "PROCESS_METRICS", "MetricSpec", "render_markdown"]
 
 MetricType = Literal["counter", "gauge", "histogram", "info"]
 
@@ -124,6 +124,35 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "sidecar",
     ),
     # -- engine work, from vLLM's counters (reset-corrected) ---------------------------------
+    _S(
+        "kvtax_event_loop_lag_seconds",
+        "gauge",
+        "Worst lateness of kvtax's event loop over the last few seconds (it wakes every 0.25 s): "
+        "the latency kvtax itself adds to every relayed chunk and probe while busy.",
+        (),
+        "sidecar",
+    ),
+    _S(
+        "kvtax_event_loop_tasks",
+        "gauge",
+        "asyncio tasks alive in kvtax; back to its idle level once traffic stops.",
+        (),
+        "sidecar",
+    ),
+    _S(
+        "kvtax_proxy_requests_in_flight",
+        "gauge",
+        "Accounted requests the proxy is handling now.",
+        (),
+        "delivery",
+    ),
+    _S(
+        "kvtax_proxy_streams_open",
+        "gauge",
+        "Streams the proxy is relaying now.",
+        (),
+        "delivery",
+    ),
     _S(
         "kvtax_engine_generation_tokens_total",
         "counter",
@@ -390,6 +419,18 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
 METRICS: dict[str, MetricSpec] = {m.name: m for m in METRIC_LIST}
 
 
+# The process's own families, from prometheus-client's ProcessCollector (Linux): the standard
+# names every exporter publishes, so they keep their standard names rather than a kvtax_ prefix.
+PROCESS_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("process_resident_memory_bytes", "gauge", "Resident memory of the kvtax process."),
+    ("process_virtual_memory_bytes", "gauge", "Virtual memory of the kvtax process."),
+    ("process_open_fds", "gauge", "Open file descriptors of the kvtax process."),
+    ("process_max_fds", "gauge", "The kvtax process's limit on open file descriptors."),
+    ("process_cpu_seconds_total", "counter", "CPU time the kvtax process used."),
+    ("process_start_time_seconds", "gauge", "When the kvtax process started, Unix time."),
+)
+
+
 def render_markdown() -> str:
     """The metrics reference page (docs/metrics.md), generated so it cannot drift."""
     lines = [
@@ -403,4 +444,13 @@ def render_markdown() -> str:
     for m in METRIC_LIST:
         labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
         lines.append(f"| `{m.name}` | {m.type} | {labels} | {m.help} |")
+    lines += [
+        "",
+        "The process's own standard families (prometheus-client's process collector; the",
+        "parse worker is a separate process and is not included):",
+        "",
+        "| name | type | meaning |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{name}` | {kind} | {text} |" for name, kind, text in PROCESS_METRICS]
     return "\n".join(lines) + "\n"

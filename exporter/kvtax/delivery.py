@@ -104,6 +104,8 @@ class Delivery:
         self.proxy.credit_in_flight()
         yield from self.ledger.samples()
         yield from join_samples(self.figures)
+        yield Sample("kvtax_proxy_requests_in_flight", (), float(self.proxy.in_flight))
+        yield Sample("kvtax_proxy_streams_open", (), float(self.proxy.streams_open))
 
     async def start(self) -> None:
         if self.config.proxy_listen_address is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from . import __version__
@@ -41,6 +41,7 @@ from .parsepool import ParsePool
 from .publish import engine_samples
 from .report import HistogramSample, Sample
 from .scraper import REASONS, ScrapeError, Scraper
+from .selfwatch import LoopWatch
 from .snapshot import VllmSnapshot
 
 __all__ = ["ScrapeHealth", "Sidecar"]
@@ -97,6 +98,10 @@ class Sidecar:
         self._routes: list[tuple[str, str, Handler]] = []
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ReportCollector(self._report))
+        # process_* (RSS, open FDs, CPU seconds) of this process, the standard way.
+        ProcessCollector(registry=self.registry)
+        self.loopwatch = LoopWatch()
+        self._producers.append(self.loopwatch.samples)
         self._scheduler: AsyncIOScheduler | None = None
         self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
@@ -266,10 +271,12 @@ class Sidecar:
             misfire_grace_time=None,
         )
         self._scheduler.start()
+        self.loopwatch.start()
         # The first scrape runs now, not one interval from now.
         self._first = asyncio.get_running_loop().create_task(self.scrape_once())
 
     async def stop(self) -> None:
+        await self.loopwatch.stop()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None

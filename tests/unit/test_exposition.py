@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtax.catalog import METRICS
+from kvtax.catalog import METRICS, PROCESS_METRICS
 from kvtax.config import Config
 from kvtax.exposition import ReportCollector, build_families
 from kvtax.report import HistogramSample, Sample
@@ -107,7 +107,12 @@ def test_every_emitted_name_is_in_the_catalog(fixtures: list[str]) -> None:
     text = fed(fixtures, max_num_seqs=32)
     families = list(text_string_to_metric_families(text))
     assert families
+    process = {name.removesuffix("_total"): kind for name, kind, _ in PROCESS_METRICS}
+    assert {f.name for f in families} >= set(process)  # the process collector is registered
     for family in families:
+        if family.name in process:
+            assert family.type == process[family.name]
+            continue
         # The text format has no info type: an info family reads back as a gauge named *_info.
         spec = next((s for s in METRICS.values() if family.name in (s.name, s.family_name)), None)
         assert spec is not None, family.name
