@@ -426,8 +426,13 @@ class Proxy:
                 # Every byte reached the client, so every token did.
                 delivered = rw.final_completion_tokens or rw.completion_tokens
                 return delivered, max(upstream, delivered), rw.prompt_tokens
-            confirmed = ex.acks.confirmed if ex.acks is not None else 0
-            return confirmed, upstream, rw.prompt_tokens
+            acks = ex.acks
+            if acks is None:
+                return 0, upstream, rw.prompt_tokens
+            # Ended cleanly with the client still there (an error event, say): what was written
+            # will reach it, as for a completed stream. A client that left has what it acked.
+            reached = acks.written_tokens if ex.eof and not ex.client_gone else acks.confirmed
+            return reached, upstream, rw.prompt_tokens
         if ex.usage is None or ex.status is None or ex.status >= 300:
             return 0, 0, 0
         completion, prompt = ex.usage

@@ -133,10 +133,12 @@ async def test_a_body_in_several_writes_reaches_the_client_whole(
     body = completion_body(SIZES[size], tokens=17)
     upstream.script = in_pieces(body, status, sized=sized)
     url, relay = proxy
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
-            got = await resp.read()
-            assert resp.status == status
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", json={"model": "m"}) as resp,
+    ):
+        got = await resp.read()
+        assert resp.status == status
     assert got == body
     expected = {200: "completed", 400: "rejected", 500: "upstream_error"}[status]
     assert await _settled(relay, 1) == {expected: 1}
@@ -163,11 +165,13 @@ async def test_a_body_vllm_breaks_off_never_looks_complete(
 
     upstream.script = half_then_gone
     url, relay = proxy
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
-            assert resp.status == 200  # the headers were already on their way
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await resp.read()
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", json={"model": "m"}) as resp,
+    ):
+        assert resp.status == 200  # the headers were already on their way
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
     assert await _settled(relay, 1) == {"upstream_error": 1}
     assert relay.ledger.totals()["m"].delivered == 0
 
@@ -261,9 +265,11 @@ async def test_a_stream_without_usage_is_counted_as_such(
 
     upstream.script = no_usage
     url, relay = proxy
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + "/v1/completions", json={"model": "m", "stream": True}) as r:
-            await r.read()
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", json={"model": "m", "stream": True}) as r,
+    ):
+        await r.read()
     assert await _settled(relay, 1) == {"completed": 1}
     assert _counter(relay, "kvtax_requests_without_usage_total") == 1
 
@@ -275,9 +281,11 @@ async def test_a_stream_framed_with_single_newlines_is_still_counted(
     upstream.script = sse(tokens=6, linger=0, framing=b"\n")
     url, relay = proxy
     body = {"model": "m", "stream": True}
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + "/v1/completions", json=body) as resp:
-            got = await resp.read()
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", json=body) as resp,
+    ):
+        got = await resp.read()
     assert b'"usage"' not in got  # the client did not ask for usage
     assert got.count(b"\n") == 7  # six chunks and [DONE], each on its own line
     assert await _settled(relay, 1) == {"completed": 1}
@@ -293,9 +301,11 @@ async def test_a_non_streamed_answer_without_usage_is_counted_as_such(
 
     upstream.script = no_usage
     url, relay = proxy
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
-            await resp.read()
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", json={"model": "m"}) as resp,
+    ):
+        await resp.read()
     assert await _settled(relay, 1) == {"completed": 1}
     assert _counter(relay, "kvtax_requests_without_usage_total") == 1
 
@@ -308,18 +318,18 @@ async def test_a_chunked_body_to_a_pass_through_path_obeys_max_body(
         return web.Response(text="ok")
 
     upstream.script = echo
-    url, relay = proxy
+    url, _relay = proxy
 
     async def chunks() -> AsyncIterator[bytes]:
         for _ in range(5):
             yield b"x" * (1024**2)
 
     async with aiohttp.ClientSession() as client:
-        async with client.post(url + "/tokenize", data=chunks()) as resp:
-            assert resp.status == 413
-            assert "max-body" in (await resp.json())["error"]["message"]
-        async with client.post(url + "/tokenize", data=b"small") as resp:
-            assert resp.status == 200
+        async with client.post(url + "/tokenize", data=chunks()) as big:
+            assert big.status == 413
+            assert "max-body" in (await big.json())["error"]["message"]
+        async with client.post(url + "/tokenize", data=b"small") as small:
+            assert small.status == 200
 
 
 async def test_the_default_body_limit_fits_a_real_request_not_thirty_megabytes(
@@ -330,6 +340,40 @@ async def test_the_default_body_limit_fits_a_real_request_not_thirty_megabytes(
     url, relay = proxy
     assert relay.settings.max_body <= 8 * 1024**2
     body = json.dumps({"model": "m", "prompt": "y" * relay.settings.max_body}).encode()
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + "/v1/completions", data=io.BytesIO(body)) as r:
-            assert r.status == 413
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", data=io.BytesIO(body)) as r,
+    ):
+        assert r.status == 413
+
+
+async def test_a_stream_vllm_breaks_off_counts_what_the_waiting_client_got(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # Protection: the client is still connected when the error event and the end of stream
+    # go out, so every token written reaches it, acknowledged yet or not.
+    async def three_then_gone(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for sent in (1, 2, 3):
+            chunk = {
+                "id": "c",
+                "choices": [{"index": 0, "text": "t", "finish_reason": None}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": sent},
+            }
+            await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode())
+            await response.write(b"\n\n")
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    upstream.script = three_then_gone
+    url, relay = proxy
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", json={"model": "m", "stream": True}) as r,
+    ):
+        got = await r.read()
+    assert b'"type":"upstream_error"' in got
+    assert await _settled(relay, 1) == {"upstream_error": 1}
+    assert relay.ledger.totals()["m"].delivered == 3
