@@ -134,7 +134,18 @@ def _serve(args: argparse.Namespace) -> int:
     if config.log_level != "debug":
         # APScheduler logs two INFO lines per job run: one scrape a second would drown the log.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    return asyncio.run(_run_serve(config))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(_run_serve(config))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed (a dependency on Linux): the relay's per-chunk cost is
+    mostly event-loop and transport work, which uvloop does in C. Else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _run_serve(config: Config) -> int:
