@@ -78,6 +78,8 @@ class Mark:
 
 @dataclass
 class SoakResult:
+    """Everything one soak saw. ``marks``: before the load, at each 20 %, then idle."""
+
     requests: int
     records: list[ClientRecord] = field(default_factory=list)
     marks: list[Mark] = field(default_factory=list)
@@ -91,8 +93,8 @@ class SoakResult:
     def baseline(self) -> Mark:
         return self.marks[0]
 
-    def verdicts(self) -> list[tuple[str, bool | None, str]]:
-        """(verdict, passed or None when it cannot be judged, figures)."""
+    def verdicts(self) -> list[tuple[str, bool, str]]:
+        """(verdict, passed, the figures it was judged on)."""
         by_pct = self.marks[1 : 1 + MARKS]
         first, last = by_pct[0].rss_kib, by_pct[-1].rss_kib
         growth = (last - first) / first
