@@ -40,7 +40,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.relay import _port, _wait_port
-from bench.soak_client import HANGUP_MODEL, MODEL, Spec, plan, run_one
+from bench.soak_client import HANGUP_MODEL, KINDS, MODEL, Spec, plan, run_one
 from bench.soak_compare import (
     Check,
     ClientRecord,
@@ -330,9 +330,18 @@ async def soak(side: Sidecar, specs: list[Spec], concurrency: int, idle: float) 
     return result
 
 
-def run(requests: int, *, seed: int = 1, concurrency: int = 64, idle: float = 3.0) -> SoakResult:
+def run(
+    requests: int,
+    *,
+    seed: int = 1,
+    concurrency: int = 64,
+    idle: float = 3.0,
+    only: frozenset[str] = frozenset(),
+) -> SoakResult:
     """The whole soak, processes included (the short form in CI calls this)."""
     specs = plan(requests, seed)
+    # Filtered after drawing, so that the requests kept are the same as in the full mix.
+    specs = [spec for spec in specs if not only or spec.kind in only]
     with tempfile.TemporaryDirectory(prefix="kvtax-soak-") as tmp, processes(Path(tmp)) as side:
         result = asyncio.run(soak(side, specs, concurrency, idle))
         result.log_lines = _log_errors(side.logs)
@@ -444,10 +453,20 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--idle", type=float, default=3.0, help="seconds idle before sampling")
+    parser.add_argument(
+        "--only",
+        default="",
+        help=f"run only these kinds of the mix, e.g. drop ({', '.join(KINDS)})",
+    )
     parser.add_argument("--out", type=Path, help="Also write the tables to this file.")
     args = parser.parse_args()
     header = _header(sys.argv[1:])
-    result = run(args.requests, seed=args.seed, concurrency=args.concurrency, idle=args.idle)
+    only = frozenset(filter(None, args.only.split(",")))
+    if only - set(KINDS):
+        parser.error(f"--only: unknown kinds {', '.join(sorted(only - set(KINDS)))}")
+    result = run(
+        args.requests, seed=args.seed, concurrency=args.concurrency, idle=args.idle, only=only
+    )
     text = header + "\n" + report(result)
     print(text)
     if args.out:
