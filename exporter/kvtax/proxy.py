@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -103,6 +104,15 @@ def openai_error(status: int, message: str, kind: str) -> web.Response:
 def _sse_error(message: str, kind: str, status: int) -> bytes:
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _loads(body: bytes) -> Any:
+    """A request body as JSON: orjson, or the standard parser for what orjson refuses but
+    Python's accepts (integers past 64 bits, NaN), so such a body is still understood."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return json.loads(body)
 
 
 class _TooLarge(Exception):
@@ -508,7 +518,7 @@ class Proxy:
     def _prepare(body: bytes, ex: Exchange) -> tuple[UsageWish | None, bytes]:
         """Learn the model; for a stream, ask vLLM for usage. Other bodies go as they came."""
         try:
-            payload = json.loads(body)
+            payload = _loads(body)
         except ValueError:
             return None, body  # vLLM answers the 400 for a body that is not JSON
         if not isinstance(payload, dict):
@@ -519,7 +529,10 @@ class Proxy:
             return None, body
         ex.streamed = True
         wish, upstream_payload = with_usage(payload)
-        return wish, json.dumps(upstream_payload, ensure_ascii=False).encode()
+        try:
+            return wish, orjson.dumps(upstream_payload)
+        except orjson.JSONEncodeError:  # integers past 64 bits: the standard encoder
+            return wish, json.dumps(upstream_payload, ensure_ascii=False).encode()
 
     async def _relay_body(
         self,

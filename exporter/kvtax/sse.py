@@ -26,10 +26,11 @@ Example::
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from .usage import usage_tokens
 
@@ -120,13 +121,13 @@ def _usage_span(line: bytes) -> tuple[int, int] | None:
 def _parse_usage(line: bytes, span: tuple[int, int] | None) -> tuple[int, int] | None:
     if span is not None:
         try:
-            return usage_tokens(json.loads(line[span[0] + len(_USAGE_KEY) - 1 : span[1]]))
-        except ValueError:
+            return usage_tokens(orjson.loads(line[span[0] + len(_USAGE_KEY) - 1 : span[1]]))
+        except orjson.JSONDecodeError:
             return None
     # Not vLLM's compact form (spaces, another key order): read the whole event.
     try:
-        event = json.loads(line[len(b"data:") :])
-    except ValueError:
+        event = orjson.loads(line[len(b"data:") :])
+    except orjson.JSONDecodeError:
         return None
     return usage_tokens(event.get("usage")) if isinstance(event, dict) else None
 

@@ -377,3 +377,19 @@ async def test_a_stream_vllm_breaks_off_counts_what_the_waiting_client_got(
     assert b'"type":"upstream_error"' in got
     assert await _settled(relay, 1) == {"upstream_error": 1}
     assert relay.ledger.totals()["m"].delivered == 3
+
+
+async def test_a_stream_request_orjson_cannot_read_is_still_rewritten(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # An integer past 64 bits is valid JSON; the request must still ask vLLM for usage.
+    upstream.script = sse(tokens=2, linger=0)
+    url, relay = proxy
+    body = b'{"model":"m","stream":true,"seed":123456789012345678901234567890}'
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", data=body) as resp,
+    ):
+        await resp.read()
+    assert await _settled(relay, 1) == {"completed": 1}
+    assert relay.ledger.totals()["m"].delivered == 2
