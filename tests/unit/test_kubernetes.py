@@ -229,7 +229,7 @@ def test_kvtax_probes_use_healthz_for_liveness_and_readyz_for_readiness() -> Non
 
 def test_kvtax_resources() -> None:
     resources = container("kvtax")["resources"]
-    assert resources["requests"] == {"cpu": "100m", "memory": "64Mi"}
+    assert resources["requests"] == {"cpu": "100m", "memory": "96Mi"}
     assert resources["limits"] == {"cpu": "500m", "memory": "256Mi"}
 
 
