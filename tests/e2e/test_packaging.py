@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtax.testbed.engine import ensure_vllm_venv
+from kvtax_dev.testbed.engine import ensure_vllm_venv
 
 pytestmark = pytest.mark.e2e
 
