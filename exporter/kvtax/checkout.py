@@ -33,7 +33,7 @@ def needs_checkout(command: str, how: str) -> str:
     """The message for ``command`` run from an installed kvtax: what is missing and, in ``how``,
     the command to run from the root of a clone instead."""
     return (
-        f"{command}: this runs from a checkout of the kvtax repository; the installed kvtax "
-        "package holds only the sidecar. Clone the repository and run, from its root:\n"
-        f"  {how}"
+        f"{command}: this runs from a checkout of the kvtax repository;\n"
+        "the installed kvtax package holds only the sidecar. Clone the repository, then run\n"
+        f"from its root:\n  {how}"
     )
