@@ -73,6 +73,8 @@ def _build_context(into: Path) -> Path:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     context = _build_context(tmp_path_factory.mktemp("context"))
+    # The harness must be in what pip sees, so that keeping it out is pyproject.toml's doing.
+    assert (context / "exporter" / "kvtax_dev" / "testbed").is_dir()
     out = tmp_path_factory.mktemp("wheel")
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet"]
     done = subprocess.run(
