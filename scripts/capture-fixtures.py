@@ -30,13 +30,11 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    from kvtax.testbed import VllmEngine
-    from kvtax.testbed.load import PROMPT_TOKENS, drive
-except ImportError:  # running from a checkout where kvtax is not installed in this venv
-    sys.path.insert(0, str(ROOT / "exporter"))
-    from kvtax.testbed import VllmEngine
-    from kvtax.testbed.load import PROMPT_TOKENS, drive
+# The testbed is in kvtax_dev, which no install maps (it is not in the wheel): import it, and
+# this checkout's kvtax with it, from exporter/ beside this script.
+sys.path.insert(0, str(ROOT / "exporter"))
+from kvtax_dev.testbed import VllmEngine  # noqa: E402
+from kvtax_dev.testbed.load import PROMPT_TOKENS, drive  # noqa: E402
 
 CONCURRENCY = 64
 MAX_TOKENS = 500

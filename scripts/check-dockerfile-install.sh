@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the Dockerfile's install steps without Docker (CI has no Docker engine), then proves that
 # what they installed works: `kvtax --help`, `kvtax serve --help`, no vLLM or torch in the
-# environment, and the image's HEALTHCHECK command passing against a running `kvtax serve`.
+# environment, none of the development harness (testbed, demo, preview, Prometheus API client)
+# in the install, and the image's HEALTHCHECK command passing against a running `kvtax serve`.
 # It also runs deploy/vllm-image/Dockerfile.plugin's `pip install --no-deps kvtax` in a venv
 # holding only prometheus_client, and checks that the plugin imports and is registered.
 #
@@ -63,6 +64,8 @@ step "final stage: a fresh venv, installed offline from the wheels"
 # Docker's final stage sees only /wheels: drop any find-links or pip config of this machine.
 unset PIP_FIND_LINKS
 export PIP_CONFIG_FILE=/dev/null
+# Nor a PYTHONPATH: a checkout's exporter/ on it would shadow the wheel and lend it kvtax_dev.
+unset PYTHONPATH
 "$python" -m venv "$venv"
 "$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" kvtax >&2
 
@@ -73,6 +76,25 @@ case "$where" in
   "$venv"/*) ;;
   *) fail "kvtax imports from $where, not from the fresh venv" ;;
 esac
+
+step "the runtime only: no testbed, demo, preview or Prometheus client"
+"$venv/bin/python" - <<'PY' || fail "the installed kvtax carries the development harness"
+from importlib.metadata import files
+from importlib.util import find_spec
+
+# The same parts tests/unit/test_wheel_contents.py refuses in the wheel.
+harness = {"kvtax_dev", "testbed", "demo", "preview", "promapi"}
+modules = [f.as_posix() for f in files("kvtax") or [] if f.suffix == ".py"]
+assert "kvtax/proxy.py" in modules, "the kvtax distribution lists no runtime modules"
+found = [m for m in modules if harness & set(m.removesuffix(".py").split("/"))]
+assert not found, f"harness modules installed: {found}"
+assert find_spec("kvtax_dev") is None, "kvtax_dev is importable from the image's venv"
+PY
+# Without the harness, the demo must say where to run it, not fail with a traceback.
+rc=0
+out=$("$venv/bin/kvtax" demo --short 2>&1) || rc=$?
+[ "$rc" = 2 ] || fail "kvtax demo without a checkout exited $rc, not 2: $out"
+grep -q 'scripts/demo' <<<"$out" || fail "kvtax demo without a checkout does not name scripts/demo"
 
 step "kvtax --help, kvtax serve --help, kvtax --version"
 out=$("$venv/bin/kvtax" --help) || fail "kvtax --help exited non-zero"

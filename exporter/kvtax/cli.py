@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import __version__, logsafe
+from .checkout import harness_missing, needs_checkout
 from .config import OPTIONS, Config, ConfigError, env_name, load_config, unknown_env
 from .dashboards.cli import add_dashboards_parser, run_dashboards
 from .rules.cli import add_rules_parser, run_rules
@@ -83,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Show the preemption tax live on a real vLLM CPU engine (installs it once).",
         description="Start a real vLLM CPU engine with a tiny local model and a small KV pool, "
         "and kvtax with its proxy; drive an overload, then a load that fits, and show what "
-        "kvtax publishes. Everything started is stopped on exit, Ctrl-C included.",
+        "kvtax publishes. Everything started is stopped on exit, Ctrl-C included. Runs from "
+        "a checkout of the kvtax repository (scripts/demo), not from an installed kvtax.",
     )
     demo.add_argument(
         "--short", action="store_true", help="Smaller loads, for CI and slow machines."
@@ -182,8 +184,14 @@ async def _run_serve(config: Config) -> int:
 
 @command("demo")
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
+    # The demo is development harness (a real engine, load, Prometheus): not in the wheel.
+    try:
+        from kvtax_dev.demo import run_demo
+    except ModuleNotFoundError as exc:
+        if not harness_missing(exc):
+            raise
+        print(needs_checkout("kvtax demo", "scripts/demo"), file=sys.stderr)
+        return 2
     return run_demo(args)
 
 

@@ -13,7 +13,7 @@ from types import FrameType
 
 import pytest
 
-from kvtax.testbed import EngineStartError, VllmEngine
+from kvtax_dev.testbed import EngineStartError, VllmEngine
 
 _HERE = Path(__file__).resolve().parent
 

@@ -22,12 +22,12 @@ import pytest
 from kvtax.rules import TEST_PROFILE, per_pod
 from kvtax.rules.alertmanager import alertmanager_config
 from kvtax.rules.render import alerts_yaml, dump, recording_yaml
-from kvtax.testbed import VllmEngine
-from kvtax.testbed.load import RequestResult, drive
-from kvtax.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
-from kvtax.testbed.sidecar import KvtaxProcess, parse_metrics
-from kvtax.testbed.webhook import Notification, WebhookReceiver
 from kvtax.vocabulary import CONCEPTS
+from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.load import RequestResult, drive
+from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
+from kvtax_dev.testbed.sidecar import KvtaxProcess, parse_metrics
+from kvtax_dev.testbed.webhook import Notification, WebhookReceiver
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,8 @@ import pytest
 
 from kvtax.rules.alertmanager import alertmanager_config
 from kvtax.rules.render import dump
-from kvtax.testbed.promstack import AlertmanagerProcess
-from kvtax.testbed.webhook import WebhookReceiver
+from kvtax_dev.testbed.promstack import AlertmanagerProcess
+from kvtax_dev.testbed.webhook import WebhookReceiver
 
 pytestmark = pytest.mark.e2e
 

@@ -28,12 +28,13 @@ from kvtax.cli import main
 from kvtax.config import parse_duration
 from kvtax.dashboards import dashboards
 from kvtax.dashboards.lint import queries
-from kvtax.dashboards.promapi import PrometheusApi
 from kvtax.dashboards.promql import expand
-from kvtax.testbed import VllmEngine, repo_root
-from kvtax.testbed.load import drive
-from kvtax.testbed.promstack import PrometheusProcess, prometheus_config
-from kvtax.testbed.sidecar import KvtaxProcess
+from kvtax_dev import repo_root
+from kvtax_dev.promapi import PrometheusApi
+from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.load import drive
+from kvtax_dev.testbed.promstack import PrometheusProcess, prometheus_config
+from kvtax_dev.testbed.sidecar import KvtaxProcess
 
 pytestmark = pytest.mark.e2e
 

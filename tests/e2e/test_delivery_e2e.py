@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvtax.testbed import VllmEngine
-from kvtax.testbed.sidecar import KvtaxProcess, parse_metrics, series_key
+from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.sidecar import KvtaxProcess, parse_metrics, series_key
 
 M = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps on running"

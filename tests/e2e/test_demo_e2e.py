@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvtax_dev import dev_env
+
 HANG_GUARD_S = 600.0  # fails a hung run; not a performance claim
 
 
@@ -24,7 +26,8 @@ def _demo(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # As scripts/demo runs it: the child imports kvtax_dev from this checkout's exporter/.
+        env={**dev_env(os.environ), "PYTHONUNBUFFERED": "1"},
     )
 
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtax.testbed import VllmEngine
-from kvtax.testbed.load import drive
-from kvtax.testbed.sidecar import KvtaxProcess, series_key
+from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.load import drive
+from kvtax_dev.testbed.sidecar import KvtaxProcess, series_key
 
 MODEL = {"model_name": "tiny-llama"}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtax.testbed.engine import ensure_vllm_venv
+from kvtax_dev.testbed.engine import ensure_vllm_venv
 
 pytestmark = pytest.mark.e2e
 
@@ -73,6 +73,7 @@ def test_dockerfile_install_steps_produce_a_working_kvtax() -> None:
         "== final stage",
     ]
     assert "== the Dockerfile's HEALTHCHECK passes against a running kvtax serve" in stages
+    assert "== the runtime only: no testbed, demo, preview or Prometheus client" in stages
 
 
 def test_install_check_fails_loudly_when_the_image_would_lack_the_package(tmp_path: Path) -> None:

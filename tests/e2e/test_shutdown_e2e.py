@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvtax.testbed import VllmEngine
-from kvtax.testbed.load import PROMPT
-from kvtax.testbed.sidecar import KvtaxProcess
+from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.load import PROMPT
+from kvtax_dev.testbed.sidecar import KvtaxProcess
 
 STREAMS = 20
 GRACE_S = 2

@@ -31,9 +31,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtax import plugin
-from kvtax.testbed import VllmEngine
-from kvtax.testbed.load import PROMPT, PROMPT_TOKENS, RequestResult, drive
-from kvtax.testbed.sidecar import KvtaxProcess, series_key
+from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.load import PROMPT, PROMPT_TOKENS, RequestResult, drive
+from kvtax_dev.testbed.sidecar import KvtaxProcess, series_key
 
 pytestmark = pytest.mark.e2e
 

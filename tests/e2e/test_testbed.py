@@ -7,8 +7,8 @@ import json
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtax.testbed import VllmEngine
-from kvtax.testbed.load import drive
+from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.load import drive
 
 OVERLOAD_REQUESTS = 64
 OVERLOAD_MAX_TOKENS = 500

@@ -1,7 +1,9 @@
-"""The kvtax command line: bad configuration exits 2 naming the key; docs --check detects drift."""
+"""The kvtax command line: bad configuration exits 2 naming the key; docs --check detects drift;
+commands of the development harness say how to get a checkout when there is none."""
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import subprocess
 import sys
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtax.checkout import DEV_PACKAGE, harness_missing
 from kvtax.cli import build_parser, main
 
 
@@ -120,3 +123,62 @@ def test_installed_console_script_exits_2_on_a_bad_interval() -> None:
     assert "--scrape.interval" in done.stderr
     assert "'-1'" in done.stderr
     assert done.stdout == ""
+
+
+# -- commands that need the development harness (exporter/kvtax_dev, a checkout only) --------
+
+
+class _NoHarness(importlib.abc.MetaPathFinder):
+    """Makes ``import kvtax_dev`` fail the way it does where only the wheel is installed."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == DEV_PACKAGE:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+@pytest.fixture
+def installed_without_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Forget the harness modules this session already imported (restored afterwards), so the
+    # command's lazy import really goes looking for the package.
+    for name in [m for m in sys.modules if m == DEV_PACKAGE or m.startswith(DEV_PACKAGE + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_NoHarness(), *sys.meta_path])
+
+
+@pytest.mark.usefixtures("installed_without_checkout")
+def test_demo_without_a_checkout_says_how_to_run_it_and_exits_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--short"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtax demo: this runs from a checkout of the kvtax repository")
+    assert "Clone the repository" in err
+    assert err.rstrip().endswith("scripts/demo")
+    assert "Traceback" not in err
+
+
+@pytest.mark.usefixtures("installed_without_checkout")
+def test_preview_without_a_checkout_says_how_to_run_it_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["dashboards", "preview", "--prometheus", "http://127.0.0.1:9", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtax dashboards preview: this runs from a checkout")
+    assert "PYTHONPATH=exporter kvtax dashboards preview" in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.usefixtures("installed_without_checkout")
+def test_demo_help_works_without_a_checkout(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--help"])
+    assert exited.value.code == 0
+    assert "scripts/demo" in capsys.readouterr().out
+
+
+def test_a_module_missing_inside_a_checkout_is_not_reported_as_a_missing_checkout() -> None:
+    # A broken dev environment (say aiohttp absent) must show its own error, not "clone the repo".
+    assert harness_missing(ModuleNotFoundError("No module named 'kvtax_dev'", name="kvtax_dev"))
+    assert not harness_missing(ModuleNotFoundError("No module named 'aiohttp'", name="aiohttp"))
+    assert not harness_missing(ModuleNotFoundError("halted", name="kvtax_dev.demo"))

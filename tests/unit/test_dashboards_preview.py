@@ -17,7 +17,7 @@ import pytest
 from kvtax.cli import main
 from kvtax.dashboards import dashboards
 from kvtax.dashboards.lint import panels, queries
-from kvtax.dashboards.preview import (
+from kvtax_dev.preview import (
     TargetData,
     draw,
     fetch,
@@ -25,7 +25,7 @@ from kvtax.dashboards.preview import (
     legend_text,
     rate_interval,
 )
-from kvtax.dashboards.promapi import PrometheusApi, QueryError, Series
+from kvtax_dev.promapi import PrometheusApi, QueryError, Series
 
 T0 = 1_800_000_000.0
 

@@ -25,8 +25,8 @@ from kvtax.history import EngineHistory
 from kvtax.normalize import normalize
 from kvtax.publish import engine_samples
 from kvtax.report import Sample
-from kvtax.testbed.sidecar import parse_metrics
 from kvtax.vocabulary import CONCEPTS
+from kvtax_dev.testbed.sidecar import parse_metrics
 
 MODEL = "tiny-llama"
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from kvtax.ledger import DeliveryLedger, ModelNames
 from kvtax.proxy import Proxy, ProxySettings
-from kvtax.testbed.engine import free_port
+from kvtax_dev.testbed.engine import free_port
 from tests.unit.fake_vllm import FakeVllm
 
 Start = Callable[..., Coroutine[Any, Any, tuple[str, Proxy]]]

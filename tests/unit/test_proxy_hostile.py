@@ -18,7 +18,7 @@ from aiohttp import web
 
 from kvtax.ledger import DeliveryLedger, ModelNames
 from kvtax.proxy import Proxy, ProxySettings
-from kvtax.testbed.engine import free_port
+from kvtax_dev.testbed.engine import free_port
 
 Script = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 

@@ -3,22 +3,20 @@ every dashboard as PNG from a live Prometheus.
 
 Registered by :mod:`kvtax.cli` (``add_dashboards_parser`` + ``command("dashboards")``), like
 ``kvtax rules``; this module does not import :mod:`kvtax.cli` back, so ``python -m kvtax.cli
-dashboards`` works too. ``preview`` needs matplotlib (the ``preview`` extra) and says so; it
-exits 1 when any query failed, after drawing every dashboard anyway.
+dashboards`` works too. ``preview`` runs :func:`kvtax_dev.preview.run_preview`, from a checkout
+only (an installed kvtax says how to get one); it needs matplotlib (the ``preview`` extra) and
+says so, and exits 1 when any query failed, after drawing every dashboard anyway.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..config import parse_duration
-from .generate import artifacts, dashboards
+from ..checkout import harness_missing, needs_checkout
+from .generate import artifacts
 
 __all__ = ["add_dashboards_parser", "run_dashboards", "stale_files"]
 
@@ -51,8 +49,10 @@ def add_dashboards_parser(sub: Any) -> None:
         help="Render every dashboard's panels as PNG from a Prometheus.",
         description="Run every panel's queries against PROMETHEUS and draw each dashboard as "
         "one PNG (OUT/<uid>.png) in its Grafana layout. Needs matplotlib: "
-        "pip install 'kvtax[preview]'.",
+        "pip install 'kvtax[preview]'. Runs from a checkout of the kvtax repository.",
     )
+    # The renderer (kvtax_dev.preview) reads the default resolution from here, its one home.
+    pre.set_defaults(points=_POINTS)
     pre.add_argument("--prometheus", required=True, metavar="URL", help="Prometheus base URL.")
     pre.add_argument("--out", type=Path, required=True, help="Folder for the PNG files.")
     pre.add_argument(
@@ -96,13 +96,6 @@ def stale_files(out: Path) -> list[Path]:
     ]
 
 
-def _time(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return datetime.fromisoformat(text).timestamp()
-
-
 def _generate(args: argparse.Namespace) -> int:
     out: Path = args.out
     if args.check:
@@ -122,48 +115,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _preview(args: argparse.Namespace) -> int:
-    from .preview import PreviewUnavailableError, draw, fetch, rate_interval, require_matplotlib
-    from .promapi import PrometheusApi
-
+    # The renderer and its Prometheus client are development harness: not in the wheel.
     try:
-        require_matplotlib()
-    except PreviewUnavailableError as exc:
-        print(f"kvtax: {exc}", file=sys.stderr)
-        return 2
-
-    try:
-        end = _time(args.end) if args.end else time.time()
-        start = _time(args.start) if args.start else end - parse_duration(args.time_range)
-        step = parse_duration(args.step) if args.step else max(1.0, (end - start) / _POINTS)
-        scrape = parse_duration(args.scrape_interval)
-        values = dict(v.split("=", 1) for v in args.var)
-    except ValueError as exc:
-        print(f"kvtax dashboards preview: {exc}", file=sys.stderr)
-        return 2
-    if not start < end:
-        print("kvtax dashboards preview: --from must be before --to", file=sys.stderr)
-        return 2
-    api = PrometheusApi(args.prometheus)
-    chosen = {
-        name: doc
-        for name, doc in dashboards().items()
-        if not args.dashboard or doc["uid"] in args.dashboard
-    }
-    interval = rate_interval(math.ceil(step), scrape)
-    failed = 0
-    for doc in chosen.values():
-        data = fetch(
-            doc, api, start=start, end=end, step=step, rate_interval=interval, values=values
+        from kvtax_dev.preview import run_preview
+    except ModuleNotFoundError as exc:
+        if not harness_missing(exc):
+            raise
+        how = (
+            "pip install -e '.[preview]' && "
+            "PYTHONPATH=exporter kvtax dashboards preview --prometheus URL --out DIR"
         )
-        path = draw(doc, data, args.out / f"{doc['uid']}.png", start=start, end=end)
-        errors = [d.error for rows in data.values() for d in rows if d.error]
-        empty = sum(1 for rows in data.values() for d in rows if not d.series and not d.error)
-        print(f"{path}: {len(errors)} query errors, {empty} queries without data")
-        if errors:
-            print(f"kvtax dashboards preview: first error: {errors[0]}", file=sys.stderr)
-        failed += len(errors)
-    # The pictures are written either way (a bug report wants them); the status tells CI.
-    return 1 if failed else 0
+        print(needs_checkout("kvtax dashboards preview", how), file=sys.stderr)
+        return 2
+    return run_preview(args)
 
 
 def run_dashboards(args: argparse.Namespace) -> int:

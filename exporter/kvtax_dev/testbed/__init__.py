@@ -7,12 +7,11 @@ The engine's heavy dependencies (torch, transformers, vLLM) live only in that se
 venv; importing this package needs the standard library (plus aiohttp for ``load``).
 """
 
-from kvtax.testbed.engine import (
+from kvtax_dev.testbed.engine import (
     BLOCK_SIZE_TOKENS,
     EngineStartError,
     VllmEngine,
     free_port,
-    repo_root,
 )
 
 __all__ = [
@@ -20,5 +19,4 @@ __all__ = [
     "EngineStartError",
     "VllmEngine",
     "free_port",
-    "repo_root",
 ]

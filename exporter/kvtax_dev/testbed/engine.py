@@ -2,7 +2,7 @@
 
 :class:`VllmEngine` runs ``vllm.entrypoints.openai.api_server`` from a dedicated virtual
 environment (installed once per machine by ``scripts/setup-vllm.sh``) on the tiny model
-from :mod:`kvtax.testbed.model`, with a KV pool shrunk to a few blocks so that ordinary
+from :mod:`kvtax_dev.testbed.model`, with a KV pool shrunk to a few blocks so that ordinary
 load preempts. The engine runs in its own process group so that stopping it also stops
 every worker it spawned.
 
@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from kvtax_dev import dev_env, repo_root
+
 # The vLLM CPU backend's KV block size, in tokens. The pool holds blocks * this.
 BLOCK_SIZE_TOKENS = 128
 DEFAULT_MODEL_NAME = "tiny-llama"
@@ -39,12 +41,6 @@ _LOG_TAIL_LINES = 60
 
 class EngineStartError(RuntimeError):
     """The engine could not be installed, prepared or brought to a healthy state."""
-
-
-def repo_root() -> Path:
-    """The kvtax repository root when running from a checkout (parent of ``exporter/``)."""
-    # exporter/kvtax/testbed/engine.py -> parents[3] is the repository root.
-    return Path(__file__).resolve().parents[3]
 
 
 def cache_dir() -> Path:
@@ -62,7 +58,7 @@ def free_port() -> int:
 
 def _progress(message: str) -> None:
     # Long steps (install, model build, startup) would otherwise look like a hang.
-    print(f"kvtax.testbed: {message}", file=sys.stderr, flush=True)
+    print(f"kvtax_dev.testbed: {message}", file=sys.stderr, flush=True)
 
 
 def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
@@ -110,25 +106,23 @@ def _default_venv() -> Path:
 
 
 def _venv_env(venv: Path) -> dict[str, str]:
-    """Environment for running the venv's python: offline, and kvtax importable."""
-    env = dict(os.environ)
+    """Environment for running the venv's python: offline, and this checkout importable.
+
+    The model builder is in ``kvtax_dev``, which no install maps (the engine venv's editable
+    kvtax included), and kvtax itself may not be installed there yet (an offline machine).
+    """
+    env = dev_env(os.environ)
     # The model is local and there is no hub; never let transformers try the network.
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    # kvtax may not be installed into the engine venv yet (no pyproject, or an offline
-    # machine); putting the source tree on the path keeps the model builder importable.
-    exporter = str(repo_root() / "exporter")
-    env["PYTHONPATH"] = (
-        exporter + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else exporter
-    )
     return env
 
 
 def ensure_tiny_model(venv: Path, directory: Path) -> Path:
     """Build the tiny model into ``directory`` with the venv's python (idempotent)."""
-    from kvtax.testbed import model  # stdlib-only at import time; heavy work runs in venv
+    from . import model  # stdlib-only at import time; heavy work runs in venv
 
     if (directory / model.MARKER_NAME).exists():
         # Cheap pre-check to skip the subprocess (and its ~10 s torch import) when warm;
@@ -138,7 +132,7 @@ def ensure_tiny_model(venv: Path, directory: Path) -> Path:
                 return directory
     _progress(f"making tiny model in {directory}...")
     proc = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "kvtax.testbed.model", str(directory)],
+        [str(venv / "bin" / "python"), "-m", "kvtax_dev.testbed.model", str(directory)],
         env=_venv_env(venv),
         capture_output=True,
         text=True,
@@ -350,5 +344,4 @@ __all__ = [
     "ensure_tiny_model",
     "ensure_vllm_venv",
     "free_port",
-    "repo_root",
 ]

@@ -9,7 +9,7 @@ This module runs only inside the vLLM virtual environment: transformers, tokeniz
 torch are imported inside :func:`make_tiny_model`, so merely importing it (for example
 from the sidecar's own venv, which has none of them) costs nothing.
 
-Usage: ``python -m kvtax.testbed.model DIR`` prints DIR once the model is complete.
+Usage: ``python -m kvtax_dev.testbed.model DIR`` prints DIR once the model is complete.
 """
 
 from __future__ import annotations
@@ -158,10 +158,10 @@ def make_tiny_model(directory: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: ``python -m kvtax.testbed.model DIR``."""
+    """Command-line entry: ``python -m kvtax_dev.testbed.model DIR``."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kvtax.testbed.model DIR", file=sys.stderr)
+        print("usage: python -m kvtax_dev.testbed.model DIR", file=sys.stderr)
         return 2
     print(make_tiny_model(Path(args[0])))
     return 0

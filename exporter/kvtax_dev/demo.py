@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import dev_env
 from .testbed.engine import VllmEngine
 from .testbed.load import drive
 from .testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
@@ -252,9 +254,9 @@ def _stack(args: argparse.Namespace) -> Iterator[_Stack]:
 def _start_monitoring(stack: contextlib.ExitStack, running: _Stack) -> None:
     """Prometheus with kvtax's rules (short test profile) and Alertmanager with the example
     routing, its receivers pointed at a local webhook so the page can be shown."""
-    from .rules import TEST_PROFILE
-    from .rules.alertmanager import alertmanager_config
-    from .rules.render import alerts_yaml, dump, recording_yaml
+    from kvtax.rules import TEST_PROFILE
+    from kvtax.rules.alertmanager import alertmanager_config
+    from kvtax.rules.render import alerts_yaml, dump, recording_yaml
 
     rules = [running.workdir / "kvtax-recording.yaml", running.workdir / "kvtax-alerts.yaml"]
     rules[0].write_text(recording_yaml(TEST_PROFILE))
@@ -323,7 +325,8 @@ def _previews(running: _Stack, since: float, out: Path) -> Path | None:
         "--prometheus", running.prometheus.url, "--out", str(out),
         "--range", f"{span}s", "--scrape-interval", "1s",
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    # The child must import kvtax_dev too, and sys.path edits do not reach it.
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dev_env(os.environ))
     if done.returncode != 0:
         _progress(f"dashboard previews failed: {done.stderr.strip()[-400:]}")
         return None

@@ -6,7 +6,9 @@ docs. :func:`fetch` fills in the template variables as Grafana would and runs ev
 through Prometheus' HTTP API; :func:`draw` lays the panels out by their ``gridPos`` and draws
 time series (stacking, dashed lines, threshold lines), stat tiles (value mappings and threshold
 colours) and bar gauges. It reads the dashboard JSON, not the Python definitions, so the picture
-is of what Grafana would load. matplotlib comes from the ``preview`` extra.
+is of what Grafana would load. matplotlib comes from the ``preview`` extra. :func:`run_preview`
+is the ``kvtax dashboards preview`` command; its flags stay in :mod:`kvtax.dashboards.cli`, so
+that an installed kvtax, which has no preview, can still say where to find one.
 
 Example::
 
@@ -17,19 +19,25 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import re
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .lint import panels
-from .model import GRID_WIDTH, JSON
+from kvtax.config import parse_duration
+from kvtax.dashboards.generate import dashboards
+from kvtax.dashboards.lint import panels
+from kvtax.dashboards.model import GRID_WIDTH, JSON
+from kvtax.dashboards.promql import expand
+
 from .promapi import PrometheusApi, QueryError, Series
-from .promql import expand
 
 __all__ = [
     "PreviewUnavailableError",
@@ -40,6 +48,7 @@ __all__ = [
     "legend_text",
     "rate_interval",
     "require_matplotlib",
+    "run_preview",
 ]
 
 
@@ -414,3 +423,57 @@ def draw(
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def _time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return datetime.fromisoformat(text).timestamp()
+
+
+def run_preview(args: argparse.Namespace) -> int:
+    """``kvtax dashboards preview``, whose flags :mod:`kvtax.dashboards.cli` defines: draw every
+    chosen dashboard, then exit 1 if any query failed, 2 on bad flags or without matplotlib."""
+    try:
+        require_matplotlib()
+    except PreviewUnavailableError as exc:
+        print(f"kvtax: {exc}", file=sys.stderr)
+        return 2
+
+    try:
+        end = _time(args.end) if args.end else time.time()
+        start = _time(args.start) if args.start else end - parse_duration(args.time_range)
+        step = parse_duration(args.step) if args.step else max(1.0, (end - start) / args.points)
+        scrape = parse_duration(args.scrape_interval)
+        values = dict(v.split("=", 1) for v in args.var)
+    except ValueError as exc:
+        print(f"kvtax dashboards preview: {exc}", file=sys.stderr)
+        return 2
+    if not start < end:
+        print("kvtax dashboards preview: --from must be before --to", file=sys.stderr)
+        return 2
+    api = PrometheusApi(args.prometheus)
+    chosen = {
+        name: doc
+        for name, doc in dashboards().items()
+        if not args.dashboard or doc["uid"] in args.dashboard
+    }
+    interval = rate_interval(math.ceil(step), scrape)
+    failed = 0
+    for doc in chosen.values():
+        data = fetch(
+            doc, api, start=start, end=end, step=step, rate_interval=interval, values=values
+        )
+        path = draw(doc, data, args.out / f"{doc['uid']}.png", start=start, end=end)
+        errors = [d.error for rows in data.values() for d in rows if d.error]
+        empty = sum(1 for rows in data.values() for d in rows if not d.series and not d.error)
+        print(f"{path}: {len(errors)} query errors, {empty} queries without data")
+        if errors:
+            print(f"kvtax dashboards preview: first error: {errors[0]}", file=sys.stderr)
+        failed += len(errors)
+    # The pictures are written either way (a bug report wants them); the status tells CI.
+    return 1 if failed else 0
