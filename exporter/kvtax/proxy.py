@@ -49,7 +49,15 @@ from .sse import HoldBudget, StreamRewriter, UsageWish, with_usage
 from .timing import SloTargets, StreamTiming, meets_slo_unstreamed
 from .usage import UsageScanner
 
-__all__ = ["ACCOUNTED_PATHS", "Exchange", "Proxy", "ProxySettings", "openai_error", "outcome_of"]
+__all__ = [
+    "ACCOUNTED_PATHS",
+    "UPSTREAM_IDLE",
+    "Exchange",
+    "Proxy",
+    "ProxySettings",
+    "openai_error",
+    "outcome_of",
+]
 
 log = logging.getLogger("kvtax.proxy")
 
@@ -74,6 +82,8 @@ _HOP = frozenset(
 # Headers aiohttp's client would add on its own; the upstream must see only the client's.
 _NO_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 _ONE_WRITE = 1024**2
+# Seconds an idle upstream connection is kept; below vLLM's own 5 s keep-alive.
+UPSTREAM_IDLE = 2.0
 
 State = Literal["serving", "draining", "cutting"]
 
@@ -219,8 +229,10 @@ class Proxy:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                # No pool limit: the pool must never queue a stream behind others.
-                connector=aiohttp.TCPConnector(limit=0),
+                # No pool limit: the pool must never queue a stream behind others. Idle
+                # connections are dropped before vLLM drops them (uvicorn closes after 5 s):
+                # reusing one vLLM is closing at that instant fails the request with a 502.
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE),
                 # Relay encoded bodies as they are; never keep cookies between clients.
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),

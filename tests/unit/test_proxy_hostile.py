@@ -393,3 +393,15 @@ async def test_a_stream_request_orjson_cannot_read_is_still_rewritten(
         await resp.read()
     assert await _settled(relay, 1) == {"completed": 1}
     assert relay.ledger.totals()["m"].delivered == 2
+
+
+async def test_idle_upstream_connections_are_dropped_before_vllm_drops_them(
+    proxy: tuple[str, Proxy],
+) -> None:
+    # Protection: vLLM (uvicorn) closes an idle keep-alive connection after 5 s; a pooled
+    # connection kept longer can be reused just as vLLM closes it, and that request got a 502
+    # (the soak reproduced 14 in 240). aiohttp keeps idle connections 15 s by default.
+    _, relay = proxy
+    connector = relay.session.connector
+    assert isinstance(connector, aiohttp.TCPConnector)
+    assert connector._keepalive_timeout < 5.0
