@@ -44,6 +44,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from .acks import AckTracker
+from .bodies import BodyTooLarge, read_bounded
 from .ledger import DeliveryLedger, RequestRecord
 from .sse import HoldBudget, StreamRewriter, UsageWish, with_usage
 from .timing import SloTargets, StreamTiming, meets_slo_unstreamed
@@ -123,10 +124,6 @@ def _loads(body: bytes) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         return json.loads(body)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def _request_headers(headers: Mapping[str, str], *, identity: bool) -> CIMultiDict[str]:
@@ -307,17 +304,8 @@ class Proxy:
         )
 
     async def _read_body(self, request: web.Request) -> bytes:
-        """The whole request body, read to its end however many writes it came in, or
-        :class:`_TooLarge` as soon as it passes the limit (the rest is never read)."""
-        limit = self.settings.max_body
-        if request.content_length is not None and request.content_length > limit:
-            raise _TooLarge
-        body = bytearray()
-        async for chunk in request.content.iter_any():
-            if len(body) + len(chunk) > limit:
-                raise _TooLarge
-            body += chunk
-        return bytes(body)
+        """The whole request body, however many writes it came in, within --proxy.max-body."""
+        return await read_bounded(request.content, self.settings.max_body, request.content_length)
 
     def _too_large(self) -> web.Response:
         response = openai_error(
@@ -357,7 +345,7 @@ class Proxy:
             else:
                 try:  # chunked: no length to check up front, so read it within the limit
                     data = await self._read_body(request)
-                except _TooLarge:
+                except BodyTooLarge:
                     return self._too_large()
         try:
             upstream = await self.session.request(
@@ -479,7 +467,7 @@ class Proxy:
     async def _handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         try:
             body = await self._read_body(request)
-        except _TooLarge:
+        except BodyTooLarge:
             ex.too_large = True
             return self._too_large()
         wish, body = self._prepare(body, ex)
