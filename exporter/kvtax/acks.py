@@ -123,11 +123,6 @@ class AckTracker:
                 # responses (keep-alive), and our own headers still queued or buffered.
                 self._base = acked + queued + buffered
 
-    @property
-    def exact(self) -> bool:
-        """Whether acknowledgements are read from the kernel (else a write counts as delivered)."""
-        return self._probe is not None
-
     def wrote(self, nbytes: int, tokens: int) -> None:
         """A write of ``nbytes`` finished; its bytes bring the client up to ``tokens``."""
         self._sent += nbytes

@@ -153,7 +153,6 @@ class Exchange:
     model: str | None = None
     too_large: bool = False
     status: int | None = None
-    streamed: bool = False
     wrote_all: bool = False
     eof: bool = False
     client_gone: bool = False
@@ -527,7 +526,6 @@ class Proxy:
         ex.model = model if isinstance(model, str) else None
         if payload.get("stream") is not True:
             return None, body
-        ex.streamed = True
         wish, upstream_payload = with_usage(payload)
         try:
             return wish, orjson.dumps(upstream_payload)
@@ -578,9 +576,9 @@ class Proxy:
         self._streams[id(ex)] = (ex, upstream)
         try:
             failure = await self._relay_events(response, upstream.content.iter_any(), ex)
-            if failure is None and self.state == "cutting" and not rewriter.done:
-                failure = TimeoutError()  # shutdown closed vLLM's side: it ended early
-            if failure is None:
+            # Shutdown closes vLLM's side, which can look like a clean end before [DONE].
+            cut_short = self.state == "cutting" and not rewriter.done
+            if failure is None and not cut_short:
                 out = rewriter.finish()
                 if out.payload:
                     await self._write(response, out.payload, out.completion_tokens, ex)
@@ -593,7 +591,7 @@ class Proxy:
             del self._streams[id(ex)]
             rewriter.close()
 
-    def _stream_error(self, failure: BaseException, ex: Exchange) -> bytes:
+    def _stream_error(self, failure: BaseException | None, ex: Exchange) -> bytes:
         """The error event that ends a stream vLLM did not finish (headers are long gone)."""
         ex.upstream_broke = True
         if self.state == "cutting":
