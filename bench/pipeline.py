@@ -45,8 +45,8 @@ from pathlib import Path
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtax.config import OPTIONS, Config
-from kvtax.sidecar import Sidecar
+from kvtax.serve.config import OPTIONS, Config
+from kvtax.serve.sidecar import Sidecar
 
 __all__ = ["bare_parse", "main", "multi_model_payload"]
 

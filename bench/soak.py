@@ -50,7 +50,7 @@ from bench.soak_compare import (
     ledger_delta,
     parse_ledger,
 )
-from kvtax.ledger import OUTCOMES
+from kvtax.delivery.ledger import OUTCOMES
 
 __all__ = ["Mark", "SoakResult", "main", "report", "run"]
 

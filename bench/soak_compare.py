@@ -3,7 +3,8 @@
 The load generator keeps one :class:`ClientRecord` per request: the outcome as the client saw
 it and the completion tokens it received. :class:`LedgerView` is the part of kvtax's /metrics
 that should agree with them, for one model label. :func:`compare` checks, per model and per
-outcome in ``kvtax.ledger.OUTCOMES``, that kvtax counted as many requests as the clients saw,
+outcome in ``kvtax.delivery.ledger.OUTCOMES``, that kvtax counted as many requests as the clients
+saw,
 and that the delivered tokens equal what the clients received. Only a client that hung up
 mid-stream has a range rather than a number: kvtax counts the tokens its TCP stack acknowledged,
 which may be fewer than it read (the acknowledgement of the last write may not have been seen
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtax.catalog import METRICS
+from kvtax.expose.catalog import METRICS
 
 __all__ = [
     "BOUNDED",

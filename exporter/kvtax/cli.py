@@ -1,6 +1,6 @@
 """The ``kvtax`` command line: ``serve`` runs the sidecar; other subcommands generate artifacts.
 
-Flags of ``serve`` are generated from :data:`kvtax.config.OPTIONS`, so ``--help``, the
+Flags of ``serve`` are generated from :data:`kvtax.serve.config.OPTIONS`, so ``--help``, the
 environment variables and ``docs/configuration.md`` cannot disagree. Errors in configuration
 exit with status 2 and a message naming the key and the bad value.
 """
@@ -16,9 +16,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import __version__, logsafe
+from kvtax import __version__
+from kvtax.serve import logsafe
+from kvtax.serve.config import OPTIONS, Config, ConfigError, env_name, load_config, unknown_env
+
 from .checkout import harness_missing, needs_checkout
-from .config import OPTIONS, Config, ConfigError, env_name, load_config, unknown_env
 from .dashboards.cli import add_dashboards_parser, run_dashboards
 from .rules.cli import add_rules_parser, run_rules
 
@@ -151,8 +153,8 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def _run_serve(config: Config) -> int:
-    from .delivery import Delivery
-    from .sidecar import Sidecar
+    from kvtax.serve.sidecar import Sidecar
+    from kvtax.serve.wiring import Delivery
 
     sidecar = Sidecar(config)
     delivery = Delivery(config, sidecar)
@@ -201,7 +203,9 @@ command("dashboards")(run_dashboards)
 
 @command("docs")
 def _docs(args: argparse.Namespace) -> int:
-    from . import catalog, config, vocabulary
+    from kvtax.engine import vocabulary
+    from kvtax.expose import catalog
+    from kvtax.serve import config
 
     pages = {
         "metrics.md": catalog.render_markdown(),

@@ -6,7 +6,8 @@ looked up in the prefix cache and how many it found (``PrefixCacheStats.preempte
 through the ``vllm.stat_logger_plugins`` entry point and turns them into four Prometheus counters,
 labelled ``model_name``/``engine`` exactly like vLLM's own series, in prometheus-client's default
 registry, which is the registry vLLM's /metrics serves. Their names come from
-:mod:`kvtax.vocabulary`, so the sidecar that reads them and the plugin that writes them cannot
+:mod:`kvtax.engine.vocabulary`, so the sidecar that reads them and the plugin that writes them
+cannot
 disagree.
 
 Nothing here imports vLLM at import time: vLLM resolves ``kvtax.plugin:KvtaxStatLogger``, and only
@@ -33,7 +34,7 @@ from typing import Any, NamedTuple
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from .vocabulary import CONCEPTS
+from kvtax.engine.vocabulary import CONCEPTS
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -31,11 +31,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvtax.config import parse_duration
 from kvtax.dashboards.generate import dashboards
 from kvtax.dashboards.lint import panels
 from kvtax.dashboards.model import GRID_WIDTH, JSON
 from kvtax.dashboards.promql import expand
+from kvtax.serve.config import parse_duration
 
 from .promapi import PrometheusApi, QueryError, Series
 

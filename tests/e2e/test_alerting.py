@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.rules import TEST_PROFILE, per_pod
 from kvtax.rules.alertmanager import alertmanager_config
 from kvtax.rules.render import alerts_yaml, dump, recording_yaml
-from kvtax.vocabulary import CONCEPTS
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import RequestResult, drive
 from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config

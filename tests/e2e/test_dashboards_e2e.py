@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 from kvtax.cli import main
-from kvtax.config import parse_duration
 from kvtax.dashboards import dashboards
 from kvtax.dashboards.lint import queries
 from kvtax.dashboards.promql import expand
+from kvtax.serve.config import parse_duration
 from kvtax_dev import repo_root
 from kvtax_dev.promapi import PrometheusApi
 from kvtax_dev.testbed import VllmEngine

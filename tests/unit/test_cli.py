@@ -86,7 +86,7 @@ def test_unknown_flag_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_every_option_is_a_serve_flag() -> None:
-    from kvtax.config import OPTIONS
+    from kvtax.serve.config import OPTIONS
 
     parser = build_parser()
     for option in OPTIONS:

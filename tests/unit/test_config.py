@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtax.config import (
+from kvtax.serve.config import (
     OPTIONS,
     Config,
     ConfigError,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvtax.counters import CounterTracker
+from kvtax.engine.counters import CounterTracker
 
 
 def test_first_reading_is_the_starting_total_not_an_increase() -> None:

@@ -12,16 +12,16 @@ import jsonschema
 import pytest
 import yaml
 
-from kvtax.catalog import METRICS
 from kvtax.cli import main
 from kvtax.dashboards import BOARDS, artifacts, dashboards, problems
 from kvtax.dashboards.generate import CONFIGMAP_FILE
 from kvtax.dashboards.lint import panels, queries
 from kvtax.dashboards.promql import expand, kvtax, vllm
 from kvtax.dashboards.schema import SCHEMA
+from kvtax.engine.vocabulary import CONCEPTS
+from kvtax.expose.catalog import METRICS
 from kvtax.rules.promql import known_series, series_names
 from kvtax.rules.recording import record_names
-from kvtax.vocabulary import CONCEPTS
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "dashboards"

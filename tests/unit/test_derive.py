@@ -6,7 +6,9 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from kvtax.derive import (
+from kvtax.engine.normalize import normalize
+from kvtax.engine.snapshot import Histogram
+from kvtax.figures.derive import (
     EngineSettings,
     ThrashState,
     derive_engine,
@@ -15,9 +17,7 @@ from kvtax.derive import (
     tax_ratio,
     thrash_state,
 )
-from kvtax.history import EngineHistory, Point
-from kvtax.normalize import normalize
-from kvtax.snapshot import Histogram
+from kvtax.figures.history import EngineHistory, Point
 from tests.unit.conftest import read_fixture
 
 INF = float("inf")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtax.config import OPTIONS, parse_address
+from kvtax.serve.config import OPTIONS, parse_address
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

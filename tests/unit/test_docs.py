@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvtax import catalog, config, vocabulary
 from kvtax.cli import main
+from kvtax.engine import vocabulary
+from kvtax.expose import catalog
+from kvtax.serve import config
 
 ROOT = Path(__file__).resolve().parents[2]
 

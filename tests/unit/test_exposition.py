@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtax.catalog import METRICS, PROCESS_METRICS
-from kvtax.config import Config
-from kvtax.exposition import ReportCollector, build_families
-from kvtax.report import HistogramSample, Sample
-from kvtax.sidecar import Sidecar
+from kvtax.expose.catalog import METRICS, PROCESS_METRICS
+from kvtax.expose.exposition import ReportCollector, build_families
+from kvtax.expose.report import HistogramSample, Sample
+from kvtax.serve.config import Config
+from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import one, parse_exposition, read_fixture
 
 PROMTOOL = Path("/usr/bin/promtool")

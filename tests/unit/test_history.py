@@ -6,9 +6,14 @@ from collections.abc import Mapping
 
 import pytest
 
-from kvtax.history import WINDOW_HISTOGRAMS, EngineHistory, computed_prompt_raw, mean_context
-from kvtax.normalize import normalize
-from kvtax.snapshot import Histogram, ModelMetrics, VllmSnapshot
+from kvtax.engine.normalize import normalize
+from kvtax.engine.snapshot import Histogram, ModelMetrics, VllmSnapshot
+from kvtax.figures.history import (
+    WINDOW_HISTOGRAMS,
+    EngineHistory,
+    computed_prompt_raw,
+    mean_context,
+)
 from tests.unit.conftest import read_fixture
 
 V0_MODEL = "mistralai/Mistral-7B-Instruct-v0.3"

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from kvtax.cli import build_parser, config_from_args
-from kvtax.config import OPTIONS, parse_duration
+from kvtax.serve.config import OPTIONS, parse_duration
 from tests.unit.test_dockerfile import DOCKERFILE, stages
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvtax.intake import PushError, gateway_totals, parse_push
-from kvtax.join import JoinHistory, join_samples
-from kvtax.ledger import DeliveryCounts, DeliveryLedger, LedgerTotals, ModelNames, RequestRecord
-from kvtax.report import HistogramSample, Sample
-from kvtax.timing import SloTargets, StreamTiming, meets_slo_unstreamed
+from kvtax.delivery.intake import PushError, gateway_totals, parse_push
+from kvtax.delivery.ledger import (
+    DeliveryCounts,
+    DeliveryLedger,
+    LedgerTotals,
+    ModelNames,
+    RequestRecord,
+)
+from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
+from kvtax.expose.report import HistogramSample, Sample
+from kvtax.figures.join import JoinHistory, join_samples
 
 
 def _ledger() -> DeliveryLedger:

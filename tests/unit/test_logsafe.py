@@ -16,10 +16,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvtax import cli, logsafe
-from kvtax.config import Config, load_config
-from kvtax.delivery import Delivery
-from kvtax.sidecar import Sidecar
+from kvtax import cli
+from kvtax.serve import logsafe
+from kvtax.serve.config import Config, load_config
+from kvtax.serve.sidecar import Sidecar
+from kvtax.serve.wiring import Delivery
 
 SECRET = b"SECRET-c0ffee-4711"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import random
 
-from kvtax.history import EngineHistory, candidates
-from kvtax.join import JoinHistory
-from kvtax.ledger import LedgerTotals
-from kvtax.snapshot import ModelMetrics, VllmSnapshot
+from kvtax.delivery.ledger import LedgerTotals
+from kvtax.engine.snapshot import ModelMetrics, VllmSnapshot
+from kvtax.figures.history import EngineHistory, candidates
+from kvtax.figures.join import JoinHistory
 
 WINDOW = 60.0
 

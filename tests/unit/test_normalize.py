@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from kvtax.normalize import ParseError, normalize, prefix_cache_counts_blocks
-from kvtax.snapshot import ModelMetrics
+from kvtax.engine.normalize import ParseError, normalize, prefix_cache_counts_blocks
+from kvtax.engine.snapshot import ModelMetrics
 from tests.unit.conftest import read_fixture
 
 V0_MODEL = "mistralai/Mistral-7B-Instruct-v0.3"

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtax.normalize import ParseError, normalize
-from kvtax.parsepool import ParsePool
+from kvtax.engine.normalize import ParseError, normalize
+from kvtax.serve.parsepool import ParsePool
 from tests.unit.conftest import read_fixture
 
 

@@ -20,12 +20,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtax import plugin
-from kvtax.derive import EngineSettings, derive_engine, tax_ratio
-from kvtax.history import EngineHistory
-from kvtax.normalize import normalize
-from kvtax.publish import engine_samples
-from kvtax.report import Sample
-from kvtax.vocabulary import CONCEPTS
+from kvtax.engine.normalize import normalize
+from kvtax.engine.vocabulary import CONCEPTS
+from kvtax.expose.publish import engine_samples
+from kvtax.expose.report import Sample
+from kvtax.figures.derive import EngineSettings, derive_engine, tax_ratio
+from kvtax.figures.history import EngineHistory
 from kvtax_dev.testbed.sidecar import parse_metrics
 
 MODEL = "tiny-llama"
@@ -89,7 +89,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_importing_kvtax_does_not_import_the_plugin_or_vllm() -> None:
     proc = run_python(
-        "import sys, kvtax, kvtax.cli, kvtax.sidecar\n"
+        "import sys, kvtax, kvtax.cli, kvtax.serve.sidecar\n"
         "print(sorted(m for m in sys.modules if m == 'kvtax.plugin' or m.split('.')[0] == 'vllm'))"
     )
     assert proc.returncode == 0, proc.stderr

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvtax.ledger import DeliveryLedger, ModelNames
-from kvtax.proxy import Proxy, ProxySettings
+from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.testbed.engine import free_port
 from tests.unit.fake_vllm import FakeVllm
 

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvtax.ledger import DeliveryLedger, ModelNames
-from kvtax.proxy import Proxy, ProxySettings
+from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.testbed.engine import free_port
 
 Script = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]

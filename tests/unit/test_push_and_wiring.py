@@ -13,12 +13,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.exposition import generate_latest
 
-from kvtax.config import load_config
-from kvtax.delivery import Delivery, served_requests
-from kvtax.intake import MAX_COUNT, PushError, parse_push
-from kvtax.ledger import RequestRecord
-from kvtax.sidecar import Sidecar
-from kvtax.sources import MAX_GATEWAY_PAGE, PUSH_PATH, GatewayPoller, push_handler
+from kvtax.delivery.intake import MAX_COUNT, PushError, parse_push
+from kvtax.delivery.ledger import RequestRecord
+from kvtax.serve.config import load_config
+from kvtax.serve.sidecar import Sidecar
+from kvtax.serve.sources import MAX_GATEWAY_PAGE, PUSH_PATH, GatewayPoller, push_handler
+from kvtax.serve.wiring import Delivery, served_requests
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
@@ -201,7 +201,7 @@ async def _poll_once(
         timeout=5.0,
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="kvtax.sources"):
+        with caplog.at_level(logging.WARNING, logger="kvtax.serve.sources"):
             await poller.poll_once()
     finally:
         await poller.stop()

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from kvtax.config import load_config
-from kvtax.delivery import Delivery
-from kvtax.sidecar import Sidecar
-from kvtax.sources import MAX_PUSH_BODY, PUSH_PATH
+from kvtax.serve.config import load_config
+from kvtax.serve.sidecar import Sidecar
+from kvtax.serve.sources import MAX_PUSH_BODY, PUSH_PATH
+from kvtax.serve.wiring import Delivery
 
 TOKEN = "s3cret-token"
 PIECES = 4

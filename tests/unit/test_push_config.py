@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtax import cli
-from kvtax.config import Config, ConfigError, load_config, unknown_env
+from kvtax.serve.config import Config, ConfigError, load_config, unknown_env
 
 SECRET = "s3cret-Token_42"
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtax import catalog
-from kvtax.catalog import MetricSpec
 from kvtax.cli import main
+from kvtax.expose import catalog
+from kvtax.expose.catalog import MetricSpec
 from kvtax.rules import DEFAULT, TEST_PROFILE, record_names, recording_rules, short_profile
 from kvtax.rules.alertmanager import alertmanager_config
 from kvtax.rules.alerts import alert_names, alert_rules

@@ -16,11 +16,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client.exposition import generate_latest
 
-from kvtax import normalize as normalize_module
-from kvtax import sidecar as sidecar_module
-from kvtax.config import load_config
-from kvtax.parsepool import ParsePool
-from kvtax.sidecar import Sidecar
+from kvtax.engine import normalize as normalize_module
+from kvtax.serve import sidecar as sidecar_module
+from kvtax.serve.config import load_config
+from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import FakeClock, Labels, one, parse_exposition
 
 ServerFactory = Callable[..., Awaitable[TestServer]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvtax.selfwatch import KEEP, LoopWatch
+from kvtax.serve.selfwatch import KEEP, LoopWatch
 
 
 def test_the_lag_is_the_worst_of_the_recent_wake_ups() -> None:

@@ -17,9 +17,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.exposition import generate_latest
 
-from kvtax.config import load_config
-from kvtax.parsepool import ParsePool
-from kvtax.sidecar import Sidecar
+from kvtax.serve.config import load_config
+from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import FakeClock, Labels, one, parse_exposition, read_fixture
 
 ServerFactory = Callable[..., Awaitable[TestServer]]

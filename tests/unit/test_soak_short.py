@@ -21,7 +21,7 @@ from bench.soak_compare import (
     parse_ledger,
 )
 
-from kvtax.ledger import OUTCOMES
+from kvtax.delivery.ledger import OUTCOMES
 
 OUTS = ("completed", "client_disconnected", "upstream_error")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvtax.sse import HoldBudget, StreamRewriter, UsageWish, with_usage
+from kvtax.delivery.sse import HoldBudget, StreamRewriter, UsageWish, with_usage
 
 FP = '"system_fingerprint":"vllm-0.32.0-abc"'
 

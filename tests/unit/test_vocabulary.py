@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import kvtax
-from kvtax.vocabulary import BY_SERIES, CONCEPTS, Aggregate, Kind, concept_for
+from kvtax.engine.vocabulary import BY_SERIES, CONCEPTS, Aggregate, Kind, concept_for
 
 PACKAGE = Path(kvtax.__file__).resolve().parent
 

@@ -28,17 +28,17 @@ RUNTIME_MODULES = (
     "kvtax",
     "kvtax.cli",
     "kvtax.checkout",
-    "kvtax.config",
-    "kvtax.scraper",
-    "kvtax.normalize",
-    "kvtax.history",
-    "kvtax.derive",
-    "kvtax.ledger",
-    "kvtax.proxy",
-    "kvtax.join",
-    "kvtax.exposition",
-    "kvtax.sidecar",
-    "kvtax.parseworker",
+    "kvtax.serve.config",
+    "kvtax.serve.scraper",
+    "kvtax.engine.normalize",
+    "kvtax.figures.history",
+    "kvtax.figures.derive",
+    "kvtax.delivery.ledger",
+    "kvtax.serve.proxy",
+    "kvtax.figures.join",
+    "kvtax.expose.exposition",
+    "kvtax.serve.sidecar",
+    "kvtax.serve.parseworker",
     "kvtax.plugin",
     "kvtax.rules.render",
     "kvtax.dashboards.generate",
@@ -134,9 +134,9 @@ def test_the_harness_check_names_every_kind_of_harness_module() -> None:
         "kvtax.dashboards.promapi",
         "kvtax_dev.preview",
     ]
-    assert harness_modules([*shipped_before, "kvtax.proxy", "kvtax.dashboards.generate"]) == sorted(
-        shipped_before
-    )
+    assert harness_modules(
+        [*shipped_before, "kvtax.serve.proxy", "kvtax.dashboards.generate"]
+    ) == sorted(shipped_before)
 
 
 def test_the_harness_is_in_the_checkout_beside_the_runtime() -> None:

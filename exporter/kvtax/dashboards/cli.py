@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkout import harness_missing, needs_checkout
+from kvtax.checkout import harness_missing, needs_checkout
+
 from .generate import artifacts
 
 __all__ = ["add_dashboards_parser", "run_dashboards", "stale_files"]

@@ -1,14 +1,15 @@
 """What the three dashboards share: label sets, units, thresholds and common selectors.
 
 Thresholds come from the rules' config object, so a dashboard line and the alert it mirrors
-cannot disagree; the thrash-state colours come from :class:`kvtax.derive.ThrashState`. Pure:
+cannot disagree; the thrash-state colours come from :class:`kvtax.figures.derive.ThrashState`. Pure:
 no I/O.
 """
 
 from __future__ import annotations
 
-from ..derive import ThrashState
-from ..rules.config import DEFAULT as RULES
+from kvtax.figures.derive import ThrashState
+from kvtax.rules.config import DEFAULT as RULES
+
 from .model import Threshold, ValueText
 from .promql import by, kvtax, rate
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 
-from ..rules.config import DEFAULT as RULES
-from ..rules.config import RulesConfig
+from kvtax.rules.config import DEFAULT as RULES
+from kvtax.rules.config import RulesConfig
+
 from .boards import BOARDS
 from .model import JSON, Board, render, uid_for
 

@@ -21,9 +21,10 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ..rules.alerts import alert_names
-from ..rules.config import DEFAULT as RULES
-from ..rules.promql import known_series, series_names
+from kvtax.rules.alerts import alert_names
+from kvtax.rules.config import DEFAULT as RULES
+from kvtax.rules.promql import known_series, series_names
+
 from .model import DATASOURCE, GRID_WIDTH, JSON, TAG
 from .promql import RATE_INTERVAL
 

@@ -8,7 +8,8 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from ..rules.config import DEFAULT as RULES
+from kvtax.rules.config import DEFAULT as RULES
+
 from .common import (
     KV_THRESHOLDS,
     MODEL,

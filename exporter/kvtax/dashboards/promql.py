@@ -1,7 +1,8 @@
 """PromQL building blocks for the dashboards, spelled only from kvtax's tables of names.
 
-Every series a panel queries comes from one of three places: :data:`kvtax.catalog.METRICS`
-(kvtax's own metrics), :data:`kvtax.vocabulary.CONCEPTS` (vLLM's names, every version at once)
+Every series a panel queries comes from one of three places: :data:`kvtax.expose.catalog.METRICS`
+(kvtax's own metrics), :data:`kvtax.engine.vocabulary.CONCEPTS` (vLLM's names, every version at
+once)
 or the recording rules. The helpers here refuse a name outside those tables at generation
 time; :func:`kvtax.rules.promql.series_names` reads them back out of the finished JSON so a
 test can prove the committed dashboards agree. Pure string work; no I/O.
@@ -18,10 +19,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from ..catalog import METRICS
-from ..rules.config import DEFAULT as RULES
-from ..rules.recording import fleet, per_pod, record_names
-from ..vocabulary import CONCEPTS, Kind
+from kvtax.engine.vocabulary import CONCEPTS, Kind
+from kvtax.expose.catalog import METRICS
+from kvtax.rules.config import DEFAULT as RULES
+from kvtax.rules.recording import fleet, per_pod, record_names
 
 __all__ = [
     "RATE_INTERVAL",

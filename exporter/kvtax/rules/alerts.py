@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..vocabulary import CONCEPTS
+from kvtax.engine.vocabulary import CONCEPTS
+
 from .config import DEFAULT, POD, RulesConfig
 from .recording import per_pod
 

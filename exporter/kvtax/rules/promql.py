@@ -19,7 +19,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from .. import catalog, vocabulary
+from kvtax.engine import vocabulary
+from kvtax.expose import catalog
+
 from .config import DEFAULT, RulesConfig
 from .recording import record_names
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..vocabulary import CONCEPTS
+from kvtax.engine.vocabulary import CONCEPTS
+
 from .config import DEFAULT, FLEET, POD, RulesConfig
 
 __all__ = [

@@ -22,7 +22,7 @@ import bisect
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from .report import HistogramSample, Sample
+from kvtax.expose.report import HistogramSample, Sample
 
 __all__ = [
     "OTHER",

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from .history import Point
-from .snapshot import Histogram
+from kvtax.engine.snapshot import Histogram
+from kvtax.figures.history import Point
 
 __all__ = [
     "EngineFigures",

@@ -1,6 +1,7 @@
-"""Engine figures and sidecar health as :class:`~kvtax.report.Sample` values.
+"""Engine figures and sidecar health as :class:`~kvtax.expose.report.Sample` values.
 
-Pure: it maps :class:`~kvtax.derive.EngineFigures` onto catalog names. A figure that is ``None``
+Pure: it maps :class:`~kvtax.figures.derive.EngineFigures` onto catalog names. A figure that is
+``None``
 produces no sample, so a concept a vLLM version lacks is absent from kvtax's output, not zero.
 """
 
@@ -8,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from .derive import EngineFigures
-from .report import Sample
+from kvtax.expose.report import Sample
+from kvtax.figures.derive import EngineFigures
 
 __all__ = ["engine_samples"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from .usage import usage_tokens
+from kvtax.delivery.usage import usage_tokens
 
 __all__ = ["HoldBudget", "Relayed", "StreamRewriter", "UsageWish", "with_usage"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .ledger import OUTCOMES, DeliveryCounts
+from kvtax.delivery.ledger import OUTCOMES, DeliveryCounts
 
 __all__ = ["MAX_COUNT", "PushError", "gateway_totals", "parse_push"]
 

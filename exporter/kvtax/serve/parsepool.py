@@ -1,13 +1,14 @@
 """Parse vLLM's page in a worker process, so the event loop the proxy shares never waits on it.
 
-Why a process and not a thread: :func:`~kvtax.normalize.normalize` is pure Python (about 50 us a
+Why a process and not a thread: :func:`~kvtax.engine.normalize.normalize` is pure Python (about 50
+us a
 series on a 2-core machine), and a thread that holds the GIL delays each socket call of the event
 loop by up to the interpreter's switch interval (5 ms), so work that needs several calls waits
 hundreds of milliseconds. ``bench.parselag`` measures it: 32 loopback ping-pong streams on the
 loop while a 42,000-series page (100 models, the largest the default bounds accept) is parsed.
 Round trip p99: 4 ms idle; 478 ms with the parse in a thread (100 round trips/s instead of
 2,400); 5 ms in this worker; and none at all for 2.1 s on the loop. The worker
-(:mod:`kvtax.parseworker`) is a plain child process, not a ``multiprocessing`` pool, because a
+(:mod:`kvtax.serve.parseworker`) is a plain child process, not a ``multiprocessing`` pool, because a
 spawned pool worker re-imports the CLI and brings a resource tracker: 53 MiB against 24 MiB.
 
 The pipe I/O and the pickling run in a thread (blocking reads and writes release the GIL; the
@@ -29,15 +30,15 @@ import sys
 import threading
 from collections.abc import Collection
 
-from .normalize import ParseError
-from .parseworker import receive_frame, send_frame
-from .snapshot import VllmSnapshot
+from kvtax.engine.normalize import ParseError
+from kvtax.engine.snapshot import VllmSnapshot
+from kvtax.serve.parseworker import receive_frame, send_frame
 
 __all__ = ["ParsePool"]
 
 
 class ParsePool:
-    """One lazily started worker process that runs :func:`~kvtax.normalize.normalize`."""
+    """One lazily started worker process that runs :func:`~kvtax.engine.normalize.normalize`."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
@@ -53,9 +54,9 @@ class ParsePool:
         tracked: Collection[str] = (),
         max_models: int | None = None,
     ) -> VllmSnapshot:
-        """:func:`~kvtax.normalize.normalize` in the worker. Raises :class:`ParseError`.
+        """:func:`~kvtax.engine.normalize.normalize` in the worker. Raises :class:`ParseError`.
 
-        With ``max_models``, only :func:`~kvtax.history.candidates` come back.
+        With ``max_models``, only :func:`~kvtax.figures.history.candidates` come back.
         """
         request = (text, timestamp, version, max_series, frozenset(tracked), max_models)
         return await asyncio.to_thread(self._call, request)
@@ -86,7 +87,7 @@ class ParsePool:
             self._stop()  # it died between pages: close its pipes, start another
         if self._proc is None:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtax.parseworker"],
+                [sys.executable, "-m", "kvtax.serve.parseworker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
             )

@@ -6,7 +6,7 @@ serves ``/metrics``, ``/healthz`` and ``/readyz``. A vLLM that is down, slow or 
 as ``kvtax_vllm_up 0`` and a scrape error by reason; it never stops the sidecar. Other parts (the
 proxy's ledger, the join) add samples through :meth:`Sidecar.add_producer`.
 
-The page is parsed in a worker process (:class:`~kvtax.parsepool.ParsePool`), so a big page
+The page is parsed in a worker process (:class:`~kvtax.serve.parsepool.ParsePool`), so a big page
 never holds up the event loop that also relays the proxy's streams.
 
 Example::
@@ -31,22 +31,22 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from . import __version__
-from .config import Config
-from .derive import EngineFigures, EngineSettings, derive_engine
-from .exposition import ReportCollector
-from .history import EngineHistory
-from .normalize import REJECT_REASONS, ParseError, normalize
-from .parsepool import ParsePool
-from .publish import engine_samples
-from .report import HistogramSample, Sample
-from .scraper import REASONS, ScrapeError, Scraper
-from .selfwatch import LoopWatch
-from .snapshot import VllmSnapshot
+from kvtax import __version__
+from kvtax.engine.normalize import REJECT_REASONS, ParseError, normalize
+from kvtax.engine.snapshot import VllmSnapshot
+from kvtax.expose.exposition import ReportCollector
+from kvtax.expose.publish import engine_samples
+from kvtax.expose.report import HistogramSample, Sample
+from kvtax.figures.derive import EngineFigures, EngineSettings, derive_engine
+from kvtax.figures.history import EngineHistory
+from kvtax.serve.config import Config
+from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.scraper import REASONS, ScrapeError, Scraper
+from kvtax.serve.selfwatch import LoopWatch
 
 __all__ = ["ScrapeHealth", "Sidecar"]
 
-log = logging.getLogger("kvtax.sidecar")
+log = logging.getLogger("kvtax.serve.sidecar")
 
 Producer = Callable[[], Iterable[Sample | HistogramSample]]
 Observer = Callable[[VllmSnapshot], None]

@@ -2,7 +2,8 @@
 
 :class:`ReportCollector` is a prometheus-client custom collector: on each scrape it asks a
 callable for fresh samples and builds families from the catalog, so the exposed names, types and
-help text can only come from :mod:`kvtax.catalog`. Families with no samples are still described
+help text can only come from :mod:`kvtax.expose.catalog`. Families with no samples are still
+described
 for counters with fixed label sets created up front (e.g. scrape errors by reason).
 
 Example::
@@ -24,8 +25,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .catalog import METRICS, MetricSpec
-from .report import HistogramSample, Sample
+from kvtax.expose.catalog import METRICS, MetricSpec
+from kvtax.expose.report import HistogramSample, Sample
 
 __all__ = ["ReportCollector", "build_families"]
 
@@ -49,7 +50,7 @@ def build_families(samples: Iterable[Sample | HistogramSample]) -> list[Any]:
     for s in samples:
         spec = METRICS.get(s.metric)
         if spec is None:
-            raise KeyError(f"{s.metric} is not in kvtax.catalog")
+            raise KeyError(f"{s.metric} is not in kvtax.expose.catalog")
         if len(s.labels) != len(spec.labels):
             raise ValueError(f"{s.metric} wants labels {spec.labels}, got {s.labels}")
         family = families.get(s.metric)

@@ -5,9 +5,11 @@
 Responses are relayed as their bytes arrive, never held whole: each write waits for the client's
 socket to drain, and the upstream reader pauses when its buffer is full, so a slow client slows
 vLLM's TCP stream instead of growing memory. The proxy asks vLLM for usage on every chunk and
-trims it back to what the client asked for (:mod:`kvtax.sse`); a non-streamed body's usage is
-read as it passes (:mod:`kvtax.usage`). Tokens count as delivered once the client's TCP stack
-acknowledged the bytes carrying them (:mod:`kvtax.acks`). A client that goes away cancels its
+trims it back to what the client asked for (:mod:`kvtax.delivery.sse`); a non-streamed body's usage
+is
+read as it passes (:mod:`kvtax.delivery.usage`). Tokens count as delivered once the client's TCP
+stack
+acknowledged the bytes carrying them (:mod:`kvtax.serve.acks`). A client that goes away cancels its
 handler (aiohttp's handler cancellation), which closes the upstream connection at once, so vLLM
 aborts the request and frees its KV.
 
@@ -43,12 +45,12 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .acks import AckTracker
-from .bodies import BodyTooLarge, read_bounded
-from .ledger import DeliveryLedger, RequestRecord
-from .sse import HoldBudget, StreamRewriter, UsageWish, with_usage
-from .timing import SloTargets, StreamTiming, meets_slo_unstreamed
-from .usage import UsageScanner
+from kvtax.delivery.ledger import DeliveryLedger, RequestRecord
+from kvtax.delivery.sse import HoldBudget, StreamRewriter, UsageWish, with_usage
+from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
+from kvtax.delivery.usage import UsageScanner
+from kvtax.serve.acks import AckTracker
+from kvtax.serve.bodies import BodyTooLarge, read_bounded
 
 __all__ = [
     "ACCOUNTED_PATHS",
@@ -60,7 +62,7 @@ __all__ = [
     "outcome_of",
 ]
 
-log = logging.getLogger("kvtax.proxy")
+log = logging.getLogger("kvtax.serve.proxy")
 
 ACCOUNTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # RFC 9110 7.6.1 hop-by-hop headers, plus the ones aiohttp recomputes itself.

@@ -582,7 +582,7 @@ def render_markdown() -> str:
     lines = [
         "# kvtax configuration reference",
         "",
-        "Generated from `exporter/kvtax/config.py` by `kvtax docs`; do not edit by hand.",
+        "Generated from `exporter/kvtax/serve/config.py` by `kvtax docs`; do not edit by hand.",
         "",
         "Precedence: command-line flag, then environment variable, then the YAML file given by",
         "`--config.file` (nested keys: `scrape: {interval: 5s}`), then the default.",

@@ -1,7 +1,8 @@
 """Parse vLLM's Prometheus text and fold every version's names into one vocabulary.
 
 The parser is prometheus-client's own; this module only walks its samples once, keeps those of a
-known concept, combines engines per the concept's :class:`~kvtax.vocabulary.Aggregate`, and picks
+known concept, combines engines per the concept's :class:`~kvtax.engine.vocabulary.Aggregate`, and
+picks
 the newest name when a scrape carries two (0.10 exposes both KV-usage names). Series without a
 ``model_name`` that merely reuse the ``vllm:`` prefix (routers re-exporting them) are ignored.
 
@@ -24,8 +25,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .snapshot import Histogram, ModelMetrics, VllmSnapshot
-from .vocabulary import CONCEPTS, FINGERPRINTS, Aggregate, Concept, Kind, concept_for
+from kvtax.engine.snapshot import Histogram, ModelMetrics, VllmSnapshot
+from kvtax.engine.vocabulary import CONCEPTS, FINGERPRINTS, Aggregate, Concept, Kind, concept_for
 
 __all__ = ["REJECT_REASONS", "ParseError", "normalize", "prefix_cache_counts_blocks"]
 

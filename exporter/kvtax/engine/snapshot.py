@@ -1,7 +1,7 @@
 """Value types for one normalized scrape of vLLM: what every later stage reads.
 
 A :class:`VllmSnapshot` holds, per ``model_name``, the canonical concepts of
-:mod:`kvtax.vocabulary` with engines already combined. It is immutable and carries no I/O, so
+:mod:`kvtax.engine.vocabulary` with engines already combined. It is immutable and carries no I/O, so
 the join and derive code can be tested on captured text alone.
 
 Example::
@@ -86,7 +86,7 @@ class VllmSnapshot:
     ``names`` records which exposed name fed each concept, for the docs and for debugging.
     ``rejected`` counts samples left out by reason (``non_finite``, ``negative``).
     ``models_on_page`` is set when models that could not be tracked were already left out
-    (see :func:`kvtax.history.candidates`): how many the page had.
+    (see :func:`kvtax.figures.history.candidates`): how many the page had.
     """
 
     timestamp: float

@@ -22,10 +22,10 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from .counters import CounterTracker
-from .derive import tax_ratio
-from .ledger import OTHER, LedgerTotals
-from .report import Sample
+from kvtax.delivery.ledger import OTHER, LedgerTotals
+from kvtax.engine.counters import CounterTracker
+from kvtax.expose.report import Sample
+from kvtax.figures.derive import tax_ratio
 
 __all__ = ["SERVED_HANDLERS", "JoinFigures", "JoinHistory", "JoinPoint", "join_samples"]
 

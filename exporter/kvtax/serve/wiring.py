@@ -1,6 +1,6 @@
 """Wires delivered-token accounting into the sidecar: ledger, proxy, push, gateway and the join.
 
-:class:`Delivery` attaches to a :class:`~kvtax.sidecar.Sidecar` before it starts. At every
+:class:`Delivery` attaches to a :class:`~kvtax.serve.sidecar.Sidecar` before it starts. At every
 scrape of vLLM it learns the served model names (the only label values the ledger accepts) and
 folds one aligned point into the join; on every scrape of kvtax it publishes the ledger's counters
 and the join's window figures. It starts the proxy when ``--proxy.listen_address`` is set and the
@@ -20,18 +20,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from .config import Config
-from .join import SERVED_HANDLERS, JoinFigures, JoinHistory, join_samples
-from .ledger import DeliveryLedger, ModelNames
-from .proxy import Proxy, ProxySettings
-from .report import HistogramSample, Sample
-from .sidecar import Sidecar
-from .snapshot import VllmSnapshot
-from .sources import PUSH_PATH, GatewayPoller, push_handler
+from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.engine.snapshot import VllmSnapshot
+from kvtax.expose.report import HistogramSample, Sample
+from kvtax.figures.join import SERVED_HANDLERS, JoinFigures, JoinHistory, join_samples
+from kvtax.serve.config import Config
+from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax.serve.sidecar import Sidecar
+from kvtax.serve.sources import PUSH_PATH, GatewayPoller, push_handler
 
 __all__ = ["Delivery", "served_requests"]
 
-log = logging.getLogger("kvtax.delivery")
+log = logging.getLogger("kvtax.serve.wiring")
 
 
 def served_requests(snap: VllmSnapshot) -> float:

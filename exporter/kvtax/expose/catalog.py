@@ -436,7 +436,7 @@ def render_markdown() -> str:
     lines = [
         "# kvtax metrics reference",
         "",
-        "Generated from `exporter/kvtax/catalog.py` by `kvtax docs`; do not edit by hand.",
+        "Generated from `exporter/kvtax/expose/catalog.py` by `kvtax docs`; do not edit by hand.",
         "",
         "| name | type | labels | meaning |",
         "|---|---|---|---|",

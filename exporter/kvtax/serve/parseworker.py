@@ -1,6 +1,7 @@
 """The parse worker process: reads pages on stdin, answers snapshots on stdout.
 
-Started by :class:`~kvtax.parsepool.ParsePool` as ``python -m kvtax.parseworker``. It imports only
+Started by :class:`~kvtax.serve.parsepool.ParsePool` as ``python -m kvtax.serve.parseworker``. It
+imports only
 the pure parsing modules (about 24 MiB RSS, where a ``multiprocessing`` spawn worker re-imports
 the whole CLI and adds a resource-tracker process: 53 MiB in all). Frames are an 8-byte
 big-endian length and a pickle; both ends are this package, so pickle is trusted here. The worker
@@ -17,8 +18,8 @@ import signal
 import sys
 from typing import IO
 
-from .history import candidates
-from .normalize import ParseError, normalize
+from kvtax.engine.normalize import ParseError, normalize
+from kvtax.figures.history import candidates
 
 __all__ = ["main", "receive_frame", "send_frame"]
 

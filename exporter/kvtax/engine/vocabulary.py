@@ -307,7 +307,8 @@ def render_markdown() -> str:
     lines = [
         "# vLLM compatibility",
         "",
-        "Generated from `exporter/kvtax/vocabulary.py` by `kvtax docs`; do not edit by hand.",
+        "Generated from `exporter/kvtax/engine/vocabulary.py` by `kvtax docs`; "
+        "do not edit by hand.",
         "",
         "## Versions tested",
         "",

@@ -1,8 +1,10 @@
 """Per-model history of scrapes: reset-corrected counters and a sliding window of points.
 
 :class:`EngineHistory` is the only stateful piece between the scraper and the derived numbers.
-Each :meth:`EngineHistory.observe` folds one :class:`~kvtax.snapshot.VllmSnapshot` into monotonic
-totals (see :mod:`kvtax.counters`) and appends a :class:`Point`; :mod:`kvtax.derive` then reads
+Each :meth:`EngineHistory.observe` folds one :class:`~kvtax.engine.snapshot.VllmSnapshot` into
+monotonic
+totals (see :mod:`kvtax.engine.counters`) and appends a :class:`Point`; :mod:`kvtax.figures.derive`
+then reads
 the points as plain values. It does no I/O.
 
 The ``model_name`` values come from vLLM's page, so they are bounded here: at most
@@ -25,8 +27,8 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
-from .counters import CounterTracker
-from .snapshot import Histogram, ModelMetrics, VllmSnapshot
+from kvtax.engine.counters import CounterTracker
+from kvtax.engine.snapshot import Histogram, ModelMetrics, VllmSnapshot
 
 __all__ = [
     "DEFAULT_MAX_MODELS",

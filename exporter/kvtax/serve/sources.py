@@ -6,7 +6,8 @@ explicitly; it answers every problem with a 4xx and an OpenAI-style JSON message
 :class:`GatewayPoller` reads a gateway's Prometheus counter on the scrape interval and turns its
 reset-corrected increases into ledger increments (source ``gateway``). It does not follow
 redirects: a redirect is an error, so a foreign page is never taken for the gateway's. Parsing
-and validation live in :mod:`kvtax.intake`. The token is compared in constant time and never
+and validation live in :mod:`kvtax.delivery.intake`. The token is compared in constant time and
+never
 logged.
 
 Example::
@@ -25,11 +26,11 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from .bodies import BodyTooLarge, read_bounded
-from .counters import CounterTracker
-from .intake import PushError, gateway_totals, parse_push
-from .ledger import DeliveryCounts, DeliveryLedger
-from .logsafe import redact_url
+from kvtax.delivery.intake import PushError, gateway_totals, parse_push
+from kvtax.delivery.ledger import DeliveryCounts, DeliveryLedger
+from kvtax.engine.counters import CounterTracker
+from kvtax.serve.bodies import BodyTooLarge, read_bounded
+from kvtax.serve.logsafe import redact_url
 
 __all__ = [
     "MAX_GATEWAY_PAGE",
@@ -41,7 +42,7 @@ __all__ = [
     "push_handler",
 ]
 
-log = logging.getLogger("kvtax.sources")
+log = logging.getLogger("kvtax.serve.sources")
 
 PUSH_PATH = "/api/v1/delivered"
 MAX_PUSH_BODY = 1024 * 1024
