@@ -191,7 +191,7 @@ def _stream_record(spec: Spec, status: int, seen: SeenStream, hung_up: bool) -> 
 
 def _whole_record(spec: Spec, status: int, data: bytes) -> tuple[ClientRecord, str]:
     """The record of a non-streamed answer, and the error message it carried, if any."""
-    outcome = "completed" if status < 400 else "rejected" if status < 500 else "upstream_error"
+    outcome = "completed" if status < 400 else "upstream_4xx" if status < 500 else "upstream_error"
     try:
         answer = json.loads(data)
     except ValueError:

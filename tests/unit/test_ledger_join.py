@@ -53,7 +53,7 @@ def test_settle_counts_outcomes_tokens_slo_and_stalls() -> None:
     ledger.settle(
         RequestRecord("m", "client_disconnected", delivered_tokens=3, undelivered_tokens=2)
     )
-    ledger.settle(RequestRecord("m", "rejected", forwarded=False))
+    ledger.settle(RequestRecord("m", "too_large", forwarded=False))
     t = ledger.totals()["m"]
     assert (t.delivered, t.prompt, t.undelivered) == (13, 4, 2)
     assert (t.joined_requests, t.slo_met_requests, t.slo_met_tokens) == (2, 1, 10)

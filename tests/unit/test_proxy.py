@@ -246,7 +246,7 @@ async def test_oversized_body_is_rejected_with_413(
     assert vllm.requests == []
     if path == "/v1/completions":
         # The body was never read, so its model is unknown.
-        assert _outcomes(proxy, "other")["rejected"] == 1
+        assert _outcomes(proxy, "other")["too_large"] == 1
 
 
 async def test_unknown_model_is_counted_as_other(

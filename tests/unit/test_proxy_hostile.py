@@ -140,7 +140,7 @@ async def test_a_body_in_several_writes_reaches_the_client_whole(
         got = await resp.read()
         assert resp.status == status
     assert got == body
-    expected = {200: "completed", 400: "rejected", 500: "upstream_error"}[status]
+    expected = {200: "completed", 400: "upstream_4xx", 500: "upstream_error"}[status]
     assert await _settled(relay, 1) == {expected: 1}
     assert relay.ledger.totals()["m"].delivered == (17 if status == 200 else 0)
 

@@ -38,7 +38,14 @@ __all__ = [
 
 OTHER = "other"
 # "shutdown": still streaming when kvtax's shutdown grace period ran out.
-OUTCOMES = ("completed", "client_disconnected", "upstream_error", "rejected", "shutdown")
+OUTCOMES = (
+    "completed",
+    "client_disconnected",
+    "upstream_error",
+    "upstream_4xx",
+    "too_large",
+    "shutdown",
+)
 SOURCES = ("proxy", "push", "gateway")
 
 # Bucket bounds in seconds. Client-visible gaps on a GPU are tens of ms; a preemption stall is
@@ -257,7 +264,7 @@ class DeliveryLedger:
             if outcome not in OUTCOMES:
                 raise ValueError(f"unknown outcome {outcome!r}")
             book.outcomes[outcome] += n
-            if outcome != "rejected":
+            if outcome != "too_large":
                 book.joined_requests += n
         book.slo_met_requests += counts.slo_met_requests
         book.slo_met_tokens += counts.slo_met_tokens

@@ -276,8 +276,9 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     _S(
         "kvtax_requests_total",
         "counter",
-        "Requests through kvtax by outcome: completed, client_disconnected, upstream_error, "
-        "rejected, shutdown (cut when the shutdown grace period ran out).",
+        "Requests through kvtax by outcome: completed, client_disconnected, upstream_error "
+        "(5xx or no answer), upstream_4xx (vLLM refused it), too_large (kvtax's own 413), "
+        "shutdown (cut when the shutdown grace period ran out).",
         (M, "outcome"),
         "delivery",
     ),

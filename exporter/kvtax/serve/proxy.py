@@ -181,13 +181,13 @@ class Exchange:
 def outcome_of(ex: Exchange) -> str:
     """The one place a request's outcome is decided."""
     if ex.too_large:
-        return "rejected"
+        return "too_large"
     if ex.status is None:
         return "upstream_error"
     if ex.status >= 500:
         return "upstream_error"
     if ex.status >= 400:
-        return "rejected"
+        return "upstream_4xx"
     if ex.reached_client:
         return "completed"
     if ex.cut:
