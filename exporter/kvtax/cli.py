@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -138,8 +137,10 @@ def _serve(args: argparse.Namespace) -> int:
     if config.log_level != "debug":
         # APScheduler logs two INFO lines per job run: one scrape a second would drown the log.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    from kvtax.serve.wiring import run  # the server stack loads only for `serve`
+
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_run_serve(config))
+        return runner.run(run(config))
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -150,38 +151,6 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError:
         return None
     return uvloop.new_event_loop
-
-
-async def _run_serve(config: Config) -> int:
-    from kvtax.serve.sidecar import Sidecar
-    from kvtax.serve.wiring import Delivery
-
-    sidecar = Sidecar(config)
-    delivery = Delivery(config, sidecar)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await sidecar.start()
-        await delivery.start()
-    except OSError as exc:
-        log.error("cannot listen: %s", exc.strerror)
-        await delivery.stop()
-        await sidecar.stop()
-        return 1
-    await stop.wait()
-    log.info(
-        "shutting down: letting requests in flight finish for up to %.0fs",
-        config.shutdown_grace_period,
-    )
-    sidecar.draining = True
-    # The proxy drains first; /metrics stays up meanwhile so the last figures can be scraped.
-    await delivery.stop(config.shutdown_grace_period)
-    await sidecar.stop()
-    settled = ", ".join(f"{k} {v:.0f}" for k, v in delivery.ledger.outcomes().items())
-    log.info("stopped; requests settled by outcome: %s", settled)
-    return 0
 
 
 @command("demo")

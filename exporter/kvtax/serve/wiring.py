@@ -17,7 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 from collections.abc import Iterator
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
@@ -29,7 +31,7 @@ from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sidecar import Sidecar
 from kvtax.serve.sources import PUSH_PATH, GatewayPoller, push_handler
 
-__all__ = ["Delivery", "served_requests"]
+__all__ = ["Delivery", "run", "served_requests"]
 
 log = logging.getLogger("kvtax.serve.wiring")
 
@@ -118,3 +120,33 @@ class Delivery:
         await self.proxy.stop(grace)
         if self.gateway is not None:
             await self.gateway.stop()
+
+
+async def run(config: Config) -> int:
+    """Run the sidecar until SIGTERM or SIGINT, then drain; the exit status for the CLI."""
+    sidecar = Sidecar(config)
+    delivery = Delivery(config, sidecar)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await sidecar.start()
+        await delivery.start()
+    except OSError as exc:
+        log.error("cannot listen: %s", exc.strerror)
+        await delivery.stop()
+        await sidecar.stop()
+        return 1
+    await stop.wait()
+    log.info(
+        "shutting down: letting requests in flight finish for up to %.0fs",
+        config.shutdown_grace_period,
+    )
+    sidecar.draining = True
+    # The proxy drains first; /metrics stays up meanwhile so the last figures can be scraped.
+    await delivery.stop(config.shutdown_grace_period)
+    await sidecar.stop()
+    settled = ", ".join(f"{k} {v:.0f}" for k, v in delivery.ledger.outcomes().items())
+    log.info("stopped; requests settled by outcome: %s", settled)
+    return 0
