@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvtax import cli
-from kvtax.serve import logsafe
+from kvtax.serve import logsafe, wiring
 from kvtax.serve.config import Config, load_config
 from kvtax.serve.sidecar import Sidecar
 from kvtax.serve.wiring import Delivery
@@ -114,7 +114,7 @@ def test_serve_installs_the_filter(monkeypatch: pytest.MonkeyPatch, safe_logging
     server_logger = logging.getLogger("aiohttp.server")
     for found in list(server_logger.filters):
         server_logger.removeFilter(found)
-    monkeypatch.setattr(cli, "_run_serve", _no_serving)
+    monkeypatch.setattr(wiring, "run", _no_serving)
     assert cli.main(["serve"]) == 0
     assert any(isinstance(f, logsafe.BadRequestFilter) for f in server_logger.filters)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtax import cli
+from kvtax.serve import wiring
 from kvtax.serve.config import Config, ConfigError, load_config, unknown_env
 
 SECRET = "s3cret-Token_42"
@@ -132,7 +133,7 @@ def test_serve_warns_about_an_unknown_variable_at_start(
     for name in [n for n in os.environ if n.startswith("KVTAX_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("KVTAX_PUSH_TOKN", SECRET)
-    monkeypatch.setattr(cli, "_run_serve", _no_serving)
+    monkeypatch.setattr(wiring, "run", _no_serving)
     with caplog.at_level(logging.WARNING, logger="kvtax"):
         assert cli.main(["serve"]) == 0
     [record] = [r for r in caplog.records if "KVTAX_PUSH_TOKN" in r.getMessage()]
