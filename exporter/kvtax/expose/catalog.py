@@ -171,19 +171,6 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "Preemptions reported by vLLM (reset-corrected).",
         (M,),
     ),
-    _S(
-        "kvtax_engine_generation_tokens_per_second",
-        "gauge",
-        "Engine generation throughput over the window.",
-        (M,),
-    ),
-    _S(
-        "kvtax_engine_prompt_computed_tokens_per_second",
-        "gauge",
-        "Engine computed-prompt throughput over the window.",
-        (M,),
-    ),
-    _S("kvtax_engine_preemptions_per_second", "gauge", "Preemption rate over the window.", (M,)),
     # -- cache and queue state ---------------------------------------------------------------
     _S("kvtax_kv_cache_usage_ratio", "gauge", "KV-cache usage, 0-1 (max across engines).", (M,)),
     _S("kvtax_requests_running", "gauge", "Requests in vLLM's running batch.", (M,)),
@@ -227,28 +214,39 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     _S("kvtax_thrash_state", "gauge", "0 ok, 1 at risk, 2 thrashing (see docs/tax.md).", (M,)),
     # -- recompute and the tax ---------------------------------------------------------------
     _S(
-        "kvtax_recomputed_tokens_total",
+        "kvtax_recomputed_tokens_measured_total",
         "counter",
-        "Tokens prefilled again after preemption. method=measured (plugin or V0 counters), "
-        "estimated (preemptions x mean context) or stall_estimated (proxy stalls).",
-        (M, "method"),
+        "Tokens prefilled again after preemption, measured: kvtax's vLLM plugin, or V0's counters "
+        "(absent when neither is there).",
+        (M,),
     ),
     _S(
-        "kvtax_recomputed_tokens_per_second",
-        "gauge",
-        "Recompute rate over the window, by method.",
-        (M, "method"),
+        "kvtax_recomputed_tokens_estimated_total",
+        "counter",
+        "Tokens prefilled again after preemption, estimated: new preemptions x mean context "
+        "(mean prompt + half the mean generation); an upper bound.",
+        (M,),
+    ),
+    _S(
+        "kvtax_recomputed_tokens_stall_estimated_total",
+        "counter",
+        "Tokens prefilled again after preemption, estimated from the proxy: new preemptions x "
+        "mean context at the stream stalls it saw.",
+        (M,),
     ),
     _S(
         "kvtax_preemption_tax_ratio",
         "gauge",
-        "Share of engine token work that was recompute over the window: R / (Pc + G + R).",
+        "Share of engine token work that was recompute over the window: R / (Pc + G + R), one "
+        "series per model; method names the R used, the first available of measured, "
+        "estimated, stall_estimated (docs/tax.md).",
         (M, "method"),
     ),
     _S(
         "kvtax_waste_ratio",
         "gauge",
-        "Share of engine token work no client received over the window: (R + U) / (Pc + G + R).",
+        "Share of engine token work no client received over the window: (R + U) / (Pc + G + R), "
+        "one series per model, R as in kvtax_preemption_tax_ratio.",
         (M, "method"),
     ),
     # -- delivery ledger (proxy, push endpoint, gateway counter) -----------------------------
@@ -363,32 +361,10 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "join",
     ),
     _S(
-        "kvtax_slo_goodput_requests_per_second",
-        "gauge",
-        "Requests per second that met the SLOs (DistServe's goodput).",
-        (M,),
-        "join",
-    ),
-    _S(
-        "kvtax_undelivered_tokens_per_second",
-        "gauge",
-        "Generated tokens no client received, per second over the window: G - D when the join "
-        "covers all traffic, else the ledger's own count.",
-        (M,),
-        "join",
-    ),
-    _S(
         "kvtax_engine_api_requests_total",
         "counter",
         "Completion and chat requests vLLM's HTTP server answered, aborted ones included "
         "(reset-corrected; server-wide): join coverage's denominator.",
-        (M,),
-        "join",
-    ),
-    _S(
-        "kvtax_delivery_yield_ratio",
-        "gauge",
-        "Delivered / engine generated tokens over the window.",
         (M,),
         "join",
     ),
@@ -399,22 +375,6 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         (M,),
         "join",
     ),
-    # -- admission gate ----------------------------------------------------------------------
-    _S(
-        "kvtax_admission_limit",
-        "gauge",
-        "The admission gate's current in-flight limit.",
-        (M,),
-        "admission",
-    ),
-    _S(
-        "kvtax_admission_in_flight",
-        "gauge",
-        "Requests in flight through the gate.",
-        (M,),
-        "admission",
-    ),
-    _S("kvtax_admission_queued", "gauge", "Requests queued at the gate.", (M,), "admission"),
 )
 
 METRICS: dict[str, MetricSpec] = {m.name: m for m in METRIC_LIST}
