@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
+import inspect
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
 
+from kvtax.cli import build_parser
+from kvtax.serve import options
 from kvtax.serve.config import (
     OPTIONS,
     Config,
     ConfigError,
+    Option,
     env_name,
     load_config,
     parse_address,
@@ -188,14 +195,94 @@ def test_bad_addresses(text: str) -> None:
         parse_address(text)
 
 
-def test_config_is_frozen_and_matches_the_options() -> None:
+def test_config_is_frozen() -> None:
     cfg = Config()
     with pytest.raises(AttributeError):
         cfg.scrape_interval = 1.0  # type: ignore[misc]
-    assert {o.field for o in OPTIONS} <= set(Config.__dataclass_fields__)
 
 
 def test_every_default_is_valid() -> None:
     for option in OPTIONS:
         if option.default is not None:
             option.parse(option.default)
+
+
+# -- one table: each default is written once, and every place that shows it agrees ----------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_config_field_is_an_option_of_the_table() -> None:
+    assert [o.field for o in OPTIONS] == [f.name for f in fields(Config)]
+
+
+def test_no_config_field_writes_its_default_outside_the_table() -> None:
+    # A literal default on a field (`window: float = 300.0`) would be a second copy of the
+    # table's default: every field must be declared by option(), which holds the only one.
+    tree = ast.parse(inspect.getsource(options))
+    config_class = next(
+        node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Config"
+    )
+    declared = [node for node in config_class.body if isinstance(node, ast.AnnAssign)]
+    assert len(declared) == len(OPTIONS)
+    for node in declared:
+        call = node.value
+        assert isinstance(call, ast.Call), ast.unparse(node)
+        assert isinstance(call.func, ast.Name), ast.unparse(node)
+        assert call.func.id == "option", ast.unparse(node)
+
+
+def test_argparse_holds_no_default_of_its_own() -> None:
+    # A flag not given must fall through to the environment, the file, then Config's default.
+    args = build_parser().parse_args(["serve"])
+    assert all(getattr(args, option.key) is None for option in OPTIONS)
+
+
+def _serve_help() -> dict[str, str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    return {action.dest: action.help or "" for action in serve._actions}
+
+
+def _docs_rows() -> dict[str, str]:
+    rows = {}
+    for line in (ROOT / "docs/configuration.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`--"):
+            rows[cells[0].strip("`")] = cells[2]
+    return rows
+
+
+@pytest.mark.parametrize("setting", OPTIONS, ids=lambda o: o.key)
+def test_a_default_is_the_same_in_the_table_config_help_and_docs(setting: Option) -> None:
+    typed = None if setting.default is None else setting.parse(setting.default)
+    assert getattr(Config(), setting.field) == typed
+    assert getattr(load_config({}, env={}, file=None), setting.field) == typed
+    shown = "unset" if setting.default is None else str(setting.default)
+    assert f"default: {shown})" in _serve_help()[setting.key].replace("%%", "%")
+    assert _docs_rows()[setting.flag] == ("unset" if setting.default is None else f"`{shown}`")
+
+
+def test_a_field_declared_without_option_is_refused() -> None:
+    @dataclass(frozen=True)
+    class Loose:
+        window: float = options.option("window", 300.0, parse_duration, "Window.")
+        timeout: float = 5.0
+
+    with pytest.raises(TypeError, match=r"Loose\.timeout is not declared with option\(\)"):
+        options.options_of(Loose)
+
+
+def test_a_field_under_another_options_key_is_refused() -> None:
+    @dataclass(frozen=True)
+    class Crossed:
+        window: float = options.option("scrape.interval", 5.0, parse_duration, "Interval.")
+
+    with pytest.raises(TypeError, match=r"Crossed\.window is declared as 'scrape\.interval'"):
+        options.options_of(Crossed)
+
+
+def test_an_invalid_default_fails_when_the_table_is_defined() -> None:
+    with pytest.raises(ValueError, match="duration"):
+        options.option("window", "soon", parse_duration, "Window.")

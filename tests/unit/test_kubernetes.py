@@ -28,7 +28,6 @@ import pytest
 import yaml
 
 from kvtax.cli import build_parser, config_from_args
-from kvtax.serve.config import OPTIONS, parse_duration
 from tests.unit.test_dockerfile import DOCKERFILE, stages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,9 +206,8 @@ def test_vllm_serves_on_the_port_the_pod_declares() -> None:
 
 
 def _kvtax_grace_seconds() -> float:
-    # kvtax's --shutdown.grace-period; until that option exists, the 30 s issue 7 specifies.
-    option = next((o for o in OPTIONS if o.key.startswith("shutdown.grace")), None)
-    return 30.0 if option is None else parse_duration(option.default)
+    # What the pod's kvtax runs with: its --shutdown.grace-period, else the table's default.
+    return float(kvtax_config().shutdown_grace_period)
 
 
 def test_termination_grace_covers_kvtax_drain_and_vllm_keeps_serving_it() -> None:

@@ -1,0 +1,306 @@
+"""The options table: every kvtax setting, written once, as the fields of :class:`Config`.
+
+Each field of :class:`Config` is declared with :func:`option`, which holds the setting's dotted
+key, its default as a user would write it (``"8MiB"``, ``":9464"``), its parser, help and
+metavar. The field's default is that text parsed, so ``Config()``, the ``kvtax serve`` flags and
+their ``--help``, the ``KVTAX_*`` environment variables, the YAML keys and
+``docs/configuration.md`` all come from this one table and cannot disagree.
+
+Example::
+
+    Config().scrape_interval                           # 5.0, parsed from the table's default
+    next(o for o in OPTIONS if o.key == "window").flag  # "--window"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from dataclasses import field as dataclass_field
+from pathlib import Path
+from typing import Any
+
+from . import values as v
+
+__all__ = ["OPTIONS", "Config", "Option", "env_name", "option", "options_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting. ``key`` is dotted; the Config field is the key with dots as underscores."""
+
+    key: str
+    # As a user would write it; None means unset. Config's default is this, parsed.
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+    metavar: str = "VALUE"
+    # A secret's value never appears in an error message (or anywhere else kvtax prints).
+    secret: bool = False
+
+    @property
+    def switch(self) -> bool:
+        """A true/false setting: its flag may be given bare, meaning true."""
+        return self.metavar == "BOOL"
+
+    @property
+    def field(self) -> str:
+        return self.key.replace(".", "_")
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag: ``--web.listen-address`` for ``web.listen_address``."""
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        """The environment variable: ``KVTAX_WEB_LISTEN_ADDRESS``."""
+        return env_name(self.key)
+
+    @property
+    def default_text(self) -> str:
+        """The default as ``--help`` and the docs show it."""
+        return "unset" if self.default is None else str(self.default)
+
+    def default_value(self) -> Any:
+        """The typed default: what ``Config()`` holds when nothing sets this option."""
+        return None if self.default is None else self.parse(self.default)
+
+
+def env_name(key: str) -> str:
+    return "KVTAX_" + key.replace(".", "_").upper()
+
+
+def option(
+    key: str,
+    default: Any,
+    parse: Callable[[Any], Any],
+    help: str,
+    metavar: str = "VALUE",
+    *,
+    secret: bool = False,
+) -> Any:
+    """A :class:`Config` field for one setting; its default is ``default`` parsed.
+
+    An invalid default fails here, when the class is defined, not at a user's first start.
+    """
+    spec = Option(key, default, parse, help, metavar, secret)
+    return dataclass_field(default=spec.default_value(), repr=not secret, metadata={"option": spec})
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Validated settings. Field names are the option keys with dots as underscores."""
+
+    vllm_url: str = option(
+        "vllm.url",
+        "http://127.0.0.1:8000",
+        v.url,
+        "Base URL of the vLLM server; kvtax scrapes <url>/metrics.",
+        "URL",
+    )
+    scrape_interval: float = option(
+        "scrape.interval", 5.0, v.positive_duration, "How often to scrape vLLM.", "DURATION"
+    )
+    scrape_timeout: float | None = option(
+        "scrape.timeout",
+        None,
+        v.optional_duration,
+        "Scrape timeout; defaults to 80% of the interval and must be below it.",
+        "DURATION",
+    )
+    scrape_max_bytes: int = option(
+        "scrape.max_bytes",
+        "8MiB",
+        v.size,
+        "Largest /metrics page read from vLLM; reading stops and the scrape fails (too_large) "
+        "once a page passes it. One model's page is about 50KiB.",
+        "BYTES",
+    )
+    scrape_max_series: int = option(
+        "scrape.max_series",
+        50_000,
+        v.positive(int),
+        "Most series a vLLM page may carry; a page with more fails (too_many_series) before "
+        "it is parsed. One model's page has about 450.",
+        "N",
+    )
+    scrape_max_models: int = option(
+        "scrape.max_models",
+        32,
+        v.positive(int),
+        "Most model_name values kvtax tracks from vLLM's page; more are left out and counted "
+        "in kvtax_scrape_dropped_models_total.",
+        "N",
+    )
+    web_listen_address: tuple[str, int] = option(
+        "web.listen_address",
+        ":9464",
+        v.parse_address,
+        "Where kvtax serves /metrics, /healthz and /readyz.",
+        "HOST:PORT",
+    )
+    window: float = option(
+        "window", 300.0, v.positive_duration, "Window of the rate and ratio gauges.", "DURATION"
+    )
+    target_usage: float = option(
+        "target_usage",
+        0.9,
+        v.fraction,
+        "KV usage the recommended max_num_seqs aims for, 0-1.",
+        "RATIO",
+    )
+    max_num_seqs: int | None = option(
+        "max_num_seqs",
+        None,
+        v.optional_positive_int,
+        "The --max-num-seqs vLLM runs with, to publish the over-admission ratio.",
+        "N",
+    )
+    proxy_listen_address: tuple[str, int] | None = option(
+        "proxy.listen_address",
+        ":8001",
+        v.optional_address,
+        "Where the OpenAI-compatible proxy in front of vLLM listens; off turns it off.",
+        "HOST:PORT",
+    )
+    proxy_max_body: int = option(
+        "proxy.max_body",
+        "4MiB",
+        v.size,
+        "Largest request body the proxy accepts, with or without Content-Length; larger ones "
+        "get 413. Completion bodies are held whole (to read the model and ask for usage), so "
+        "this bounds memory per request: a 128k-token prompt is about 0.5 MiB.",
+        "BYTES",
+    )
+    proxy_timeout: float = option(
+        "proxy.timeout",
+        300.0,
+        v.positive_duration,
+        "Longest wait for vLLM's response headers, or for the next chunk of a response.",
+        "DURATION",
+    )
+    proxy_stall_factor: float = option(
+        "proxy.stall_factor",
+        5.0,
+        v.positive(float),
+        "A gap between stream chunks this many times the stream's median gap is a stall.",
+        "RATIO",
+    )
+    proxy_stall_min: float = option(
+        "proxy.stall_min",
+        0.05,
+        v.positive_duration,
+        "No gap shorter than this counts as a stall, however small the median.",
+        "DURATION",
+    )
+    push_token: str | None = option(
+        "push.token",
+        None,
+        v.token,
+        "Bearer token the delivered-tokens push endpoint requires. Without a token (here or "
+        "in --push.token-file) push is refused, unless --push.allow-unauthenticated is given.",
+        "TOKEN",
+        secret=True,
+    )
+    # option() returns a dataclasses.Field, which ruff cannot see; Path | None is immutable.
+    push_token_file: Path | None = option(  # noqa: RUF009
+        "push.token_file",
+        None,
+        v.optional_path,
+        "File holding the push token, e.g. a mounted Kubernetes Secret; read once at start, "
+        "surrounding whitespace ignored. Use instead of --push.token, which shows in ps.",
+        "PATH",
+    )
+    push_allow_unauthenticated: bool = option(
+        "push.allow_unauthenticated",
+        "false",
+        v.boolean,
+        "Accept pushes without a token from anyone who can reach the web port; "
+        "ignored when a token is set.",
+        "BOOL",
+    )
+    gateway_url: str | None = option(
+        "gateway.url",
+        None,
+        v.optional_url,
+        "A gateway's Prometheus endpoint to read delivered tokens from (e.g. LiteLLM's).",
+        "URL",
+    )
+    gateway_metric: str = option(
+        "gateway.metric",
+        "litellm_output_tokens_metric_total",
+        v.text,
+        "The gateway's delivered-tokens counter (a histogram's _sum is used for histograms).",
+        "NAME",
+    )
+    gateway_model_label: str = option(
+        "gateway.model_label",
+        "model",
+        v.text,
+        "The gateway metric's label that holds the model name.",
+        "LABEL",
+    )
+    gateway_selector: tuple[tuple[str, str], ...] = option(
+        "gateway.selector",
+        "",
+        v.selector,
+        "Extra label matches for the gateway metric, e.g. gen_ai_token_type=output.",
+        "LABEL=VALUE,...",
+    )
+    slo_ttft: float = option(
+        "slo.ttft",
+        2.0,
+        v.positive_duration,
+        "Time-to-first-token SLO for SLO goodput.",
+        "DURATION",
+    )
+    slo_itl: float = option(
+        "slo.itl",
+        0.2,
+        v.positive_duration,
+        "Inter-token latency SLO (every gap) for SLO goodput.",
+        "DURATION",
+    )
+    shutdown_grace_period: float = option(
+        "shutdown.grace_period",
+        30.0,
+        v.nonnegative_duration,
+        "On SIGTERM, how long requests in flight may finish before the rest are ended; "
+        "keep it below the pod's terminationGracePeriodSeconds.",
+        "DURATION",
+    )
+    log_level: str = option(
+        "log.level",
+        "info",
+        v.log_level,
+        "Log level: debug, info, warning or error.",
+        "LEVEL",
+    )
+
+    @property
+    def effective_timeout(self) -> float:
+        return (
+            self.scrape_timeout if self.scrape_timeout is not None else self.scrape_interval * 0.8
+        )
+
+
+def options_of(config_class: type) -> tuple[Option, ...]:
+    """The options of a dataclass declared with :func:`option`, in declaration order.
+
+    Raises TypeError for a field declared without option() (its default would live outside the
+    table) or under another option's key.
+    """
+    table = []
+    for f in fields(config_class):
+        spec = f.metadata.get("option")
+        # A raise, not an assert: `python -O` would strip an assert.
+        if not isinstance(spec, Option):
+            raise TypeError(f"{config_class.__name__}.{f.name} is not declared with option()")
+        if spec.field != f.name:
+            raise TypeError(f"{config_class.__name__}.{f.name} is declared as {spec.key!r}")
+        table.append(spec)
+    return tuple(table)
+
+
+OPTIONS: tuple[Option, ...] = options_of(Config)

@@ -1,0 +1,209 @@
+"""Parsers for setting values: text as a user writes it into the typed value kvtax runs with.
+
+Each parser takes what a flag, an environment variable or a YAML key holds (a string, or a YAML
+scalar) and returns the typed value, or raises ``ValueError`` with a message that says what was
+expected. They do not know which setting they parse: :mod:`kvtax.serve.config` adds the key, the
+source and the bad value, and raises :class:`ConfigError`.
+
+Example::
+
+    parse_duration("500ms")  # 0.5
+    parse_address(":9464")   # ("0.0.0.0", 9464)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = [
+    "ConfigError",
+    "boolean",
+    "fraction",
+    "log_level",
+    "nonnegative_duration",
+    "optional_address",
+    "optional_duration",
+    "optional_path",
+    "optional_positive_int",
+    "optional_url",
+    "parse_address",
+    "parse_duration",
+    "positive",
+    "positive_duration",
+    "selector",
+    "size",
+    "text",
+    "token",
+    "url",
+]
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the key, its source and the bad value."""
+
+
+# Values that mean "not set" for an optional setting, however they were written.
+_UNSET = (None, "", "none")
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``5``, ``2.5s``, ``500ms``, ``5m`` or ``1h``."""
+    if isinstance(text, bool):
+        raise ValueError("expected a duration such as 5s, 500ms or 5m")
+    if isinstance(text, int | float):
+        return float(text)
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError("expected a duration such as 5s, 500ms or 5m")
+    return float(match.group(1)) * _UNIT[match.group(2)]
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``host:port`` or ``:port`` (all interfaces) into a (host, port) pair."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("expected host:port or :port with a port in 1-65535")
+    return (host.strip("[]") or "0.0.0.0", int(port))
+
+
+def url(value: Any) -> str:
+    """An http(s) URL, without a trailing slash (kvtax appends paths such as /metrics)."""
+    parts = urlsplit(str(value))
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("expected an http:// or https:// URL")
+    return str(value).rstrip("/")
+
+
+def positive(kind: Callable[[Any], float]) -> Callable[[Any], float]:
+    """``kind``'s parser, refusing zero and negative numbers."""
+
+    def check(value: Any) -> float:
+        number = kind(value)
+        if not number > 0:
+            raise ValueError("must be greater than 0")
+        return number
+
+    return check
+
+
+positive_duration = positive(parse_duration)
+
+
+def optional_duration(value: Any) -> float | None:
+    return None if value in (None, "") else positive_duration(value)
+
+
+def nonnegative_duration(value: Any) -> float:
+    number = parse_duration(value)
+    if number < 0:
+        raise ValueError("must not be negative")
+    return number
+
+
+def fraction(value: Any) -> float:
+    number = float(value)
+    if not 0 < number <= 1:
+        raise ValueError("must be in (0, 1]")
+    return number
+
+
+def optional_positive_int(value: Any) -> int | None:
+    if value in _UNSET:
+        return None
+    number = int(value)
+    if number <= 0:
+        raise ValueError("must be a positive integer")
+    return number
+
+
+def optional_address(value: Any) -> tuple[str, int] | None:
+    if value in (*_UNSET, "off", False):
+        return None
+    return parse_address(str(value))
+
+
+def optional_url(value: Any) -> str | None:
+    return None if value in (None, "") else url(value)
+
+
+def optional_path(value: Any) -> Path | None:
+    return None if value in (None, "") else Path(str(value))
+
+
+def text(value: Any) -> str:
+    return str(value)
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
+_SIZE_UNIT = {
+    None: 1,
+    "B": 1,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+}
+
+
+def size(value: Any) -> int:
+    """Bytes from ``1048576``, ``512KiB`` or ``32MiB`` (KB/MB/GB are powers of 1000)."""
+    match = _SIZE.match(str(value))
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError("expected a positive size such as 1048576, 512KiB or 32MiB")
+    return int(match.group(1)) * _SIZE_UNIT[match.group(2)]
+
+
+def boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def token(value: Any) -> str | None:
+    """A bearer token, or None when empty. The message never quotes the value."""
+    stripped = "" if value is None else str(value).strip()
+    if not stripped:
+        return None
+    # It travels in an Authorization header, so it must be a single run of visible ASCII.
+    if not all("!" <= char <= "~" for char in stripped):
+        raise ValueError("a token must be visible ASCII without spaces (value not shown)")
+    return stripped
+
+
+def selector(value: Any) -> tuple[tuple[str, str], ...]:
+    """Label matches from ``a=b,c="d"`` or a YAML mapping, as (name, value) pairs."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), str(v)) for k, v in value.items()))
+    pairs = []
+    for part in str(value or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, wanted = part.partition("=")
+        if not sep or not name.strip():
+            raise ValueError("expected label=value pairs separated by commas")
+        pairs.append((name.strip(), wanted.strip().strip('"')))
+    return tuple(pairs)
+
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level(value: Any) -> str:
+    level = str(value).lower()
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(_LOG_LEVELS)}")
+    return level
