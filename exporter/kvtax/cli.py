@@ -2,7 +2,8 @@
 
 Flags of ``serve`` are generated from :data:`kvtax.serve.config.OPTIONS`, so ``--help``, the
 environment variables and ``docs/configuration.md`` cannot disagree. Errors in configuration
-exit with status 2 and a message naming the key and the bad value.
+exit with status 2 and a message naming the key and the bad value. ``docs``, ``rules`` and
+``dashboards generate`` write or ``--check`` their files through :mod:`kvtax.generated`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from pathlib import Path
 
 from kvtax import __version__
 from kvtax.serve import logsafe
-from kvtax.serve.config import OPTIONS, Config, ConfigError, env_name, load_config, unknown_env
+from kvtax.serve.config import OPTIONS, Config, ConfigError, Option, load_config, unknown_env
 
 from .checkout import harness_missing, needs_checkout
 from .dashboards.cli import add_dashboards_parser, run_dashboards
+from .generated import add_output_arguments, write_or_check
 from .rules.cli import add_rules_parser, run_rules
 
 __all__ = ["build_parser", "main"]
@@ -48,22 +50,27 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         help="YAML file with settings (env KVTAX_CONFIG_FILE).",
     )
     for option in OPTIONS:
-        default = "unset" if option.default is None else option.default
         # Accept the underscore spelling too: it is what the YAML and env keys use.
         spellings = dict.fromkeys([option.flag, f"--{option.key}"])
         parser.add_argument(
             *spellings,
             dest=option.key,
             metavar=option.metavar,
+            # None, not the option's default: load_config falls through to the environment, the
+            # file, then Config's own default, so argparse must not hold a second one.
             default=None,
             # A switch given bare means true; --push.allow-unauthenticated=false still parses.
             nargs="?" if option.switch else None,
             const="true" if option.switch else None,
-            # argparse %-formats help text, so a literal "%" in OPTIONS must be doubled.
-            help=f"{option.help} (env {env_name(option.key)}; default: {default})".replace(
-                "%", "%%"
-            ),
+            help=_flag_help(option),
         )
+
+
+def _flag_help(option: Option) -> str:
+    """The ``--help`` line of a setting: its help, variable and default, as in the docs."""
+    text = f"{option.help} (env {option.env}; default: {option.default_text})"
+    # argparse %-formats help text, so a literal "%" in the table must be doubled.
+    return text.replace("%", "%%")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,12 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Where --with-prometheus writes the dashboard PNGs (default kvtax-demo-previews).",
     )
     docs = sub.add_parser("docs", help="Write the generated metrics and configuration references.")
-    docs.add_argument("--out", type=Path, default=Path("docs"), help="Folder to write into.")
-    docs.add_argument(
-        "--check",
-        action="store_true",
-        help="Exit 1 if the committed files differ instead of writing them.",
-    )
+    add_output_arguments(docs, Path("docs"))
     add_rules_parser(sub)
     add_dashboards_parser(sub)
     return parser
@@ -181,19 +183,7 @@ def _docs(args: argparse.Namespace) -> int:
         "configuration.md": config.render_markdown(),
         "compatibility.md": vocabulary.render_markdown(),
     }
-    stale = []
-    for name, text in pages.items():
-        path = args.out / name
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(str(path))
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-    if stale:
-        print(f"kvtax docs: out of date: {', '.join(stale)}; run `kvtax docs`", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(pages, args.out, check=args.check, command="kvtax docs")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import pytest
 
 from kvtax.checkout import DEV_PACKAGE, harness_missing
 from kvtax.cli import build_parser, main
+from kvtax.generated import write_or_check
 
 
 @pytest.fixture(autouse=True)
@@ -182,3 +183,49 @@ def test_a_module_missing_inside_a_checkout_is_not_reported_as_a_missing_checkou
     assert harness_missing(ModuleNotFoundError("No module named 'kvtax_dev'", name="kvtax_dev"))
     assert not harness_missing(ModuleNotFoundError("No module named 'aiohttp'", name="aiohttp"))
     assert not harness_missing(ModuleNotFoundError("halted", name="kvtax_dev.demo"))
+
+
+# -- the one --check of every generator (kvtax.generated) -------------------------------------
+
+
+def test_write_or_check_writes_files_into_new_subfolders(tmp_path: Path) -> None:
+    files = {"a.md": "one\n", "nested/b.yaml": "two\n"}
+    assert write_or_check(files, tmp_path / "out", check=False, command="kvtax x") == 0
+    assert (tmp_path / "out" / "nested" / "b.yaml").read_text() == "two\n"
+    assert write_or_check(files, tmp_path / "out", check=True, command="kvtax x") == 0
+
+
+def test_check_names_each_stale_file_and_the_fix_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = {"same.md": "same\n", "edited.md": "new\n", "missing.md": "new\n"}
+    (tmp_path / "same.md").write_text("same\n")
+    (tmp_path / "edited.md").write_text("old\n")
+    code = write_or_check(files, tmp_path, check=True, command="kvtax x", fix="kvtax x generate")
+    assert code == 1
+    assert capsys.readouterr().err == (
+        f"kvtax x: out of date: {tmp_path / 'edited.md'}, {tmp_path / 'missing.md'}; "
+        "run `kvtax x generate`\n"
+    )
+    assert (tmp_path / "edited.md").read_text() == "old\n"
+    assert not (tmp_path / "missing.md").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "fix"),
+    [
+        (["docs"], "kvtax docs"),
+        (["rules"], "kvtax rules"),
+        (["dashboards", "generate"], "kvtax dashboards generate"),
+    ],
+)
+def test_every_generator_checks_through_the_one_check(
+    argv: list[str], fix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, "--out", str(tmp_path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvtax {argv[0]}: out of date: {tmp_path}")
+    assert err.endswith(f"; run `{fix}`\n")
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert main([*argv, "--out", str(tmp_path), "--check"]) == 0
+    assert capsys.readouterr().err == ""

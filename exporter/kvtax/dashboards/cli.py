@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtax.checkout import harness_missing, needs_checkout
+from kvtax.generated import add_output_arguments, write_or_check
 
 from .generate import artifacts
 
-__all__ = ["add_dashboards_parser", "run_dashboards", "stale_files"]
+__all__ = ["add_dashboards_parser", "run_dashboards"]
 
 # Enough points for a readable line without asking Prometheus for thousands.
 _POINTS = 240
@@ -39,12 +40,12 @@ def add_dashboards_parser(sub: Any) -> None:
         description="Write each dashboard's JSON and kvtax-dashboards-configmap.yaml "
         '(labelled grafana_dashboard: "1") from exporter/kvtax/dashboards/.',
     )
-    gen.add_argument("--out", type=Path, default=Path("dashboards"), help="Folder to write into.")
-    gen.add_argument(
-        "--check",
-        action="store_true",
-        help="Exit 1 if the committed files differ instead of writing them.",
-    )
+    add_output_arguments(gen, Path("dashboards"))
+    _add_preview_parser(actions)
+
+
+def _add_preview_parser(actions: Any) -> None:
+    """Add ``preview``, whose flags are read by :func:`kvtax_dev.preview.run_preview`."""
     pre = actions.add_parser(
         "preview",
         help="Render every dashboard's panels as PNG from a Prometheus.",
@@ -88,31 +89,14 @@ def add_dashboards_parser(sub: Any) -> None:
     )
 
 
-def stale_files(out: Path) -> list[Path]:
-    """Generated files under ``out`` that are missing or differ from the generator's output."""
-    return [
-        out / name
-        for name, text in artifacts().items()
-        if not (out / name).exists() or (out / name).read_text() != text
-    ]
-
-
 def _generate(args: argparse.Namespace) -> int:
-    out: Path = args.out
-    if args.check:
-        stale = stale_files(out)
-        if stale:
-            names = ", ".join(str(p) for p in stale)
-            print(
-                f"kvtax dashboards: out of date: {names}; run `kvtax dashboards generate`",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in artifacts().items():
-        (out / name).write_text(text)
-    return 0
+    return write_or_check(
+        artifacts(),
+        args.out,
+        check=args.check,
+        command="kvtax dashboards",
+        fix="kvtax dashboards generate",
+    )
 
 
 def _preview(args: argparse.Namespace) -> int:
