@@ -272,6 +272,25 @@ def new_recorder(
     return Recorder(model, engine, PluginCounters.shared(registry))
 
 
+def _vllm_has_preemption_fields() -> bool:
+    """Whether this vLLM's ``PrefixCacheStats`` counts resumed requests' lookups (0.12+)."""
+    try:
+        from vllm.v1.metrics.stats import PrefixCacheStats
+    except ImportError:
+        return False
+    return has_preemption_fields(PrefixCacheStats)
+
+
+def _log_publishing(recorder: Recorder | None) -> None:
+    """The engine log's one line saying the plugin publishes, once vLLM's engine is up."""
+    if recorder is not None and recorder.active:
+        log.info(
+            "kvtax plugin: publishing exact recompute counters (%s) for model_name=%s engine=%s",
+            family_name("recomputed_tokens"),
+            *recorder.labels,
+        )
+
+
 def build_stat_logger(registry: CollectorRegistry = REGISTRY) -> type[Any]:
     """Import vLLM and build the ``StatLoggerBase`` subclass vLLM instantiates per engine.
 
@@ -284,12 +303,7 @@ def build_stat_logger(registry: CollectorRegistry = REGISTRY) -> type[Any]:
     """
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    try:
-        from vllm.v1.metrics.stats import PrefixCacheStats
-
-        supported = has_preemption_fields(PrefixCacheStats)
-    except ImportError:
-        supported = False
+    supported = _vllm_has_preemption_fields()
 
     # StatLoggerBase is untyped to mypy (vLLM is not in the sidecar's environment).
     class _KvtaxStatLogger(StatLoggerBase):  # type: ignore[misc]
@@ -328,14 +342,7 @@ def build_stat_logger(registry: CollectorRegistry = REGISTRY) -> type[Any]:
                     recorder.stop(f"unexpected error {exc!r}")
 
         def log_engine_initialized(self) -> None:
-            recorder = self._recorder
-            if recorder is not None and recorder.active:
-                log.info(
-                    "kvtax plugin: publishing exact recompute counters (%s) for "
-                    "model_name=%s engine=%s",
-                    family_name("recomputed_tokens"),
-                    *recorder.labels,
-                )
+            _log_publishing(self._recorder)
 
     _KvtaxStatLogger.__name__ = _KvtaxStatLogger.__qualname__ = "KvtaxStatLogger"
     _KvtaxStatLogger.__module__ = __name__
