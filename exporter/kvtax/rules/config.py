@@ -86,8 +86,8 @@ class RulesConfig:
     # Stream stalls per request through the proxy.
     stalls_per_request: float = 0.1
     stalls_for: str = "15m"
-    # Requests shed per second (kvtax 429s plus vLLM admission rejections). Any sustained
-    # shedding means capacity is short, so the default threshold is 0.
+    # Requests vLLM rejects at admission per second (vLLM 0.32+ counts them).
+    # Any sustained shedding means capacity is short, so the default threshold is 0.
     shed_per_second: float = 0.0
     shed_for: str = "15m"
     # Scrape health: shorter than 15m because every other alert is blind meanwhile.
