@@ -116,6 +116,10 @@ class RulesConfig:
         """Runbook section of ``alert``: GitHub anchors are the heading in lower case."""
         return f"{self.runbook_url_base}#{alert.lower()}"
 
+    def docs_url(self, page: str, anchor: str) -> str:
+        """A section of another page in the runbooks' folder, e.g. the tax's one definition."""
+        return f"{self.runbook_url_base.rpartition('/')[0]}/{page}#{anchor}"
+
 
 DEFAULT = RulesConfig()
 

@@ -82,7 +82,9 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
 
     def named_method(method: str) -> str:
         # An empty source label matches the empty regex, so label_replace just adds the label.
-        return f'label_replace({kvtax_rate(RECOMPUTE_COUNTERS[method])}, "method", "{method}", "", "")'
+        return (
+            f'label_replace({kvtax_rate(RECOMPUTE_COUNTERS[method])}, "method", "{method}", "", "")'
+        )
 
     def kvtax_gauge(agg: str, gauge: str) -> str:
         return f"{agg} by ({pod}) ({config.selector(gauge, k)})"
