@@ -20,6 +20,7 @@ from kvtax.dashboards.promql import expand, kvtax, vllm
 from kvtax.dashboards.schema import SCHEMA
 from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.expose.catalog import METRICS
+from kvtax.rules.alerts import alert_rules
 from kvtax.rules.promql import known_series, series_names
 from kvtax.rules.recording import record_names
 
@@ -171,10 +172,127 @@ def test_overview_answers_the_issue_questions() -> None:
         "Inter-token latency",
         "Stream stalls",
         "Recommended against configured max_num_seqs",
-        "429s and rejections",
+        "Rejected requests",
         "Join coverage",
     ):
         assert wanted in titles
+
+
+# -- one tax, one headline per number, nothing for a feature that does not exist ---------------
+
+TAX_GAUGE = "kvtax_preemption_tax_ratio"
+TAX_RECORDS = {n for n in record_names() if ":kvtax_preemption_tax:" in n}
+RECOMPUTE_COUNTERS = {n for n in METRICS if n.startswith("kvtax_recomputed_tokens_")}
+METHODS = ("measured", "estimated", "stall_estimated")
+# The window gauges 0.2 keeps; each must have a reader (a panel or an alert).
+KEPT_WINDOW_GAUGES = (
+    "kvtax_preemption_tax_ratio",
+    "kvtax_waste_ratio",
+    "kvtax_goodput_tokens_per_second",
+    "kvtax_slo_goodput_tokens_per_second",
+    "kvtax_join_coverage_ratio",
+)
+
+
+def _names(panel: dict[str, Any]) -> set[str]:
+    return {n for t in panel["targets"] for n in series_names(t["expr"])}
+
+
+def _glance() -> list[dict[str, Any]]:
+    """The Overview's first row: the panels at the top of the board."""
+    every = list(panels(dashboards()["kvtax-overview.json"]))
+    top = min(p["gridPos"]["y"] for p in every)
+    return [p for p in every if p["gridPos"]["y"] == top]
+
+
+def test_at_a_glance_shows_one_tax_figure_from_the_exporter_gauge_naming_its_method() -> None:
+    taxes = [p for p in _glance() if _names(p) & ({TAX_GAUGE} | TAX_RECORDS | RECOMPUTE_COUNTERS)]
+    assert [p["title"] for p in taxes] == ["Preemption tax"]
+    (tax,) = taxes
+    assert tax["type"] == "stat"
+    assert len(tax["targets"]) == 1
+    assert _names(tax) == {TAX_GAUGE}
+    assert "{{method}}" in tax["targets"][0]["legendFormat"]
+
+
+def test_at_a_glance_reads_each_headline_from_its_own_gauge() -> None:
+    read = {p["title"]: _names(p) for p in _glance()}
+    assert read["Preemption tax"] == {"kvtax_preemption_tax_ratio"}
+    assert read["Waste"] == {"kvtax_waste_ratio"}
+    assert read["Goodput"] == {"kvtax_goodput_tokens_per_second"}
+    assert read["SLO goodput"] == {"kvtax_slo_goodput_tokens_per_second"}
+
+
+def test_every_kept_window_gauge_has_a_reader() -> None:
+    read = {n for d in dashboards().values() for p in panels(d) for n in _names(p)}
+    read |= {n for r in alert_rules() for n in series_names(r.expr)}
+    assert [g for g in KEPT_WINDOW_GAUGES if g not in read] == []
+
+
+def test_tax_by_method_computes_each_method_from_its_counter_and_says_why_they_differ() -> None:
+    overview = dashboards()["kvtax-overview.json"]
+    detail = next(p for p in panels(overview) if p["title"] == "Tax by method")
+    assert detail["gridPos"]["y"] > _glance()[0]["gridPos"]["y"]
+    per_target = [series_names(t["expr"]) & RECOMPUTE_COUNTERS for t in detail["targets"]]
+    assert per_target == [{f"kvtax_recomputed_tokens_{m}_total"} for m in METHODS]
+    for target in detail["targets"]:
+        # The one formula: R / (Pc + G + R), the same R twice.
+        assert series_names(target["expr"]) - RECOMPUTE_COUNTERS == {
+            "kvtax_engine_prompt_computed_tokens_total",
+            "kvtax_engine_generation_tokens_total",
+        }
+    text = detail["description"]
+    assert all(m in text for m in METHODS)
+    assert "upper bound" in text
+    assert "plugin" in text
+    assert "stalls" in text
+
+
+def test_every_tax_panel_says_which_tax_it_reads_and_links_the_one_definition() -> None:
+    for doc in dashboards().values():
+        for panel in panels(doc):
+            names = _names(panel)
+            if not names & ({TAX_GAUGE} | TAX_RECORDS):
+                continue
+            assert "tax.md#the-one-definition" in panel["description"], panel["title"]
+            said = "--window" in panel["description"] or "5-minute" in panel["description"]
+            assert said, panel["title"]
+
+
+def test_fleet_and_overview_say_why_their_tax_figures_agree() -> None:
+    overview = next(
+        p for p in panels(dashboards()["kvtax-overview.json"]) if p["title"] == "Preemption tax"
+    )
+    fleet = next(
+        p
+        for p in panels(dashboards()["kvtax-fleet.json"])
+        if p["title"] == "Fleet preemption tax and waste"
+    )
+    for panel in (overview, fleet):
+        assert "same formula" in panel["description"], panel["title"]
+        assert "window" in panel["description"], panel["title"]
+        assert "alignment" in panel["description"], panel["title"]
+
+
+def test_no_dashboard_shows_a_kvtax_429_or_an_admission_gate() -> None:
+    for doc in dashboards().values():
+        for panel in panels(doc):
+            words = [panel["title"], panel["description"]]
+            words += [t["legendFormat"] for t in panel["targets"]]
+            for text in words:
+                assert "429" not in text, panel["title"]
+                assert "admission gate" not in text.lower(), panel["title"]
+            for target in panel["targets"]:
+                assert 'outcome="rejected"' not in target["expr"], panel["title"]
+
+
+def test_rejected_requests_are_vllm_rejections_its_4xx_and_kvtax_413() -> None:
+    overview = dashboards()["kvtax-overview.json"]
+    panel = next(p for p in panels(overview) if p["title"] == "Rejected requests")
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert "vllm:admission_rejections_total" in series_names(exprs[0])
+    assert 'outcome="upstream_4xx"' in exprs[1]
+    assert 'outcome="too_large"' in exprs[2]
 
 
 # -- negative structural checks: each rule catches its own mistake ----------------------------

@@ -88,11 +88,37 @@ def test_fleet_rules_only_read_per_pod_records_defined_before_them() -> None:
         seen.add(rule.record)
 
 
-def test_recompute_prefers_the_measured_method() -> None:
+def test_recompute_prefers_measured_then_estimated_then_stall_estimated() -> None:
     expr = next(r.expr for r in recording_rules() if "kvtax_recomputed_tokens:rate" in r.record)
-    order = [expr.index(f'method="{m}"') for m in ("measured", "estimated", "stall_estimated")]
-    assert order == sorted(order)
-    assert expr.count(" or on (namespace, pod, model_name) ") == 2
+    methods = ("measured", "estimated", "stall_estimated")
+    clauses = expr.split(" or on (namespace, pod, model_name) ")
+    assert len(clauses) == 3
+    for method, clause in zip(methods, clauses, strict=True):
+        # Each clause reads its own counter and names it, so panels and alerts can say which.
+        assert series_names(clause) == {f"kvtax_recomputed_tokens_{method}_total"}
+        assert clause.startswith("label_replace(")
+        assert clause.endswith(f'"method", "{method}", "", "")')
+
+
+def test_every_recompute_counter_of_the_catalog_feeds_the_recording_rule() -> None:
+    expr = next(r.expr for r in recording_rules() if "kvtax_recomputed_tokens:rate" in r.record)
+    counters = {n for n in catalog.METRICS if n.startswith("kvtax_recomputed_tokens_")}
+    assert len(counters) == 3
+    assert series_names(expr) == counters
+
+
+def test_no_rule_reads_a_method_label_of_a_counter() -> None:
+    # 0.2 split the counter; a method matcher on any input series would select nothing.
+    for rule in (*recording_rules(), *alert_rules()):
+        assert 'method="' not in rule.expr.replace('"method", "', ""), rule
+
+
+def test_load_shedding_counts_vllm_rejections_and_claims_no_kvtax_429() -> None:
+    shed = next(r for r in alert_rules() if r.alert == "KvtaxLoadShedding")
+    assert series_names(shed.expr) == {"vllm:admission_rejections_total"}
+    assert "outcome" not in shed.expr
+    assert "429" not in shed.description + shed.summary
+    assert "kvtax" not in (shed.description + shed.summary).lower()
 
 
 def test_short_profile_shrinks_every_window_and_for() -> None:

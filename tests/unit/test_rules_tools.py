@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
+from kvtax.dashboards import dashboards
+from kvtax.dashboards.lint import panels
+from kvtax.dashboards.promql import expand
 from kvtax.rules import TEST_PROFILE
 from kvtax.rules.alerts import alert_names, alert_rules
 from kvtax.rules.render import alerts_yaml, recording_yaml
@@ -202,3 +205,70 @@ def test_amtool_matching_route_is_a_single_severity_route() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert 'default-route\n    └── {severity="critical"}  receiver: pager' in result.stdout
     assert "ticket" not in result.stdout
+
+
+def test_tax_by_method_panel_and_the_tax_rule_agree_on_the_one_definition(tmp_path: Path) -> None:
+    # The Overview's per-method queries and the per-pod tax record, on the same counters, in a
+    # real promtool: the record takes measured (the best method) and matches that panel line.
+    overview = dashboards()["kvtax-overview.json"]
+    detail = next(p for p in panels(overview) if p["title"] == "Tax by method")
+    records = [
+        {
+            "record": f"panel:{t['legendFormat'].split()[0]}",
+            "expr": expand(t["expr"], rate_interval="5m"),
+        }
+        for t in detail["targets"]
+    ]
+    (tmp_path / "panel.yaml").write_text(
+        yaml.safe_dump({"groups": [{"name": "p", "rules": records}]})
+    )
+    (tmp_path / "recording.yaml").write_text((ALERTS / "kvtax-recording.yaml").read_text())
+    where = 'namespace="llm",pod="vllm-0",model_name="tiny-llama"'
+    inputs = {  # per minute: Pc 10/s, G 20/s, measured R 10/s, estimated R 90/s
+        "kvtax_engine_prompt_computed_tokens_total": 600,
+        "kvtax_engine_generation_tokens_total": 1200,
+        "kvtax_recomputed_tokens_measured_total": 600,
+        "kvtax_recomputed_tokens_estimated_total": 5400,
+    }
+    model = '{model_name="tiny-llama"}'
+    expected = [
+        ("panel:measured", model, 0.25),
+        ("panel:estimated", model, 0.75),
+        (
+            "namespace_pod_model_name:kvtax_preemption_tax:ratio_rate5m",
+            f'{{{where},method="measured"}}',
+            0.25,
+        ),
+    ]
+    test = {
+        "rule_files": ["recording.yaml", "panel.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": f"{name}{{{where}}}", "values": f"0+{step}x20"}
+                    for name, step in inputs.items()
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": name,
+                        "eval_time": "10m",
+                        "exp_samples": [{"labels": name + labels, "value": v}],
+                    }
+                    for name, labels, v in expected
+                ]
+                # No stall-based counter: that line is absent, not 0.
+                + [{"expr": "panel:stall_estimated", "eval_time": "10m", "exp_samples": []}],
+            }
+        ],
+    }
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [_tool("promtool"), "test", "rules", "test.yaml"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -19,6 +19,7 @@ __all__ = [
     "PER_S",
     "POD",
     "SEQS",
+    "TAX_DEFINITION",
     "TAX_THRESHOLDS",
     "THRASH_MAPPINGS",
     "THRASH_THRESHOLDS",
@@ -33,6 +34,7 @@ __all__ = [
     "recommended",
     "running",
     "sum_rate",
+    "tax_of",
     "waiting",
 ]
 
@@ -54,6 +56,8 @@ THRASH_THRESHOLDS = (
     Threshold(ThrashState.AT_RISK, "orange"),
     Threshold(ThrashState.THRASHING, "red"),
 )
+# Every tax panel links the one definition (docs/tax.md) instead of restating it.
+TAX_DEFINITION = f"[The tax's definition]({RULES.docs_url('tax.md', 'the-one-definition')})."
 TAX_THRESHOLDS = (Threshold(RULES.tax_warning, "orange"), Threshold(RULES.tax_critical, "red"))
 KV_THRESHOLDS = (
     Threshold(RULES.kv_near_full_usage, "orange"),
@@ -71,6 +75,13 @@ def gen_rate(labels: str = MODEL) -> str:
 
 def goodput(labels: str = MODEL) -> str:
     return sum_rate("kvtax_delivered_tokens_total", labels)
+
+
+def tax_of(recomputed_counter: str, labels: str = MODEL) -> str:
+    """R / (Pc + G + R) over the panel's rate interval, R from one recompute counter."""
+    r = sum_rate(recomputed_counter, labels)
+    pc = sum_rate("kvtax_engine_prompt_computed_tokens_total", labels)
+    return f"{r} / ({pc} + {gen_rate(labels)} + {r})"
 
 
 # Selectors of kvtax's sizing gauges, shared by Capacity and Fleet.

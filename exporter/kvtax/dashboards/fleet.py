@@ -10,6 +10,7 @@ from .common import (
     KV_THRESHOLDS,
     MODEL,
     POD,
+    TAX_DEFINITION,
     TAX_THRESHOLDS,
     THRASH_MAPPINGS,
     THRASH_THRESHOLDS,
@@ -67,7 +68,12 @@ FLEET = Board(
                     ),
                     "percentunit",
                     "Recompute (tax) and recompute plus undelivered (waste) as shares of the "
-                    "whole fleet's engine token work: ratios of sums, so busy pods weigh more.",
+                    "whole fleet's engine token work: ratios of sums over pods from the 5-minute "
+                    "recording rules, so busy pods weigh more. Each pod's R is its best method "
+                    "(measured, then estimated, then stall_estimated), the same formula and order "
+                    "as the exporter's gauge the Overview reads over --window; the two differ "
+                    "only by window, alignment and the worst-pod versus whole-fleet view. "
+                    + TAX_DEFINITION,
                     "KvtaxPreemptionTaxHigh",
                     width=8,
                     min=0,
@@ -113,8 +119,8 @@ FLEET = Board(
                     ),
                     "percentunit",
                     "The five replicas whose engines spend the largest share of token work on "
-                    "recompute, now. One pod far above its peers: uneven routing or a "
-                    "different configuration.",
+                    "recompute, now (the per-pod 5-minute tax rule). One pod far above its peers: "
+                    "uneven routing or a different configuration. " + TAX_DEFINITION,
                     "KvtaxPreemptionTaxHigh",
                     min=0,
                     max=1,
@@ -180,8 +186,9 @@ FLEET = Board(
                         ),
                     ),
                     "percentunit",
-                    "Recompute share of engine work per replica, with the method used. Compare "
-                    "replicas: the tax follows load and configuration, not the model.",
+                    "Recompute share of engine work per replica (the per-pod 5-minute tax rule), "
+                    "with the method used. Compare replicas: the tax follows load and "
+                    "configuration, not the model. " + TAX_DEFINITION,
                     "KvtaxPreemptionTaxHigh",
                     width=8,
                     min=0,

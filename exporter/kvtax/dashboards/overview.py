@@ -1,9 +1,9 @@
 """The Overview dashboard: one deployment, narrowed by namespace, pod and model.
 
-Top to bottom it answers: is the engine thrashing, what is it costing (tax, waste, goodput
-against engine throughput), where the KV pressure is, what clients feel (TTFT, ITL, stalls),
-and how admission is sized (recommended against configured max_num_seqs, 429s, coverage).
-Pure: no I/O.
+Top to bottom it answers: is the engine thrashing, what is it costing (one headline per number:
+tax, waste, goodput, SLO goodput; then the tax by method), where the KV pressure is, what
+clients feel (TTFT, ITL, stalls), and how admission is sized (recommended against configured
+max_num_seqs, rejections, coverage). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -16,13 +16,18 @@ from .common import (
     PER_S,
     POD,
     SEQS,
-    TAX_THRESHOLDS,
     THRASH_MAPPINGS,
     THRASH_THRESHOLDS,
-    TOK_S,
-    gen_rate,
-    goodput,
     sum_rate,
+)
+from .costs import (
+    GOODPUT_NOW,
+    GOODPUT_VS_ENGINE,
+    SLO_GOODPUT_NOW,
+    TAX_BY_METHOD,
+    TAX_NOW,
+    TAX_OVER_TIME,
+    WASTE_NOW,
 )
 from .model import Board, Panel, Row, Target, Threshold
 from .promql import by, histogram_quantile, kvtax, rate, vllm
@@ -71,47 +76,10 @@ _thrash_state = Panel(
     "preempting. thrashing: cache full, preempting, requests waiting and engine throughput "
     "falling as load rises. Worst pod per model.",
     "KvtaxThrashing",
-    width=6,
+    width=4,
     height=5,
     thresholds=THRASH_THRESHOLDS,
     mappings=THRASH_MAPPINGS,
-)
-
-_tax_now = Panel(
-    "Preemption tax",
-    "stat",
-    (
-        Target(
-            by("model_name, method", "max", kvtax("kvtax_preemption_tax_ratio")),
-            "{{model_name}} ({{method}})",
-        ),
-    ),
-    "percentunit",
-    "What preemption costs: the share of engine token work that was recompute over kvtax's "
-    "window, R / (Pc + G + R). The method says where R comes from: measured (the stat-logger "
-    "plugin) or estimated (preemptions x mean context, an upper bound). A token share, not time.",
-    "KvtaxPreemptionTaxHigh",
-    width=6,
-    height=5,
-    thresholds=TAX_THRESHOLDS,
-)
-
-_waste_now = Panel(
-    "Waste",
-    "stat",
-    (
-        Target(
-            by("model_name, method", "max", kvtax("kvtax_waste_ratio")),
-            "{{model_name}} ({{method}})",
-        ),
-    ),
-    "percentunit",
-    "Share of engine token work no client received: recompute plus tokens generated for clients "
-    "that had gone, (R + U) / (Pc + G + R). Above the tax, the difference is abandoned requests.",
-    "KvtaxGoodputDiverging",
-    width=6,
-    height=5,
-    thresholds=TAX_THRESHOLDS,
 )
 
 _max_num_seqs_now = Panel(
@@ -126,56 +94,9 @@ _max_num_seqs_now = Panel(
     "next to the value vLLM runs with (kvtax serve --max-num-seqs). Configured well above "
     "recommended means the engine admits more sequences than its KV cache can finish.",
     "KvtaxOverAdmitted",
-    width=6,
+    width=4,
     height=5,
     base_color="blue",
-)
-
-_goodput_vs_engine = Panel(
-    "Goodput against engine throughput",
-    "timeseries",
-    (
-        Target(gen_rate(), "engine generated {{model_name}}", color="blue", dashed=True),
-        Target(goodput(), "delivered (goodput) {{model_name}}", color="green", stack=True),
-        Target(
-            f"{sum_rate('kvtax_undelivered_tokens_total')} or {goodput()} * 0",
-            "undelivered (waste) {{model_name}}",
-            color="red",
-            stack=True,
-        ),
-    ),
-    TOK_S,
-    "Tokens per second the engine generated (dashed) against tokens that reached a connected "
-    "client (green), with the tokens generated for clients that had gone stacked on top (red): "
-    "that band is the waste. The ledger counts a request when it ends, so over short ranges "
-    "the stack trails the engine line while requests are in flight. Recompute is not in this "
-    "picture; see the tax panel.",
-    "KvtaxGoodputDiverging",
-    min=0,
-)
-
-_tax_over_time = Panel(
-    "Preemption tax by method",
-    "timeseries",
-    (
-        Target(
-            by("model_name, method", "max", kvtax("kvtax_preemption_tax_ratio")),
-            "tax {{model_name}} ({{method}})",
-        ),
-        Target(
-            by("model_name, method", "max", kvtax("kvtax_waste_ratio")),
-            "waste {{model_name}} ({{method}})",
-            dashed=True,
-        ),
-    ),
-    "percentunit",
-    "The tax (recompute share of engine work) and the waste (recompute plus undelivered) over "
-    "time, one line per method: measured when the plugin runs in vLLM, estimated otherwise. "
-    "The orange and red lines are the warning and critical alert thresholds.",
-    "KvtaxPreemptionTaxHigh",
-    min=0,
-    thresholds=TAX_THRESHOLDS,
-    threshold_lines=True,
 )
 
 _kv_usage = Panel(
@@ -248,23 +169,29 @@ _stalls = Panel(
     min=0,
 )
 
-_shedding = Panel(
-    "429s and rejections",
+_rejections = Panel(
+    "Rejected requests",
     "timeseries",
     (
         Target(
-            f"{sum_rate('kvtax_requests_total', where=(('outcome', 'rejected'),))}"
-            f" or {sum_rate('kvtax_requests_total')} * 0",
-            "kvtax 429 {{model_name}}",
+            by("model_name, reason", "sum", rate(vllm("admission_rejections"))),
+            "vLLM admission {{model_name}} ({{reason}})",
         ),
         Target(
-            by("model_name, reason", "sum", rate(vllm("admission_rejections"))),
-            "vLLM rejected {{model_name}} ({{reason}})",
+            sum_rate("kvtax_requests_total", where=(("outcome", "upstream_4xx"),)),
+            "vLLM 4xx {{model_name}}",
+        ),
+        Target(
+            sum_rate("kvtax_requests_total", where=(("outcome", "too_large"),)),
+            "too large (413) {{model_name}}",
+            dashed=True,
         ),
     ),
     "reqps",
-    "Requests turned away per second: by kvtax's admission gate (HTTP 429 with Retry-After) and "
-    "by vLLM's own queue limits. Shedding protects latency but means capacity is short.",
+    "Requests refused per second. vLLM's admission rejections (0.32+, by reason) are load "
+    "shedding: capacity is short, and the alert watches them. vLLM 4xx answers (outcome "
+    "upstream_4xx) are mostly malformed or over-long requests; too large (dashed) are bodies "
+    "over kvtax's proxy limit, answered 413 by the proxy itself.",
     "KvtaxLoadShedding",
     width=8,
     min=0,
@@ -312,8 +239,18 @@ OVERVIEW = Board(
     "Is the engine thrashing, what is it costing, and what should max_num_seqs be: one vLLM "
     "deployment per namespace, pod and model.",
     rows=(
-        Row("At a glance", (_thrash_state, _tax_now, _waste_now, _max_num_seqs_now)),
-        Row("What it costs", (_goodput_vs_engine, _tax_over_time)),
+        Row(
+            "At a glance",
+            (
+                _thrash_state,
+                TAX_NOW,
+                WASTE_NOW,
+                GOODPUT_NOW,
+                SLO_GOODPUT_NOW,
+                _max_num_seqs_now,
+            ),
+        ),
+        Row("What it costs", (GOODPUT_VS_ENGINE, TAX_OVER_TIME, TAX_BY_METHOD)),
         Row("KV pressure", (_kv_usage, _preemption_rate, _running_waiting)),
         Row(
             "What clients feel",
@@ -335,7 +272,7 @@ OVERVIEW = Board(
                 _stalls,
             ),
         ),
-        Row("Sizing and admission", (_recommended_vs_configured, _shedding, _coverage)),
+        Row("Sizing and admission", (_recommended_vs_configured, _rejections, _coverage)),
     ),
     tags=("vllm", "overview"),
 )

@@ -1,8 +1,9 @@
 """The one catalog of kvtax's own metrics: names, types, labels and help text.
 
 The exporter builds its families from this table, the rule and dashboard generators check
-their queries against it, and the metrics reference in ``docs/metrics.md`` is generated from it.
-Renaming a metric here is the only way to rename it anywhere.
+their queries against it, and the metrics reference in ``docs/metrics.md`` is generated from it
+(by :mod:`kvtax.expose.reference`). Renaming a metric here is the only way to rename it
+anywhere. The ratios follow docs/tax.md's one definition of the tax.
 
 Example::
 
@@ -146,13 +147,7 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         (),
         "delivery",
     ),
-    _S(
-        "kvtax_proxy_streams_open",
-        "gauge",
-        "Streams the proxy is relaying now.",
-        (),
-        "delivery",
-    ),
+    _S("kvtax_proxy_streams_open", "gauge", "Streams the proxy is relaying now.", (), "delivery"),
     _S(
         "kvtax_engine_generation_tokens_total",
         "counter",
@@ -239,7 +234,7 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "gauge",
         "Share of engine token work that was recompute over the window: R / (Pc + G + R), one "
         "series per model; method names the R used, the first available of measured, "
-        "estimated, stall_estimated (docs/tax.md).",
+        "estimated, stall_estimated (docs/tax.md, the one definition).",
         (M, "method"),
     ),
     _S(
@@ -393,25 +388,8 @@ PROCESS_METRICS: tuple[tuple[str, str, str], ...] = (
 
 
 def render_markdown() -> str:
-    """The metrics reference page (docs/metrics.md), generated so it cannot drift."""
-    lines = [
-        "# kvtax metrics reference",
-        "",
-        "Generated from `exporter/kvtax/expose/catalog.py` by `kvtax docs`; do not edit by hand.",
-        "",
-        "| name | type | labels | meaning |",
-        "|---|---|---|---|",
-    ]
-    for m in METRIC_LIST:
-        labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
-        lines.append(f"| `{m.name}` | {m.type} | {labels} | {m.help} |")
-    lines += [
-        "",
-        "The process's own standard families (prometheus-client's process collector; the",
-        "parse worker is a separate process and is not included):",
-        "",
-        "| name | type | meaning |",
-        "|---|---|---|",
-    ]
-    lines += [f"| `{name}` | {kind} | {text} |" for name, kind, text in PROCESS_METRICS]
-    return "\n".join(lines) + "\n"
+    """docs/metrics.md; the page lives in :mod:`kvtax.expose.reference` (kept for kvtax.cli)."""
+    # Imported here: reference reads this module's tables, so a top-level import would be a cycle.
+    from .reference import render_markdown as render
+
+    return render()

@@ -7,9 +7,10 @@ delivery yield), both rules share one alert name and differ by ``severity``; Ale
 inhibits the warning while the critical fires. vLLM names come only from the vocabulary, kvtax
 names from the catalog, ratios from the recording rules. Pure: no I/O.
 
-The recompute ``method`` label: the tax alert reads the per-pod tax record, which keeps one
-method per pod, the best one present (measured, then estimated, then stall_estimated), and the
-label travels into the alert so the page says whether the number is exact.
+The tax alert reads the per-pod tax record: the one definition of docs/tax.md, with one
+recompute method per pod, the best one present (measured, then estimated, then
+stall_estimated), named in a ``method`` label that travels into the alert so the page says
+whether the number is exact.
 
 Example::
 
@@ -238,17 +239,17 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         f"Streams of {WHERE} stalled {VALUE} times per request over {w} "
         f"(threshold {c.stalls_per_request:g}); a stall is usually a preempted sequence.",
     )
-    rejected = c.selector("kvtax_requests_total", k, 'outcome="rejected"')
+    # vLLM's own admission limits (0.32+). A 4xx from vLLM (upstream_4xx) is not counted: most
+    # are malformed requests, not a lack of capacity; the Overview's rejections panel shows both.
     add(
         "kvtax-clients",
         "KvtaxLoadShedding",
-        f"sum by ({pod}) (rate({rejected}[{w}])"
-        f" or rate({_vllm(c, 'admission_rejections')}[{w}])) > {c.shed_per_second:g}",
+        f"sum by ({pod}) (rate({_vllm(c, 'admission_rejections')}[{w}])) > {c.shed_per_second:g}",
         c.shed_for,
         "warning",
-        "Requests are being turned away for lack of capacity.",
-        f"{WHERE} has rejected {VALUE} requests/s over {w} "
-        "(kvtax 429s plus vLLM admission rejections).",
+        "vLLM is turning requests away for lack of capacity.",
+        f"vLLM serving {WHERE} has rejected {VALUE} requests/s at admission over {w} "
+        "(its own queue or capacity limits).",
     )
 
     # -- the pipeline itself -------------------------------------------------------------------

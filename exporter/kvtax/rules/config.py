@@ -86,8 +86,8 @@ class RulesConfig:
     # Stream stalls per request through the proxy.
     stalls_per_request: float = 0.1
     stalls_for: str = "15m"
-    # Requests shed per second (kvtax 429s plus vLLM admission rejections). Any sustained
-    # shedding means capacity is short, so the default threshold is 0.
+    # Requests vLLM rejects at admission per second (vLLM 0.32+ counts them).
+    # Any sustained shedding means capacity is short, so the default threshold is 0.
     shed_per_second: float = 0.0
     shed_for: str = "15m"
     # Scrape health: shorter than 15m because every other alert is blind meanwhile.
@@ -115,6 +115,10 @@ class RulesConfig:
     def runbook_url(self, alert: str) -> str:
         """Runbook section of ``alert``: GitHub anchors are the heading in lower case."""
         return f"{self.runbook_url_base}#{alert.lower()}"
+
+    def docs_url(self, page: str, anchor: str) -> str:
+        """A section of another page in the runbooks' folder, e.g. the tax's one definition."""
+        return f"{self.runbook_url_base.rpartition('/')[0]}/{page}#{anchor}"
 
 
 DEFAULT = RulesConfig()

@@ -6,10 +6,11 @@ averages of ratios. Names follow ``level:metric:operations``: ``_total`` dropped
 the range in the name (``rate5m``), ratios of rates as ``ratio_rate5m``. The Grafana dashboards
 and the alert rules query these names; :func:`record_names` lists them. Pure: no I/O.
 
-The recompute counter carries a ``method`` label (measured, estimated, stall_estimated). The
-per-pod recompute rate keeps exactly one method per pod, the best one present, and keeps the
-label so a reader sees which; everything built on it (tax, waste, fleet sums) inherits that
-choice.
+Recompute comes as one counter per method (measured, estimated, stall_estimated). The per-pod
+recompute rate takes exactly one of them per pod, the best one present, and names it in a
+``method`` label so a reader sees which; everything built on it (tax, waste, fleet sums) inherits
+that choice. This is the tax of docs/tax.md ("The one definition"), the same formula and method
+order as the exporter's ``kvtax_preemption_tax_ratio``, over the rules' rate window.
 
 Example::
 
@@ -27,6 +28,7 @@ from .config import DEFAULT, FLEET, POD, RulesConfig
 
 __all__ = [
     "METHOD_PREFERENCE",
+    "RECOMPUTE_COUNTERS",
     "RecordingRule",
     "fleet",
     "per_pod",
@@ -38,6 +40,10 @@ POD_LEVEL = "_".join(POD)
 FLEET_LEVEL = "_".join(FLEET)
 # Best first: the plugin's exact count, then preemptions x context, then proxy stalls.
 METHOD_PREFERENCE: tuple[str, ...] = ("measured", "estimated", "stall_estimated")
+# The recompute counter of each method, in the catalog's spelling.
+RECOMPUTE_COUNTERS: dict[str, str] = {
+    m: f"kvtax_recomputed_tokens_{m}_total" for m in METHOD_PREFERENCE
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +80,11 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
     def kvtax_rate(counter: str, *matchers: str) -> str:
         return f"sum by ({pod}) (rate({config.selector(counter, k, *matchers)}[{w}]))"
 
-    def kvtax_rate_raw(counter: str, method: str) -> str:
-        method_matcher = 'method="' + method + '"'
-        return f"rate({config.selector(counter, k, method_matcher)}[{w}])"
+    def named_method(method: str) -> str:
+        # An empty source label matches the empty regex, so label_replace just adds the label.
+        return (
+            f'label_replace({kvtax_rate(RECOMPUTE_COUNTERS[method])}, "method", "{method}", "", "")'
+        )
 
     def kvtax_gauge(agg: str, gauge: str) -> str:
         return f"{agg} by ({pod}) ({config.selector(gauge, k)})"
@@ -100,10 +108,7 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
         add(per_pod(metric, rate), kvtax_rate(f"{metric}_total"), help_text)
 
     # One method per pod: `or on(...)` adds a lesser method only where no better one exists.
-    recomputed = f" or on ({pod}) ".join(
-        f"sum by ({pod}, method) ({kvtax_rate_raw('kvtax_recomputed_tokens_total', m)})"
-        for m in METHOD_PREFERENCE
-    )
+    recomputed = f" or on ({pod}) ".join(named_method(m) for m in METHOD_PREFERENCE)
     add(
         per_pod("kvtax_recomputed_tokens", rate),
         recomputed,
