@@ -175,11 +175,11 @@ command("dashboards")(run_dashboards)
 @command("docs")
 def _docs(args: argparse.Namespace) -> int:
     from kvtax.engine import vocabulary
-    from kvtax.expose import catalog
+    from kvtax.expose import reference
     from kvtax.serve import config
 
     pages = {
-        "metrics.md": catalog.render_markdown(),
+        "metrics.md": reference.render_markdown(),
         "configuration.md": config.render_markdown(),
         "compatibility.md": vocabulary.render_markdown(),
     }

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_metrics_reference_matches_catalog() -> None:
-    assert (ROOT / "docs/metrics.md").read_text() == catalog.render_markdown()
+    assert (ROOT / "docs/metrics.md").read_text() == reference.render_markdown()
 
 
 def test_configuration_reference_matches_options() -> None:
@@ -59,7 +59,7 @@ _SCANNED = (
 )
 _SUFFIXES = {".md", ".yaml", ".yml", ".json", ".py"}
 # Not yet updated by their owner (the delivery page's table of gauges); remove once it is.
-_PENDING = {"docs/delivery.md"}
+_PENDING: set[str] = set()
 
 
 def _scanned_texts() -> dict[str, str]:

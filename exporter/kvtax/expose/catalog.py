@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["METRICS", "METRIC_LIST", "PROCESS_METRICS", "MetricSpec", "render_markdown"]
+__all__ = ["METRICS", "METRIC_LIST", "PROCESS_METRICS", "MetricSpec"]
 
 MetricType = Literal["counter", "gauge", "histogram", "info"]
 
@@ -385,11 +385,3 @@ PROCESS_METRICS: tuple[tuple[str, str, str], ...] = (
     ("process_cpu_seconds_total", "counter", "CPU time the kvtax process used."),
     ("process_start_time_seconds", "gauge", "When the kvtax process started, Unix time."),
 )
-
-
-def render_markdown() -> str:
-    """docs/metrics.md; the page lives in :mod:`kvtax.expose.reference` (kept for kvtax.cli)."""
-    # Imported here: reference reads this module's tables, so a top-level import would be a cycle.
-    from .reference import render_markdown as render
-
-    return render()
