@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from kvtax_dev.exposition import labels_of, read_samples, total
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import drive
 
@@ -14,14 +13,9 @@ OVERLOAD_REQUESTS = 64
 OVERLOAD_MAX_TOKENS = 500
 
 
-def _sample_sum(exposition: str, sample_name: str) -> float:
-    """Sum of every series of ``sample_name`` (across engines and label sets)."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(exposition)
-        for sample in family.samples
-        if sample.name == sample_name
-    )
+def _preemptions(engine: VllmEngine) -> float:
+    """Preemptions so far, summed over every engine's series."""
+    return total(read_samples(engine.metrics_text()), "vllm:num_preemptions_total")
 
 
 def test_engine_is_healthy(vllm_engine: VllmEngine) -> None:
@@ -35,9 +29,7 @@ def test_models_lists_tiny_llama(vllm_engine: VllmEngine) -> None:
 
 
 def test_cache_config_reports_the_small_pool(vllm_engine: VllmEngine) -> None:
-    families = {f.name: f for f in text_string_to_metric_families(vllm_engine.metrics_text())}
-    info = families["vllm:cache_config_info"]
-    labels = info.samples[0].labels
+    [labels] = labels_of(read_samples(vllm_engine.metrics_text()), "vllm:cache_config_info")
     assert labels["num_gpu_blocks"] == "16"
     assert int(labels["block_size"]) * int(labels["num_gpu_blocks"]) == (
         vllm_engine.kv_capacity_tokens
@@ -46,7 +38,7 @@ def test_cache_config_reports_the_small_pool(vllm_engine: VllmEngine) -> None:
 
 def test_overload_preempts(vllm_engine: VllmEngine) -> None:
     # 64 x (41 + 500) tokens want ~34,600 KV tokens from a 2,048-token pool.
-    before = _sample_sum(vllm_engine.metrics_text(), "vllm:num_preemptions_total")
+    before = _preemptions(vllm_engine)
     results = asyncio.run(
         drive(
             vllm_engine.url,
@@ -57,7 +49,7 @@ def test_overload_preempts(vllm_engine: VllmEngine) -> None:
             include_usage=True,
         )
     )
-    after = _sample_sum(vllm_engine.metrics_text(), "vllm:num_preemptions_total")
+    after = _preemptions(vllm_engine)
 
     assert [r.error for r in results if not r.ok] == []
     # ignore_eos makes every request generate exactly max_tokens, preempted or not.
