@@ -54,7 +54,7 @@ from bench.pipeline import CAPTURE, multi_model_payload
 from bench.sse_upstream import completions
 from kvtax_dev import EXPORTER
 from kvtax_dev.exposition import read_samples
-from kvtax_dev.process import ChildProcess
+from kvtax_dev.process import ChildProcess, port_open
 
 __all__ = ["SCENARIOS", "main"]
 
@@ -140,12 +140,6 @@ def _port() -> int:
         return port
 
 
-def _listening(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-        return True
-    return False
-
-
 def _family_pids(pid: int) -> list[int]:
     """The process and its children (kvtax's parse worker, started from a thread)."""
     pids = [pid]
@@ -172,7 +166,7 @@ def running(args: list[str], log: Path, port: int, env: dict[str, str]) -> Itera
         log.stem,
         args,
         log_path=log,
-        ready=lambda: _listening(port),
+        ready=lambda: port_open(port),
         env=env,
         startup_timeout=120,
     )

@@ -5,7 +5,8 @@ need the same steps: launch with the output in a log file, poll a readiness prob
 watching for an early exit, and stop with SIGTERM, then SIGKILL after a grace period. A failed
 start raises :class:`ChildStartError` (or the caller's subclass) with the log's last lines,
 because the reason is almost always there. :func:`poll_until` is the polling loop on its own,
-for conditions after start; :func:`http_ok` is the usual readiness probe.
+for conditions after start; :func:`http_ok` is the usual readiness probe, :func:`port_open`
+the one for servers with no health endpoint.
 
 Example::
 
@@ -21,6 +22,7 @@ import atexit
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +32,7 @@ from typing import Self, TypeVar
 
 import requests
 
-__all__ = ["ChildProcess", "ChildStartError", "http_ok", "poll_until", "tail"]
+__all__ = ["ChildProcess", "ChildStartError", "http_ok", "poll_until", "port_open", "tail"]
 
 T = TypeVar("T")
 TAIL_LINES = 40
@@ -54,6 +56,15 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         return requests.get(url, timeout=timeout).status_code == 200
     except requests.RequestException:
+        return False
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
         return False
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-
 from bench.sse_upstream import completions
+
 from kvtax_dev.testbed.load import RequestResult, drive
 
 

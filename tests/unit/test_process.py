@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvtax_dev import EXPORTER
-from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until
+from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until, port_open
 from kvtax_dev.testbed.engine import free_port
 from kvtax_dev.testbed.sidecar import KvtaxProcess
 
@@ -126,6 +127,15 @@ def test_poll_until_gives_none_or_the_last_error_at_the_deadline() -> None:
 
 def test_http_ok_is_false_when_nothing_listens() -> None:
     assert http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=1) is False
+
+
+def test_port_open_sees_a_listener_and_only_while_it_listens() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert port_open(port)
+    assert not port_open(port)
 
 
 def test_kvtax_process_runs_this_checkouts_package(monkeypatch: pytest.MonkeyPatch) -> None:
