@@ -167,16 +167,18 @@ class ChildProcess:
         proc = self._proc
         assert proc is not None
 
-        def ready_or_exited() -> bool:
-            return proc.poll() is not None or self._ready()
+        def outcome() -> str | None:
+            if proc.poll() is not None:
+                return "exited"
+            return "ready" if self._ready() else None
 
-        poll_until(ready_or_exited, timeout=timeout, interval=0.2)
-        if proc.poll() is not None:
+        reached = poll_until(outcome, timeout=timeout, interval=0.2)
+        if reached == "exited":
             raise self._error(
                 f"{self.name} exited with {proc.returncode} during start-up; "
                 f"{self.log_path} ends with:\n{self.log_tail()}"
             )
-        if not self._ready():
+        if reached is None:
             raise self._error(
                 f"{self.name} not ready after {timeout:g} s; "
                 f"{self.log_path} ends with:\n{self.log_tail()}"
