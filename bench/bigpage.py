@@ -39,7 +39,6 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,11 +47,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+import requests
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.pipeline import CAPTURE, multi_model_payload
 from bench.sse_upstream import completions
+from kvtax_dev import EXPORTER
+from kvtax_dev.exposition import read_samples
+from kvtax_dev.process import ChildProcess, port_open
 
 __all__ = ["SCENARIOS", "main"]
 
@@ -138,17 +140,6 @@ def _port() -> int:
         return port
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited:\n{log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on {port}")
-
-
 def _family_pids(pid: int) -> list[int]:
     """The process and its children (kvtax's parse worker, started from a thread)."""
     pids = [pid]
@@ -170,18 +161,18 @@ def _status_kib(pids: list[int], key: str) -> int:
 
 @contextlib.contextmanager
 def running(args: list[str], log: Path, port: int, env: dict[str, str]) -> Iterator[int]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_port(port, proc, log)
-        yield proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """The child running, once something listens on ``port``; yields its pid."""
+    child = ChildProcess(
+        log.stem,
+        args,
+        log_path=log,
+        ready=lambda: port_open(port),
+        env=env,
+        startup_timeout=120,
+    )
+    with child:
+        assert child.pid is not None
+        yield child.pid
 
 
 # -- probes ------------------------------------------------------------------------------------
@@ -253,22 +244,16 @@ async def probe(pid: int, web_url: str, proxy_url: str, seconds: float) -> Probe
 
 
 def _kvtax_page(url: str) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=60) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {"series": 0.0}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out["series"] += 1
-            reason = s.labels.get("reason")
-            if s.name == "kvtax_scrape_errors_total" and s.value:
-                out[f"errors:{reason}"] = s.value
-            elif (
-                s.name in ("kvtax_vllm_up", "kvtax_scrapes_total")
-                or s.name == "kvtax_scrape_dropped_models_total"
-            ):
-                out[s.name] = s.value
+    resp = requests.get(url + "/metrics", timeout=60)
+    resp.raise_for_status()
+    samples = read_samples(resp.content.decode())
+    out: dict[str, float] = {"series": float(sum(len(v) for v in samples.values()))}
+    for labels, value in samples.get("kvtax_scrape_errors_total", {}).items():
+        if value:
+            out[f"errors:{dict(labels).get('reason')}"] = value
+    for name in ("kvtax_vllm_up", "kvtax_scrapes_total", "kvtax_scrape_dropped_models_total"):
+        for value in samples.get(name, {}).values():
+            out[name] = value
     return out
 
 
@@ -314,7 +299,8 @@ def _kvtax_args(web_port: int, proxy_port: int, vllm_port: int) -> list[str]:
 def run_scenario(name: str, label: str, seconds: float, kvtax_path: str | None) -> Result:
     page_mb = max(len(p) for p in scenario_pages(name)) / 1e6
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTAX_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (kvtax_path, str(ROOT)) if p)
+    # This checkout's kvtax unless told otherwise: the venv's install may map another tree.
+    env["PYTHONPATH"] = os.pathsep.join((kvtax_path or str(EXPORTER), str(ROOT)))
     work = Path(tempfile.mkdtemp(prefix="kvtax-bigpage-"))
     vllm_port, web_port, proxy_port = _port(), _port(), _port()
     serve_args = [sys.executable, "-m", "bench.bigpage", "--serve", name, f"--port={vllm_port}"]

@@ -23,6 +23,7 @@ import time
 from bench.pipeline import CAPTURE, multi_model_payload
 from kvtax.engine.normalize import normalize
 from kvtax.serve.parsepool import ParsePool
+from kvtax_dev.exposition import read_samples
 
 __all__ = ["main"]
 
@@ -115,7 +116,7 @@ async def measure(mode: str, text: str, port: int) -> str:
 
 async def main_async(models: int) -> None:
     text = multi_model_payload(CAPTURE.read_text(), models)
-    series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    series = sum(len(by_labels) for by_labels in read_samples(text).values())
     print(f"page: {models} models, {series} series, {len(text) / 1e6:.1f} MB")
     print("| parse | took | round trips/s | p50 | p99 | max |\n|---|---:|---:|---:|---:|---:|")
     server = await asyncio.start_server(_echo, "127.0.0.1", 0)

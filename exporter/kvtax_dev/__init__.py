@@ -2,9 +2,13 @@
 
 :mod:`.testbed` starts real processes (a vLLM CPU engine, ``kvtax serve``, Prometheus,
 Alertmanager, a webhook) and drives load at them; :mod:`.demo` is ``kvtax demo``;
-:mod:`.preview` and :mod:`.promapi` draw the dashboards from a live Prometheus for
-``kvtax dashboards preview``. The runtime package :mod:`kvtax` never imports this one at import
-time, and the wheel and the image do not contain it (``pyproject.toml`` finds ``kvtax*`` only;
+:mod:`.preview` draws the dashboards from a live Prometheus for ``kvtax dashboards preview``.
+Three pieces are written once and shared by all of them: :mod:`.process` (a child process's
+start, readiness wait, log and stop), :mod:`.promapi` (the Prometheus and Alertmanager HTTP
+APIs, on ``requests``) and :mod:`.exposition` (a ``/metrics`` page into dicts).
+
+The runtime package :mod:`kvtax` never imports this one at import time, and the wheel and the
+image do not contain it (``pyproject.toml`` finds ``kvtax*`` only;
 ``tests/unit/test_wheel_contents.py`` checks).
 
 It lives beside ``kvtax`` in ``exporter/`` and is imported from a checkout only: pytest puts

@@ -1,27 +1,30 @@
-"""The testbed itself: a real vLLM engine that is healthy, small, and preempts on demand."""
+"""The testbed itself: a real vLLM engine that is healthy, small, and preempts on demand, and the
+servers around it (kvtax, Prometheus, Alertmanager) starting, answering and stopping cleanly."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
+from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.exposition import labels_of, read_samples, total
+from kvtax_dev.testbed import VllmEngine, free_port
 from kvtax_dev.testbed.load import drive
+from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
+from kvtax_dev.testbed.sidecar import KvtaxProcess
+
+ALERTS = Path(__file__).resolve().parents[2] / "alerts" / "kvtax-alerts.yaml"
+# Alertmanager's smallest valid config: everything to one receiver that notifies no one.
+SILENT_AM = 'route: {receiver: "null"}\nreceivers: [{name: "null"}]\n'
 
 OVERLOAD_REQUESTS = 64
 OVERLOAD_MAX_TOKENS = 500
 
 
-def _sample_sum(exposition: str, sample_name: str) -> float:
-    """Sum of every series of ``sample_name`` (across engines and label sets)."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(exposition)
-        for sample in family.samples
-        if sample.name == sample_name
-    )
+def _preemptions(engine: VllmEngine) -> float:
+    """Preemptions so far, summed over every engine's series."""
+    return total(read_samples(engine.metrics_text()), "vllm:num_preemptions_total")
 
 
 def test_engine_is_healthy(vllm_engine: VllmEngine) -> None:
@@ -35,9 +38,7 @@ def test_models_lists_tiny_llama(vllm_engine: VllmEngine) -> None:
 
 
 def test_cache_config_reports_the_small_pool(vllm_engine: VllmEngine) -> None:
-    families = {f.name: f for f in text_string_to_metric_families(vllm_engine.metrics_text())}
-    info = families["vllm:cache_config_info"]
-    labels = info.samples[0].labels
+    [labels] = labels_of(read_samples(vllm_engine.metrics_text()), "vllm:cache_config_info")
     assert labels["num_gpu_blocks"] == "16"
     assert int(labels["block_size"]) * int(labels["num_gpu_blocks"]) == (
         vllm_engine.kv_capacity_tokens
@@ -46,7 +47,7 @@ def test_cache_config_reports_the_small_pool(vllm_engine: VllmEngine) -> None:
 
 def test_overload_preempts(vllm_engine: VllmEngine) -> None:
     # 64 x (41 + 500) tokens want ~34,600 KV tokens from a 2,048-token pool.
-    before = _sample_sum(vllm_engine.metrics_text(), "vllm:num_preemptions_total")
+    before = _preemptions(vllm_engine)
     results = asyncio.run(
         drive(
             vllm_engine.url,
@@ -57,7 +58,7 @@ def test_overload_preempts(vllm_engine: VllmEngine) -> None:
             include_usage=True,
         )
     )
-    after = _sample_sum(vllm_engine.metrics_text(), "vllm:num_preemptions_total")
+    after = _preemptions(vllm_engine)
 
     assert [r.error for r in results if not r.ok] == []
     # ignore_eos makes every request generate exactly max_tokens, preempted or not.
@@ -65,3 +66,26 @@ def test_overload_preempts(vllm_engine: VllmEngine) -> None:
     assert {r.finish_reason for r in results} == {"length"}
     assert all(r.chunks > 0 for r in results)
     assert after - before > 0
+
+
+def test_prometheus_scrapes_kvtax_and_every_server_stops_cleanly(tmp_path: Path) -> None:
+    # No engine on purpose: kvtax serves /metrics (vllm_up 0) whether or not vLLM is there.
+    kvtax = KvtaxProcess(f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "kvtax.log")
+    am = AlertmanagerProcess(SILENT_AM, log_path=tmp_path / "am.log")
+    with kvtax, am:
+        address = urllib.parse.urlsplit(kvtax.base_url).netloc
+        config = prometheus_config({"kvtax": [address]}, alertmanager_url=am.url)
+        prom = PrometheusProcess(config, [ALERTS], log_path=tmp_path / "prom.log")
+        with prom:
+            up = prom.wait_for(lambda: prom.query('up{job="kvtax"} == 1'), what="kvtax scraped")
+            assert [r["metric"]["instance"] for r in up] == [address]
+            assert prom.values("kvtax_vllm_up") == {
+                json.dumps({"__name__": "kvtax_vllm_up", "instance": address, "job": "kvtax"}): 0.0
+            }
+            assert [t["health"] for t in prom.targets()] == ["up"]
+            assert {g["file"] for g in prom.rule_groups()} == {str(ALERTS)}
+            am.post_alerts([{"labels": {"alertname": "TestbedSmoke"}}])
+            posted = am.wait_for(am.alerts, what="the posted alert")
+            assert [a["labels"]["alertname"] for a in posted] == ["TestbedSmoke"]
+            assert prom.stop() == 0, prom.log_tail()
+        assert (kvtax.stop(), am.stop()) == (0, 0), kvtax.log_tail() + am.log_tail()

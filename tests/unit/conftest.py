@@ -1,16 +1,31 @@
-"""Shared helpers for the unit tests: reading the vLLM fixtures and an injectable clock.
+"""Shared helpers for the unit tests: the vLLM fixtures, an injectable clock, the /metrics
+reader and the Prometheus command-line tools.
 
 The fixtures under ``tests/fixtures/vllm`` are real 0.32 captures and hand-written older
 versions (see ``OLD-VERSIONS.md`` there). Tests read them through :func:`fixture_text`.
+Pages are read with :mod:`kvtax_dev.exposition`, the harness's one reader.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from kvtax_dev.exposition import Labels, Samples, read_samples
+
+__all__ = [
+    "FakeClock",
+    "Labels",
+    "clock",
+    "fixture_text",
+    "one",
+    "parse_exposition",
+    "read_fixture",
+    "tool",
+]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
@@ -42,18 +57,22 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-Labels = frozenset[tuple[str, str]]
+# The harness's reader, under the name the unit tests know (sample name -> {labels: value}).
+parse_exposition = read_samples
 
 
-def parse_exposition(text: str) -> dict[str, dict[Labels, float]]:
-    """Sample name -> {label set: value}, read back with prometheus-client's parser."""
-    samples: dict[str, dict[Labels, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples.setdefault(s.name, {})[frozenset(s.labels.items())] = s.value
-    return samples
+def tool(name: str) -> str:
+    """The path of ``promtool`` or ``amtool``; fails (never skips) when it is not installed.
+
+    ``scripts/setup-prometheus.sh`` installs both, for the unit-only run as for the full one.
+    /usr/bin is searched too: PATH in some test runners is a venv's bin only.
+    """
+    path = shutil.which(name) or shutil.which(name, path="/usr/bin")
+    if path is None:
+        pytest.fail(f"{name} is not installed: run scripts/setup-prometheus.sh", pytrace=False)
+    return path
 
 
-def one(samples: dict[str, dict[Labels, float]], name: str, **labels: str) -> float:
+def one(samples: Samples, name: str, **labels: str) -> float:
     """The value of the one sample with this name and exactly these labels."""
     return samples[name][frozenset(labels.items())]

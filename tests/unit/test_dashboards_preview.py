@@ -25,7 +25,7 @@ from kvtax_dev.preview import (
     legend_text,
     rate_interval,
 )
-from kvtax_dev.promapi import PrometheusApi, QueryError, Series
+from kvtax_dev.promapi import AlertmanagerApi, PrometheusApi, QueryError, Series
 
 T0 = 1_800_000_000.0
 
@@ -170,6 +170,22 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(raw)
 
+    def do_GET(self) -> None:
+        # Alerts as Prometheus lists them; Alertmanager's own error shape; a proxy's HTML page.
+        if self.path == "/api/v1/alerts":
+            self._answer(200, {"status": "success", "data": {"alerts": [{"state": "firing"}]}})
+        elif self.path.startswith("/api/v2/alerts"):
+            self._answer(400, {"code": 400, "message": "bad matcher: active=maybe"})
+        else:
+            self._answer(200, None)
+
+    def _answer(self, status: int, body: Any) -> None:
+        raw = json.dumps(body).encode() if body is not None else b"<html>not an API</html>"
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
@@ -199,8 +215,28 @@ def test_promapi_raises_prometheus_reason(stand_in: str) -> None:
 
 
 def test_promapi_unreachable_is_a_query_error() -> None:
-    with pytest.raises(QueryError, match="cannot query"):
+    with pytest.raises(QueryError, match=r"cannot query http://127\.0\.0\.1:9/api/v1/query"):
         PrometheusApi("http://127.0.0.1:9", timeout=2).query("up")
+
+
+def test_promapi_errors_name_the_url_and_status(stand_in: str) -> None:
+    with pytest.raises(QueryError) as raised:
+        PrometheusApi(stand_in).vector("broken(")
+    assert str(raised.value) == f"{stand_in}/api/v1/query answered 400: bad_data: parse error"
+
+
+def test_promapi_reads_alerts(stand_in: str) -> None:
+    assert PrometheusApi(stand_in).alerts() == [{"state": "firing"}]
+
+
+def test_alertmanager_errors_carry_its_message(stand_in: str) -> None:
+    with pytest.raises(QueryError, match="answered 400: bad matcher: active=maybe"):
+        AlertmanagerApi(stand_in).alerts(active="maybe")
+
+
+def test_an_answer_that_is_not_json_is_a_query_error(stand_in: str) -> None:
+    with pytest.raises(QueryError, match=f"{stand_in}/elsewhere/api/v1/rules answered 200 with no"):
+        PrometheusApi(f"{stand_in}/elsewhere").rule_groups()
 
 
 # -- the CLI --------------------------------------------------------------------------------

@@ -6,28 +6,28 @@ from :mod:`kvtax_dev.testbed.model`, with a KV pool shrunk to a few blocks so th
 load preempts. The engine runs in its own process group so that stopping it also stops
 every worker it spawned.
 
-Standard library only: this module is imported by the sidecar's test suite, whose venv
-has neither torch nor vLLM.
+Light imports only (the standard library and requests): this module is imported by the
+sidecar's test suite, whose venv has neither torch nor vLLM. The process itself is a
+:class:`~kvtax_dev.process.ChildProcess`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+import requests
+
 from kvtax_dev import dev_env, repo_root
+from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, tail
 
 # The vLLM CPU backend's KV block size, in tokens. The pool holds blocks * this.
 BLOCK_SIZE_TOKENS = 128
@@ -39,7 +39,7 @@ DEFAULT_STOP_GRACE_S = 20.0
 _LOG_TAIL_LINES = 60
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(ChildStartError):
     """The engine could not be installed, prepared or brought to a healthy state."""
 
 
@@ -59,14 +59,6 @@ def free_port() -> int:
 def _progress(message: str) -> None:
     # Long steps (install, model build, startup) would otherwise look like a hang.
     print(f"kvtax_dev.testbed: {message}", file=sys.stderr, flush=True)
-
-
-def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as exc:
-        return f"(no log at {path}: {exc})"
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def ensure_vllm_venv() -> Path:
@@ -186,7 +178,7 @@ class VllmEngine:
         self.stop_grace_s = stop_grace_s
         self.startup_seconds: float | None = None
         self.venv: Path | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._child: ChildProcess | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -217,7 +209,7 @@ class VllmEngine:
 
     def start(self) -> VllmEngine:
         """Install (once), build the model (once), launch, and wait for ``/health``."""
-        if self._proc is not None:
+        if self._child is not None:
             return self
         venv = ensure_vllm_venv()
         self.venv = venv
@@ -227,93 +219,54 @@ class VllmEngine:
         # actual (much smaller) pool inside it.
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         env.update(self.extra_env)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._child = ChildProcess(
+            "vLLM",
+            self.command(venv / "bin" / "python"),
+            log_path=self.log_path,
+            ready=self.healthy,
+            env=env,
+            cwd=self.log_path.parent,
+            own_group=True,  # stop() signals the API server and all its workers
+            startup_timeout=self.startup_timeout_s,
+            error=EngineStartError,
+        )
         _progress(f"starting vLLM on {self.url} (log: {self.log_path})...")
         began = time.monotonic()
-        with self.log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
-                self.command(venv / "bin" / "python"),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=str(self.log_path.parent),
-                # Own process group: stop() signals the API server and all its workers.
-                start_new_session=True,
-            )
-        # Never leave an orphan engine behind if the caller forgets stop() or crashes.
-        atexit.register(self.stop)
-        _progress("waiting for engine to become healthy...")
         try:
-            self._wait_healthy(began)
+            self._child.start()
         except BaseException:
-            self.stop()
+            self._child = None
             raise
         self.startup_seconds = time.monotonic() - began
         _progress(f"engine healthy after {self.startup_seconds:.1f} s")
         return self
 
-    def _wait_healthy(self, began: float) -> None:
-        proc = self._proc
-        assert proc is not None
-        deadline = began + self.startup_timeout_s
-        while True:
-            code = proc.poll()
-            if code is not None:
-                raise EngineStartError(
-                    f"vLLM exited with code {code} during startup; log {self.log_path} "
-                    f"ends with:\n{_tail(self.log_path)}"
-                )
-            if self.healthy():
-                return
-            if time.monotonic() > deadline:
-                raise EngineStartError(
-                    f"vLLM not healthy after {self.startup_timeout_s:.0f} s; log "
-                    f"{self.log_path} ends with:\n{_tail(self.log_path)}"
-                )
-            time.sleep(0.5)
-
     def healthy(self) -> bool:
         """True when ``GET /health`` answers 200."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(f"{self.url}/health")
 
     @property
     def running(self) -> bool:
         """True while the engine process is alive."""
-        return self._proc is not None and self._proc.poll() is None
+        return self._child is not None and self._child.running
 
     def stop(self) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL after a grace. Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        atexit.unregister(self.stop)
-        pgid = proc.pid  # start_new_session made the server its group's leader
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=self.stop_grace_s)
-        # Workers may outlive the leader; kill whatever remains of the group regardless.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop(grace=self.stop_grace_s)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines of the engine log, for error messages."""
-        return _tail(self.log_path, lines)
+        return tail(self.log_path, lines)
 
     # -- convenience ---------------------------------------------------------------------
 
     def get(self, path: str, timeout: float = 10.0) -> str:
         """GET ``path`` from the engine and return the body as text."""
-        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as resp:
-            body: bytes = resp.read()
-            return body.decode()
+        resp = requests.get(f"{self.url}{path}", timeout=timeout)
+        resp.raise_for_status()
+        return resp.content.decode()
 
     def metrics_text(self) -> str:
         """The engine's current Prometheus exposition (``GET /metrics``)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -95,6 +95,53 @@ def _choice_text(choice: dict[str, Any], chat: bool) -> str:
     return str(choice.get("text") or "")
 
 
+@dataclass(slots=True)
+class _Seen:
+    """What the client has read of one answer so far."""
+
+    began: float
+    chat: bool
+    chunks: int = 0
+    parts: list[str] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    ttft: float | None = None
+
+    def choices(self, choices: list[dict[str, Any]], streamed: bool) -> None:
+        for choice in choices:
+            text = _choice_text(choice, self.chat)
+            if streamed and text and self.ttft is None:
+                self.ttft = time.monotonic() - self.began
+            self.parts.append(text)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+
+async def _read_stream(
+    resp: aiohttp.ClientResponse, seen: _Seen, disconnect_after_chunks: int | None
+) -> bool:
+    """Read SSE events into ``seen``; True when the client hung up on purpose."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        event = json.loads(data)
+        seen.usage = event.get("usage") or seen.usage
+        choices = event.get("choices") or []
+        if not choices:
+            continue  # the trailing usage-only event
+        seen.chunks += 1
+        seen.choices(choices, streamed=True)
+        if disconnect_after_chunks is not None and seen.chunks >= disconnect_after_chunks:
+            # Drop the connection mid-stream, as an impatient client would; vLLM should
+            # notice and abort the request.
+            resp.close()
+            return True
+    return False
+
+
 async def _one(
     session: aiohttp.ClientSession,
     url: str,
@@ -104,14 +151,8 @@ async def _one(
     chat: bool,
     disconnect_after_chunks: int | None,
 ) -> RequestResult:
-    stream = bool(body["stream"])
-    began = time.monotonic()
+    seen = _Seen(began=time.monotonic(), chat=chat)
     status = 0
-    chunks = 0
-    parts: list[str] = []
-    usage: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    ttft: float | None = None
     disconnected = False
     error: str | None = None
     try:
@@ -119,50 +160,25 @@ async def _one(
             status = resp.status
             if status != 200:
                 error = (await resp.text())[:500]
-            elif not stream:
-                payload = await resp.json()
-                usage = payload.get("usage")
-                for choice in payload.get("choices", []):
-                    parts.append(_choice_text(choice, chat))
-                    finish_reason = choice.get("finish_reason") or finish_reason
+            elif body["stream"]:
+                disconnected = await _read_stream(resp, seen, disconnect_after_chunks)
             else:
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
-                    usage = event.get("usage") or usage
-                    choices = event.get("choices") or []
-                    if not choices:
-                        continue  # the trailing usage-only event
-                    chunks += 1
-                    for choice in choices:
-                        text = _choice_text(choice, chat)
-                        if text and ttft is None:
-                            ttft = time.monotonic() - began
-                        parts.append(text)
-                        finish_reason = choice.get("finish_reason") or finish_reason
-                    if disconnect_after_chunks is not None and chunks >= disconnect_after_chunks:
-                        # Drop the connection mid-stream, as an impatient client would;
-                        # vLLM should notice and abort the request.
-                        disconnected = True
-                        resp.close()
-                        break
+                payload = await resp.json()
+                seen.usage = payload.get("usage")
+                seen.choices(payload.get("choices", []), streamed=False)
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
+    usage = seen.usage
     return RequestResult(
         index=index,
         status=status,
         completion_tokens=None if usage is None else usage.get("completion_tokens"),
         prompt_tokens=None if usage is None else usage.get("prompt_tokens"),
-        chunks=chunks,
-        text="".join(parts),
-        finish_reason=finish_reason,
-        ttft_s=ttft,
-        latency_s=time.monotonic() - began,
+        chunks=seen.chunks,
+        text="".join(seen.parts),
+        finish_reason=seen.finish_reason,
+        ttft_s=seen.ttft,
+        latency_s=time.monotonic() - seen.began,
         disconnected=disconnected,
         error=error,
     )

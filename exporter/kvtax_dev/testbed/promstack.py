@@ -3,7 +3,8 @@
 Both run from the Debian packages (``scripts/setup-system.sh`` installs them; override the
 binaries with ``KVTAX_PROMETHEUS_BIN`` / ``KVTAX_ALERTMANAGER_BIN``). Each server gets a
 fresh temporary directory for its config, storage and log, a free loopback port, and is
-stopped with SIGTERM. Query helpers speak the HTTP APIs with urllib. Stdlib only.
+stopped with SIGTERM (each is a :class:`~kvtax_dev.process.ChildProcess`). Queries go
+through :mod:`kvtax_dev.promapi`, the harness's one client of both HTTP APIs.
 
 Example::
 
@@ -19,17 +20,15 @@ import abc
 import json
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
+
+from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until, tail
+from kvtax_dev.promapi import AlertmanagerApi, PrometheusApi, QueryError
 
 from .engine import free_port
 
@@ -43,7 +42,7 @@ __all__ = [
 T = TypeVar("T")
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(ChildStartError):
     """The server binary is missing, exited, or did not become ready; carries its log tail."""
 
 
@@ -92,7 +91,7 @@ def prometheus_config(
 
 
 class _Server(abc.ABC):
-    """Shared lifecycle: temp dir, free port, start and wait for /-/ready, SIGTERM stop."""
+    """Shared set-up: a temp dir for config, data and log, a free port, ready on /-/ready."""
 
     name = "server"
 
@@ -101,7 +100,7 @@ class _Server(abc.ABC):
         self.url = f"http://127.0.0.1:{self.port}"
         self.dir = Path(tempfile.mkdtemp(prefix=f"kvtax-{self.name}-"))
         self.log_path = log_path or self.dir / f"{self.name}.log"
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._child: ChildProcess | None = None
 
     @abc.abstractmethod
     def command(self) -> list[str]:
@@ -120,82 +119,46 @@ class _Server(abc.ABC):
         self.stop()
 
     def start(self, timeout: float = 60.0) -> None:
-        with self.log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.dir
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise ServerStartError(
-                    f"{self.name} exited with {self._proc.returncode}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise ServerStartError(f"{self.name} not ready in {timeout}s:\n{self.log_tail()}")
+        child = ChildProcess(
+            self.name,
+            self.command(),
+            log_path=self.log_path,
+            ready=lambda: http_ok(f"{self.url}/-/ready"),
+            cwd=self.dir,
+            error=ServerStartError,
+        )
+        child.start(timeout)
+        self._child = child
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout``; removes the temp dir. Returns the status."""
-        proc, self._proc = self._proc, None
-        if proc is None:
+        child, self._child = self._child, None
+        if child is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        code = child.stop(grace=timeout)
         # The TSDB goes; config and log stay for a post-mortem unless the stop was clean (a log
         # written elsewhere is the caller's to keep).
         shutil.rmtree(self.dir / "data", ignore_errors=True)
-        if proc.returncode == 0:
+        if code == 0:
             shutil.rmtree(self.dir, ignore_errors=True)
-        return proc.returncode
+        return code
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def get_json(self, path: str, params: Mapping[str, str] | None = None) -> Any:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=10) as resp:
-            return json.load(resp)
-
-    def post_json(self, path: str, body: Any) -> Any:
-        request = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            raw = resp.read()
-        return json.loads(raw) if raw else None
+        return tail(self.log_path, lines)
 
     def wait_for(
         self, probe: Callable[[], T], timeout: float = 120.0, what: str = "condition"
     ) -> T:
         """Poll ``probe`` until it returns something truthy; raise with the log tail if never."""
-        deadline = time.monotonic() + timeout
         last_error: Exception | None = None
-        while time.monotonic() < deadline:
-            try:
-                value = probe()
-            except (OSError, urllib.error.URLError, ValueError) as exc:
-                last_error = exc
-            else:
-                if value:
-                    return value
-            time.sleep(0.5)
+        try:
+            value = poll_until(
+                probe, timeout=timeout, interval=0.5, retry_on=(QueryError, OSError, ValueError)
+            )
+        except (QueryError, OSError, ValueError) as exc:
+            value, last_error = None, exc
+        if value:
+            return value
         raise AssertionError(
             f"{self.name}: {what} not met in {timeout}s (last error: {last_error}); "
             f"log tail:\n{self.log_tail()}"
@@ -220,6 +183,7 @@ class PrometheusProcess(_Server):
     ) -> None:
         super().__init__(log_path)
         self.binary = _binary("KVTAX_PROMETHEUS_BIN", "prometheus")
+        self.api = PrometheusApi(self.url, timeout=10.0)
         text = config_yaml.rstrip("\n") + "\n"
         if rule_files:
             text += "rule_files: " + json.dumps([str(Path(p).resolve()) for p in rule_files]) + "\n"
@@ -236,11 +200,7 @@ class PrometheusProcess(_Server):
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """Instant query; each result is ``{"metric": {...}, "value": [t, "v"]}``."""
-        body = self.get_json("/api/v1/query", {"query": expr})
-        if body.get("status") != "success":
-            raise ValueError(f"query {expr!r} failed: {body}")
-        result: list[dict[str, Any]] = body["data"]["result"]
-        return result
+        return self.api.vector(expr)
 
     def values(self, expr: str) -> dict[str, float]:
         """Instant query as ``{label set rendered as text: value}``, for assertions."""
@@ -250,17 +210,14 @@ class PrometheusProcess(_Server):
 
     def alerts(self) -> list[dict[str, Any]]:
         """Pending and firing alerts: ``labels``, ``annotations``, ``state``, ``value``."""
-        alerts: list[dict[str, Any]] = self.get_json("/api/v1/alerts")["data"]["alerts"]
-        return alerts
+        return self.api.alerts()
 
     def rule_groups(self) -> list[dict[str, Any]]:
-        groups: list[dict[str, Any]] = self.get_json("/api/v1/rules")["data"]["groups"]
-        return groups
+        return self.api.rule_groups()
 
     def targets(self) -> list[dict[str, Any]]:
         """Active scrape targets with ``labels`` and ``health``."""
-        active: list[dict[str, Any]] = self.get_json("/api/v1/targets")["data"]["activeTargets"]
-        return active
+        return self.api.targets()
 
 
 class AlertmanagerProcess(_Server):
@@ -271,6 +228,7 @@ class AlertmanagerProcess(_Server):
     def __init__(self, config_yaml: str, *, log_path: Path | None = None) -> None:
         super().__init__(log_path)
         self.binary = _binary("KVTAX_ALERTMANAGER_BIN", "prometheus-alertmanager", "alertmanager")
+        self.api = AlertmanagerApi(self.url)
         self.config_path = self.dir / "alertmanager.yml"
         self.config_path.write_text(config_yaml)
 
@@ -286,17 +244,15 @@ class AlertmanagerProcess(_Server):
 
     def post_alerts(self, alerts: Sequence[Mapping[str, Any]]) -> None:
         """Push alerts as Prometheus does (``labels``, ``annotations``, optional times)."""
-        self.post_json("/api/v2/alerts", list(alerts))
+        self.api.post_alerts(alerts)
 
     def alerts(self, **filters: str) -> list[dict[str, Any]]:
         """Alerts with their ``status`` (``state``, ``inhibitedBy``, ``silencedBy``).
 
         ``filters`` are API flags such as ``inhibited="false"`` or ``active="true"``.
         """
-        alerts: list[dict[str, Any]] = self.get_json("/api/v2/alerts", filters or None)
-        return alerts
+        return self.api.alerts(**filters)
 
     def groups(self) -> list[dict[str, Any]]:
         """Notification groups: ``labels`` (the group-by values), ``receiver``, ``alerts``."""
-        groups: list[dict[str, Any]] = self.get_json("/api/v2/alerts/groups")
-        return groups
+        return self.api.groups()

@@ -1,8 +1,9 @@
 """Run a real ``kvtax serve`` as a child process, for end-to-end tests, the demo and benches.
 
 The sidecar runs exactly as in a pod: its own process, its own ports, configured by flags. This
-module only starts it, waits for ``/healthz``, reads its ``/metrics`` and stops it with SIGTERM
-(the same signal Kubernetes sends), returning the exit status. Stdlib only.
+module only starts it (a :class:`~kvtax_dev.process.ChildProcess` running this checkout's
+package, through :func:`kvtax_dev.dev_env`), waits for ``/healthz``, reads its ``/metrics`` and
+stops it with SIGTERM (the same signal Kubernetes sends), returning the exit status.
 
 Example::
 
@@ -15,38 +16,23 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
-from prometheus_client.parser import text_string_to_metric_families
+import requests
+
+from kvtax_dev import dev_env
+from kvtax_dev.exposition import read_series, series_key
+from kvtax_dev.process import ChildProcess, http_ok, poll_until, tail
 
 from .engine import free_port
 
 __all__ = ["KvtaxProcess", "parse_metrics", "series_key"]
 
-
-def series_key(name: str, labels: dict[str, str] | None = None) -> str:
-    """``name{a="1",b="2"}`` with labels sorted, the key :func:`parse_metrics` uses."""
-    if not labels:
-        return name
-    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    return f"{name}{{{inner}}}"
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Every sample of a /metrics page, keyed by :func:`series_key`."""
-    return {
-        series_key(s.name, s.labels): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+# Kept under its old name for the tests that import it from here.
+parse_metrics = read_series
 
 
 class KvtaxProcess:
@@ -86,9 +72,9 @@ class KvtaxProcess:
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / (
             f"kvtax-{self.port}.log"
         )
-        self._env = {**os.environ, **(env or {})}
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        # This checkout's kvtax, not whatever the venv maps: in a worktree they differ.
+        self.env = dev_env({**os.environ, **(env or {})})
+        self._child: ChildProcess | None = None
 
     def __enter__(self) -> KvtaxProcess:
         self.start()
@@ -103,36 +89,30 @@ class KvtaxProcess:
         self.stop()
 
     def start(self, timeout: float = 30.0) -> None:
-        self._log = self.log_path.open("wb")
-        self._proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self._env
+        child = ChildProcess(
+            "kvtax",
+            self.args,
+            log_path=self.log_path,
+            ready=lambda: http_ok(f"{self.base_url}/healthz"),
+            env=self.env,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                code = self.stop()
-                raise RuntimeError(f"kvtax exited with {code}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/healthz", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"kvtax did not become healthy in {timeout}s:\n{self.log_tail()}")
+        child.start(timeout)
+        self._child = child
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return tail(self.log_path, lines)
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
-            body: bytes = resp.read()
-        return body.decode()
+        resp = requests.get(self.metrics_url, timeout=5)
+        resp.raise_for_status()
+        return resp.content.decode()
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(self.metrics_text())
+        return read_series(self.metrics_text())
 
     def wait_for(
         self,
@@ -141,38 +121,23 @@ class KvtaxProcess:
         what: str = "condition",
     ) -> dict[str, float]:
         """Poll /metrics until ``condition`` holds; raise with the last page if it never does."""
-        deadline = time.monotonic() + timeout
         last: dict[str, float] = {}
-        while time.monotonic() < deadline:
+
+        def holds() -> dict[str, float] | None:
+            nonlocal last
             try:
                 last = self.metrics()
-            except (OSError, urllib.error.URLError):
+            except requests.RequestException:
                 last = {}
-            if last and condition(last):
-                return last
-            time.sleep(0.25)
+            return last if last and condition(last) else None
+
+        page = poll_until(holds, timeout=timeout)
+        if page is not None:
+            return page
         shown = "\n".join(f"{k} {v}" for k, v in sorted(last.items()) if "kvtax_" in k)
         raise AssertionError(f"kvtax: {what} not met in {timeout}s; last metrics:\n{shown}")
 
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         """Send ``signum`` and wait; SIGKILL after ``timeout``. Returns the exit status."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return None
-        try:
-            return self._terminate(proc, signum, timeout)
-        finally:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
-
-    @staticmethod
-    def _terminate(proc: subprocess.Popen[bytes], signum: int, timeout: float) -> int:
-        if proc.poll() is None:
-            proc.send_signal(signum)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
+        child, self._child = self._child, None
+        return child.stop(signum, grace=timeout) if child is not None else None

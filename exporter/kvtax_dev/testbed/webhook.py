@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
+
+from kvtax_dev.process import poll_until
 
 from .engine import free_port
 
@@ -77,10 +78,12 @@ class WebhookReceiver:
     def wait_for(
         self, condition: Callable[[list[Notification]], bool], timeout: float, what: str
     ) -> list[Notification]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def met() -> tuple[list[Notification]] | None:
             received = self.received
-            if condition(received):
-                return received
-            time.sleep(0.25)
-        raise AssertionError(f"webhook: {what} not received in {timeout}s; got {self.received}")
+            # In a tuple: a condition may well hold on an empty list, which is falsy.
+            return (received,) if condition(received) else None
+
+        found = poll_until(met, timeout=timeout)
+        if found is None:
+            raise AssertionError(f"webhook: {what} not received in {timeout}s; got {self.received}")
+        return found[0]

@@ -1,0 +1,145 @@
+"""The harness's child-process lifecycle, on real child processes (a Python one-liner each)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtax_dev import EXPORTER
+from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until, port_open
+from kvtax_dev.testbed.engine import free_port
+from kvtax_dev.testbed.sidecar import KvtaxProcess
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+# A child that says hello, marks itself ready with a file, then waits to be stopped.
+READY_THEN_WAIT = """
+import pathlib, sys, time
+print("hello from the child", flush=True)
+pathlib.Path(sys.argv[1]).touch()
+time.sleep(600)
+"""
+
+
+def ready_child(tmp_path: Path, code: str = READY_THEN_WAIT, **kwargs: object) -> ChildProcess:
+    marker = tmp_path / "ready"
+    return ChildProcess(
+        "child",
+        [*python(code), str(marker)],
+        log_path=tmp_path / "child.log",
+        ready=marker.exists,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def gone(pid: int) -> bool:
+    """True once ``pid`` no longer runs (absent, or a zombie waiting for its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_start_waits_for_ready_and_stop_terminates(tmp_path: Path) -> None:
+    with ready_child(tmp_path) as child:
+        assert child.running
+        assert (tmp_path / "ready").exists()
+        assert "hello from the child" in child.log_tail()
+    assert not child.running
+    assert child.returncode == -signal.SIGTERM
+
+
+def test_stop_is_idempotent_and_keeps_the_status(tmp_path: Path) -> None:
+    child = ready_child(tmp_path).start()
+    first = child.stop()
+    assert child.stop() == first == -signal.SIGTERM
+
+
+def test_an_exit_during_start_up_raises_with_the_log_tail(tmp_path: Path) -> None:
+    child = ChildProcess(
+        "doomed",
+        python("print('cannot bind: address in use'); raise SystemExit(3)"),
+        log_path=tmp_path / "doomed.log",
+        ready=lambda: False,
+    )
+    with pytest.raises(ChildStartError, match=r"(?s)doomed exited with 3.*address in use"):
+        child.start(timeout=60)
+    assert not child.running
+
+
+def test_a_child_never_ready_is_stopped_and_the_error_is_the_callers(tmp_path: Path) -> None:
+    class MineError(ChildStartError):
+        pass
+
+    child = ready_child(tmp_path, error=MineError)
+    child._ready = lambda: False  # the marker appears, but the probe never says yes
+    with pytest.raises(MineError, match=r"(?s)child not ready after 1 s.*hello from the child"):
+        child.start(timeout=1)
+    assert not child.running
+    assert child.returncode == -signal.SIGTERM
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
+    stubborn = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + READY_THEN_WAIT
+    child = ready_child(tmp_path, stubborn).start(timeout=60)
+    assert child.stop(grace=0.5) == -signal.SIGKILL
+
+
+def test_own_group_stops_the_grandchildren_too(tmp_path: Path) -> None:
+    # The child starts a grandchild that ignores SIGTERM, as vLLM's workers may.
+    spawn = f"""
+import pathlib, subprocess, sys
+grand = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+pathlib.Path(sys.argv[1] + ".pid").write_text(str(grand.pid))
+{READY_THEN_WAIT}
+"""
+    child = ready_child(tmp_path, spawn, own_group=True).start(timeout=60)
+    grandchild = int((tmp_path / "ready.pid").read_text())
+    assert not gone(grandchild)
+    child.stop(grace=0.5)
+    assert poll_until(lambda: gone(grandchild), timeout=30)
+
+
+def test_poll_until_returns_the_first_truthy_value() -> None:
+    answers = iter([None, [], 0, "yes"])
+    assert poll_until(lambda: next(answers), timeout=30, interval=0) == "yes"
+
+
+def test_poll_until_gives_none_or_the_last_error_at_the_deadline() -> None:
+    assert poll_until(lambda: False, timeout=0, interval=0) is None
+
+    def broken() -> bool:
+        raise ConnectionError("refused")
+
+    with pytest.raises(ConnectionError, match="refused"):
+        poll_until(broken, timeout=0, interval=0, retry_on=(ConnectionError,))
+
+
+def test_http_ok_is_false_when_nothing_listens() -> None:
+    assert http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=1) is False
+
+
+def test_port_open_sees_a_listener_and_only_while_it_listens() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert port_open(port)
+    assert not port_open(port)
+
+
+def test_kvtax_process_runs_this_checkouts_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An editable install maps one checkout; a worktree's tests must run their own kvtax.
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    kvtax = KvtaxProcess("http://127.0.0.1:9")
+    assert kvtax.env["PYTHONPATH"].split(os.pathsep) == [str(EXPORTER), "/somewhere/else"]
