@@ -45,7 +45,7 @@ from kvtax.delivery.timing import SloTargets
 from kvtax.serve.bodies import BodyTooLarge, read_bounded
 from kvtax.serve.errors import too_large, upstream_failure
 from kvtax.serve.exchange import Exchange, Phase, outcome_of, record_of
-from kvtax.serve.relay import Relay, Streams, pass_through
+from kvtax.serve.relay import Relay, pass_through
 from kvtax.serve.upstream import (
     NO_AUTO,
     UPSTREAM_IDLE,
@@ -100,18 +100,19 @@ class Proxy:
         self.state: Phase = "serving"
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self._streams: Streams = {}
+        # Accounted requests vLLM is answering, so that shutdown can end what its grace period
+        # does not cover, and a scrape can credit running streams.
+        self._open: dict[int, tuple[Exchange, aiohttp.ClientResponse]] = {}
         self.relay = Relay(
             held=self.held,
             clock=clock,
             stall=(settings.stall_factor, settings.stall_min),
-            streams=self._streams,
             phase=lambda: self.state,
         )
 
     @property
     def streams_open(self) -> int:
-        return len(self._streams)
+        return sum(1 for ex, _ in self._open.values() if ex.rewriter is not None)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -140,9 +141,10 @@ class Proxy:
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
 
-        A stream still running when the grace period ends gets an OpenAI-style error event and
-        a clean end of stream; its upstream is closed so vLLM frees its KV, and the ledger
-        settles it with the outcome ``shutdown``.
+        Every accounted request vLLM is still answering when the grace period ends has its
+        upstream closed, so vLLM frees its KV, and settles with the outcome ``shutdown``. A
+        stream gets an OpenAI-style error event and a clean end of stream; a non-streamed
+        answer cut short breaks the client's connection, so it never looks complete.
         """
         runner, self._runner = self._runner, None
         if runner is not None:
@@ -156,7 +158,7 @@ class Proxy:
             if self.in_flight:
                 log.info("grace period over: ending %d request(s) still in flight", self.in_flight)
             self.state = "cutting"
-            for _, upstream in list(self._streams.values()):
+            for _, upstream in list(self._open.values()):
                 upstream.close()
             await runner.cleanup()
         await self.close()
@@ -172,8 +174,8 @@ class Proxy:
         Crediting at scrape time rather than per chunk keeps the relay's hot path free of
         ledger work, and still keeps windowed goodput in step with the engine.
         """
-        for ex, _ in self._streams.values():
-            if ex.acks is None:
+        for ex, _ in self._open.values():
+            if ex.acks is None or ex.rewriter is None:
                 continue
             delivered = ex.acks.refresh()
             if delivered > ex.credited:
@@ -264,9 +266,11 @@ class Proxy:
             ex.sent = True  # vLLM had the request: its HTTP counter counts it
             return upstream_failure(exc, self.settings.timeout)
         ex.status = upstream.status
+        self._open[id(ex)] = (ex, upstream)
         try:
             return await self._respond(request, upstream, ex, wish)
         finally:
+            del self._open[id(ex)]
             if outcome_of(ex, self.state) == "completed" and ex.eof:
                 upstream.release()
             else:

@@ -15,7 +15,7 @@ body that breaks off breaks the client's connection, so it can never look comple
 Example::
 
     relay = Relay(held=HoldBudget(2**24), clock=time.monotonic, stall=(5.0, 0.05),
-                  streams={}, phase=lambda: "serving")
+                  phase=lambda: "serving")
     await relay.stream(request, response, upstream, ex, wish)
 """
 
@@ -34,10 +34,7 @@ from kvtax.serve.acks import AckTracker
 from kvtax.serve.exchange import Exchange, Phase
 from kvtax.serve.upstream import response_headers
 
-__all__ = ["Relay", "Streams", "break_client", "pass_through"]
-
-# Streams in flight by id(exchange), so that shutdown can close the ones its grace does not cover.
-Streams = dict[int, tuple[Exchange, aiohttp.ClientResponse]]
+__all__ = ["Relay", "break_client", "pass_through"]
 
 
 def break_client(request: web.Request) -> None:
@@ -85,13 +82,11 @@ class Relay:
         held: HoldBudget,
         clock: Callable[[], float],
         stall: tuple[float, float],
-        streams: Streams,
         phase: Callable[[], Phase],
     ) -> None:
         self.held = held
         self.clock = clock
         self.stall_factor, self.stall_min = stall
-        self.streams = streams
         self.phase = phase
 
     async def body(
@@ -136,7 +131,6 @@ class Relay:
         ex.timing = StreamTiming(ex.started, self.stall_factor, self.stall_min)
         await response.prepare(request)
         ex.acks = AckTracker(request.transport)
-        self.streams[id(ex)] = (ex, upstream)
         try:
             failure = await self._events(response, upstream.content.iter_any(), ex)
             # Shutdown closes vLLM's side, which can look like a clean end before [DONE].
@@ -151,7 +145,6 @@ class Relay:
             await response.write_eof()
             ex.eof = True
         finally:
-            del self.streams[id(ex)]
             rewriter.close()
 
     def _stream_error(self, failure: BaseException | None, ex: Exchange) -> bytes:
