@@ -433,6 +433,26 @@ async def test_tokens_count_as_delivered_while_the_stream_runs(
     assert _delivered(proxy) == 20
 
 
+async def test_streams_open_counts_running_streams_only(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.delay = 10, 0.05
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        whole = {"model": "m", "prompt": "hi"}
+        async with client.post(url + "/v1/completions", json=whole) as resp:
+            await resp.read()
+        assert proxy.streams_open == 0
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            await resp.content.readline()
+            assert (proxy.streams_open, proxy.in_flight) == (1, 1)
+            await resp.read()
+    await _until(lambda: proxy.in_flight == 0)
+    assert proxy.streams_open == 0
+
+
 async def test_a_client_that_read_to_the_end_then_hung_up_completed(
     fake: tuple[FakeVllm, str], start_proxy: Start, monkeypatch: pytest.MonkeyPatch
 ) -> None:
