@@ -3,7 +3,8 @@
 It streams the way vLLM 0.32 does: ``data: <json>\\n\\n`` events, cumulative usage on every chunk
 only with ``continuous_usage_stats``, ``system_fingerprint`` on the terminal chunk only when no
 usage chunk follows, then a usage-only chunk when ``include_usage`` was asked, then ``[DONE]``.
-Knobs on :class:`FakeVllm` make it fail with 500, hang before answering, or stream slowly.
+Knobs on :class:`FakeVllm` make it answer an error status (400, 500), hang before answering,
+or stream slowly.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class FakeVllm:
         if self.hang:
             await asyncio.sleep(self.hang)
         if self.status != 200:
-            error = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
+            kind = "BadRequestError" if self.status < 500 else "InternalServerError"
+            error = {"error": {"message": "boom", "type": kind, "code": self.status}}
             return web.json_response(error, status=self.status)
         prompt = 3
         if not body.get("stream"):

@@ -186,6 +186,29 @@ async def test_upstream_5xx_reaches_client_untouched(
     assert _outcomes(proxy)["upstream_error"] == 1
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_4xx_from_vllm_reaches_the_client_untouched_as_upstream_4xx(
+    fake: tuple[FakeVllm, str], start_proxy: Start, stream: bool
+) -> None:
+    vllm, upstream = fake
+    vllm.status = 400
+    url, proxy = await start_proxy(upstream)
+    body = {"model": "made-up", "prompt": "hi", "stream": stream}
+    async with aiohttp.ClientSession() as client:
+        async with client.post(upstream + "/v1/completions", json=body) as resp:
+            direct = await resp.read()
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 400
+            relayed = await resp.read()
+    assert relayed == direct  # vLLM's own error body, not one of kvtax's
+    assert json.loads(relayed)["error"]["type"] == "BadRequestError"
+    # vLLM refused the name, so it is not learned: the request counts under "other".
+    assert proxy.ledger.models() == ["other"]
+    assert _outcomes(proxy, "other")["upstream_4xx"] == 1
+    assert _outcomes(proxy, "other")["upstream_error"] == 0
+    assert proxy.ledger.totals()["other"].delivered == 0
+
+
 async def test_unreachable_upstream_is_a_502_json_error(start_proxy: Start) -> None:
     url, proxy = await start_proxy(f"http://127.0.0.1:{free_port()}")
     async with aiohttp.ClientSession() as client:
@@ -241,12 +264,39 @@ async def test_oversized_body_is_rejected_with_413(
         body = json.dumps({"model": "m", "prompt": "x" * 5000})
         async with client.post(url + path, data=body) as resp:
             assert resp.status == 413
+            assert int(resp.request_info.headers["Content-Length"]) == len(body)
             error = await resp.json()
     assert "1000 bytes" in error["error"]["message"]
     assert vllm.requests == []
     if path == "/v1/completions":
         # The body was never read, so its model is unknown.
         assert _outcomes(proxy, "other")["too_large"] == 1
+
+
+async def test_oversized_body_without_a_length_is_too_large(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    # Chunked: no Content-Length to refuse up front; the proxy stops reading past the limit.
+    vllm, upstream = fake
+    url, proxy = await start_proxy(upstream, max_body=1000)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(10):
+            yield b"x" * 500
+        yield b'"}'
+
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", data=chunks()) as resp,
+    ):
+        assert resp.status == 413
+        assert "Content-Length" not in resp.request_info.headers
+        error = await resp.json()
+    assert "--proxy.max-body" in error["error"]["message"]
+    assert vllm.requests == []
+    assert _outcomes(proxy, "other")["too_large"] == 1
+    assert _outcomes(proxy, "other")["upstream_4xx"] == 0
 
 
 async def test_unknown_model_is_counted_as_other(
@@ -381,6 +431,26 @@ async def test_tokens_count_as_delivered_while_the_stream_runs(
     assert _outcomes(proxy)["completed"] == 1
     # ... and never twice.
     assert _delivered(proxy) == 20
+
+
+async def test_streams_open_counts_running_streams_only(
+    fake: tuple[FakeVllm, str], start_proxy: Start
+) -> None:
+    vllm, upstream = fake
+    vllm.tokens, vllm.delay = 10, 0.05
+    url, proxy = await start_proxy(upstream)
+    async with aiohttp.ClientSession() as client:
+        whole = {"model": "m", "prompt": "hi"}
+        async with client.post(url + "/v1/completions", json=whole) as resp:
+            await resp.read()
+        assert proxy.streams_open == 0
+        body = {"model": "m", "prompt": "hi", "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            await resp.content.readline()
+            assert (proxy.streams_open, proxy.in_flight) == (1, 1)
+            await resp.read()
+    await _until(lambda: proxy.in_flight == 0)
+    assert proxy.streams_open == 0
 
 
 async def test_a_client_that_read_to_the_end_then_hung_up_completed(

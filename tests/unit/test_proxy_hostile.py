@@ -405,3 +405,28 @@ async def test_idle_upstream_connections_are_dropped_before_vllm_drops_them(
     connector = relay.session.connector
     assert isinstance(connector, aiohttp.TCPConnector)
     assert connector._keepalive_timeout < 5.0
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["content-length", "chunked"])
+async def test_a_whole_answer_still_running_when_the_grace_period_ends_is_cut_as_shutdown(
+    upstream: Upstream, proxy: tuple[str, Proxy], sized: bool
+) -> None:
+    # Protection: shutdown ends every request the grace period does not cover, not only
+    # streams; a non-streamed answer was left running (aiohttp then waits up to 60 s for it).
+    # It is cut so that vLLM frees its KV, the client's connection breaks so the body never
+    # looks complete, and the proxy's one shutdown state makes the outcome "shutdown".
+    body = completion_body(100 * 1024, tokens=9)
+    upstream.script = in_pieces(body, 200, sized=sized, pieces=500)  # 500 writes, 20 ms apart
+    url, relay = proxy
+    async with aiohttp.ClientSession() as client:
+        resp = await client.post(url + "/v1/completions", json={"model": "m"})
+        assert resp.status == 200
+        await resp.content.readany()  # the answer is under way
+        stopping = asyncio.create_task(relay.stop(grace=0.1))
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+        resp.close()
+        await stopping
+    assert await _settled(relay, 1) == {"shutdown": 1}
+    assert relay.ledger.totals()["m"].delivered == 0
+    assert relay.ledger.totals()["m"].undelivered == 0  # its usage, at the end, never came

@@ -7,8 +7,7 @@ explicitly; it answers every problem with a 4xx and an OpenAI-style JSON message
 reset-corrected increases into ledger increments (source ``gateway``). It does not follow
 redirects: a redirect is an error, so a foreign page is never taken for the gateway's. Parsing
 and validation live in :mod:`kvtax.delivery.intake`. The token is compared in constant time and
-never
-logged.
+never logged.
 
 Example::
 
@@ -30,6 +29,7 @@ from kvtax.delivery.intake import PushError, gateway_totals, parse_push
 from kvtax.delivery.ledger import DeliveryCounts, DeliveryLedger
 from kvtax.engine.counters import CounterTracker
 from kvtax.serve.bodies import BodyTooLarge, read_bounded
+from kvtax.serve.errors import openai_error
 from kvtax.serve.logsafe import redact_url
 
 __all__ = [
@@ -50,11 +50,6 @@ MAX_PUSH_BODY = 1024 * 1024
 MAX_GATEWAY_PAGE = 8 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
 
 
 def _bearer(header: str) -> bytes:
@@ -82,14 +77,14 @@ def _refusal(
             "or --push.allow-unauthenticated"
         )
         log.info("push endpoint %s is off: no token is configured", PUSH_PATH)
-        return lambda header: _error(403, refused, "permission_error")
+        return lambda header: openai_error(403, refused, "permission_error")
     expected = token.encode()
 
     def check(header: str) -> web.Response | None:
         # compare_digest takes time independent of where the two differ.
         if hmac.compare_digest(_bearer(header), expected):
             return None
-        response = _error(401, "missing or wrong bearer token", "authentication_error")
+        response = openai_error(401, "missing or wrong bearer token", "authentication_error")
         response.headers["WWW-Authenticate"] = 'Bearer realm="kvtax"'
         return response
 
@@ -113,11 +108,11 @@ def push_handler(
         try:
             body = await read_bounded(request.content, MAX_PUSH_BODY, request.content_length)
         except BodyTooLarge as exc:
-            return _error(413, str(exc), "invalid_request_error")
+            return openai_error(413, str(exc), "invalid_request_error")
         try:
             reports = parse_push(body)
         except PushError as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return openai_error(400, str(exc), "invalid_request_error")
         for model, counts in reports:
             ledger.add(model, counts, "push")
         return web.json_response({"accepted": len(reports)})
