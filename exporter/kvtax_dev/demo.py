@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtax.figures.derive import best_method, tax_ratio
+from kvtax.figures.recompute import METHODS
+
 from . import dev_env
 from .testbed.engine import VllmEngine
 from .testbed.load import drive
@@ -88,9 +91,29 @@ def _get(metrics: Mapping[str, float], name: str, **labels: str) -> float | None
     return total if found else None
 
 
+def _recomputed_counter(method: str) -> str:
+    return f"kvtax_recomputed_tokens_{method}_total"
+
+
 def _tax_method(metrics: Mapping[str, float]) -> str:
-    measured = _get(metrics, "kvtax_recomputed_tokens_total", method="measured")
-    return "measured" if measured is not None else "estimated"
+    """The best recompute method kvtax publishes, in kvtax's own order of preference."""
+    available = {
+        key: 0.0
+        for method, key in METHODS
+        if _get(metrics, _recomputed_counter(method)) is not None
+    }
+    best = best_method(available)
+    return best[0] if best is not None else "estimated"
+
+
+def _published_tax(metrics: Mapping[str, float]) -> tuple[float | None, str | None]:
+    """kvtax's own window tax gauge (one series per model) and the method it names."""
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base == "kvtax_preemption_tax_ratio":
+            method = rest.partition('method="')[2].partition('"')[0]
+            return value, method or None
+    return None, None
 
 
 def phase_result(
@@ -102,10 +125,9 @@ def phase_result(
         return (_get(after, metric, **labels) or 0.0) - (_get(before, metric, **labels) or 0.0)
 
     method = _tax_method(after)
-    recomputed = delta("kvtax_recomputed_tokens_total", method=method)
+    recomputed = delta(_recomputed_counter(method))
     generated = delta("kvtax_engine_generation_tokens_total")
     computed = delta("kvtax_engine_prompt_computed_tokens_total")
-    work = computed + generated + recomputed
     delivered = (
         delta("kvtax_delivered_tokens_total")
         if _get(after, "kvtax_delivered_tokens_total") is not None
@@ -119,7 +141,7 @@ def phase_result(
         delivered=delivered,
         recomputed=recomputed,
         method=method,
-        tax=recomputed / work if work > 0 else 0.0,
+        tax=tax_ratio(recomputed, computed, generated),
     )
 
 
@@ -131,17 +153,16 @@ def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
 
 def render_status(metrics: Mapping[str, float], phase: str, elapsed: float) -> list[str]:
     """The live view's lines for one poll of kvtax's /metrics."""
-    method = _tax_method(metrics)
-    tax = _get(metrics, "kvtax_preemption_tax_ratio", method=method)
+    tax, method = _published_tax(metrics)
     state = _get(metrics, "kvtax_thrash_state")
     usage = _get(metrics, "kvtax_kv_cache_usage_ratio")
     return [
         f"phase {phase:<9} {elapsed:5.0f}s   vLLM up: "
         f"{'yes' if _get(metrics, 'kvtax_vllm_up') == 1.0 else 'no'}",
         f"  goodput          {_fmt(_get(metrics, 'kvtax_goodput_tokens_per_second'), ' tok/s')}"
-        f"   engine throughput "
-        f"{_fmt(_get(metrics, 'kvtax_engine_generation_tokens_per_second'), ' tok/s')}",
-        f"  preemption tax   {_fmt(None if tax is None else tax * 100, ' %', 1)} ({method})"
+        f"   engine generated "
+        f"{_fmt(_get(metrics, 'kvtax_engine_generation_tokens_total'), ' tok')}",
+        f"  preemption tax   {_fmt(None if tax is None else tax * 100, ' %', 1)} ({method or '-'})"
         f"   KV usage {_fmt(None if usage is None else usage * 100, ' %')}",
         f"  preemptions      {_fmt(_get(metrics, 'kvtax_engine_preemptions_total'))}"
         f"   recommended max_num_seqs "

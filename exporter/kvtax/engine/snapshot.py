@@ -86,7 +86,7 @@ class VllmSnapshot:
     ``names`` records which exposed name fed each concept, for the docs and for debugging.
     ``rejected`` counts samples left out by reason (``non_finite``, ``negative``).
     ``models_on_page`` is set when models that could not be tracked were already left out
-    (see :func:`kvtax.figures.history.candidates`): how many the page had.
+    (see :func:`kvtax.figures.window.candidates`): how many the page had.
     """
 
     timestamp: float
