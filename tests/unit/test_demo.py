@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtax_dev.demo import PhaseResult, phase_result, render_status, render_summary
+from kvtax_dev.demo_view import PhaseResult, phase_result, render_status, render_summary
 
 M = 'model_name="tiny-llama"'
 

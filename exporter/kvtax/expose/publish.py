@@ -19,7 +19,7 @@ from kvtax.expose.report import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
 from kvtax.figures.recompute import METHODS
 
-__all__ = ["ledger_samples", "model_samples", "proxy_samples"]
+__all__ = ["RECOMPUTED_COUNTERS", "ledger_samples", "model_samples", "proxy_samples"]
 
 _COUNTERS = (
     ("kvtax_engine_generation_tokens_total", "generation_tokens"),
@@ -27,7 +27,7 @@ _COUNTERS = (
     ("kvtax_engine_preemptions_total", "preemptions"),
 )
 # One counter per recompute method, so that a sum() over any of them means something.
-_RECOMPUTED = {
+RECOMPUTED_COUNTERS = {
     "measured": "kvtax_recomputed_tokens_measured_total",
     "estimated": "kvtax_recomputed_tokens_estimated_total",
     "stall_estimated": "kvtax_recomputed_tokens_stall_estimated_total",
@@ -45,7 +45,7 @@ def model_samples(
                 yield Sample(metric, m, f.totals[key])
         for method, key in METHODS:
             if key in f.totals:
-                yield Sample(_RECOMPUTED[method], m, f.totals[key])
+                yield Sample(RECOMPUTED_COUNTERS[method], m, f.totals[key])
         gauges = (
             ("kvtax_kv_cache_usage_ratio", f.kv_usage),
             ("kvtax_requests_running", f.running),
