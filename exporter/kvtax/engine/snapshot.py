@@ -69,14 +69,6 @@ class ModelMetrics:
     histograms: Mapping[str, Histogram] = field(default_factory=dict)
     info: Mapping[str, str] = field(default_factory=dict)
 
-    def has(self, concept: str) -> bool:
-        return (
-            concept in self.values
-            or concept in self.split
-            or concept in self.histograms
-            or (concept == "cache_config" and bool(self.info))
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class VllmSnapshot:
