@@ -160,6 +160,9 @@ def test_scrapes_feed_the_join_and_metrics_render() -> None:
     served = served_requests(snap) - served_requests(idle)
     assert f'kvtax_join_coverage_ratio{{model_name="{model}"}} {1 / served}' in page
     assert "kvtax_client_ttft_seconds_bucket" in page
+    # One report: the sidecar's own series, the proxy's gauges and the self-watch beside them.
+    for name in ("kvtax_vllm_up", "kvtax_proxy_requests_in_flight", "kvtax_event_loop_lag_seconds"):
+        assert f"\n{name} " in page, name
 
 
 class _StreamsInFlight:
