@@ -2,15 +2,16 @@
 
 Each repetition times the same body twice, in alternating order: once through the bare parser
 (``text_string_to_metric_families``, fully iterated), and once through kvtax's whole pipeline.
-The pipeline is ``Sidecar.ingest`` (normalize, history, derive) plus ``generate_latest`` of
-kvtax's registry. It reports medians, the ratio pipeline / bare parse, and the peak Python
-allocation of one pass of each (tracemalloc). Two payloads are used:
+The pipeline is ``Sidecar.ingest`` of the stack ``serve.wiring.build`` connects (normalize, the
+window with the ledger's totals, derive) plus ``generate_latest`` of kvtax's registry. It reports
+medians, the ratio pipeline / bare parse, and the peak Python allocation of one pass of each
+(tracemalloc). Two payloads are used:
 
 - ``30 models``: a page of 1 MB or more, generated from the real 0.32 capture by replicating
   every per-model family over 30 model names. Histograms are included;
 - ``0.32 capture``: the real capture ``tests/fixtures/vllm/0.32-preempting.prom``.
 
-The pipeline is measured in steady state: the history's window is filled first, with 61 points at
+The pipeline is measured in steady state: the window is filled first, with 61 points at
 a 5 s step in a 5 m window, as with the defaults. Last, a real ``kvtax serve`` process scrapes the
 30-model page from a loopback HTTP server. Its VmRSS and VmHWM are read from /proc.
 
@@ -46,7 +47,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtax.serve.config import OPTIONS, Config
-from kvtax.serve.sidecar import Sidecar
+from kvtax.serve.wiring import build
 
 __all__ = ["bare_parse", "main", "multi_model_payload"]
 
@@ -109,7 +110,7 @@ def advancing_pages(text: str, count: int) -> list[str]:
     """``count`` pages where every counter and histogram series has grown by 1, 2, 3, ...
 
     A live engine's histograms change on every scrape; a page served unchanged would flatter
-    the history, which reuses a point's objects when nothing changed.
+    the window, which reuses a point's objects when nothing changed.
     """
 
     def page(step: int) -> str:
@@ -122,11 +123,11 @@ def advancing_pages(text: str, count: int) -> list[str]:
 
 
 class Pipeline:
-    """kvtax's scrape path over successive pages, with the history kept between calls."""
+    """kvtax's scrape path over successive pages, with the window kept between calls."""
 
     def __init__(self, pages: list[str]) -> None:
         self.pages = pages
-        self.sidecar = Sidecar(Config(window=WINDOW))
+        self.sidecar = build(Config(window=WINDOW)).sidecar
         self.scrapes = 0
 
     def warm(self) -> None:

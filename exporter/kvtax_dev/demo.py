@@ -7,8 +7,8 @@ pool and one that fits, through the proxy, while a live view shows what kvtax pu
 summary compares the two phases from kvtax's own counters. Every process it starts is stopped on
 exit, Ctrl-C included.
 
-The figures here are the ones any Prometheus would scrape from kvtax; the formatting functions
-are pure and tested.
+The figures here are the ones any Prometheus would scrape from kvtax; the phase figures and the
+lines printed are pure and tested, in :mod:`kvtax_dev.demo_view`.
 """
 
 from __future__ import annotations
@@ -22,29 +22,20 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import dev_env
+from .demo_view import PhaseResult, phase_result, render_status, render_summary
 from .testbed.engine import VllmEngine
 from .testbed.load import drive
 from .testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
 from .testbed.sidecar import KvtaxProcess
 from .testbed.webhook import WebhookReceiver
 
-__all__ = [
-    "PHASES",
-    "Phase",
-    "PhaseResult",
-    "phase_result",
-    "render_status",
-    "render_summary",
-    "run_demo",
-]
-
-THRASH = {0: "ok", 1: "at risk", 2: "THRASHING"}
+__all__ = ["PHASES", "Phase", "run_demo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,130 +52,6 @@ PHASES = (Phase("overload", 64, 64, 500), Phase("calm", 4, 8, 200))
 SHORT_PHASES = (Phase("overload", 32, 32, 300), Phase("calm", 2, 4, 100))
 CONFIGURED_MAX_NUM_SEQS = 64
 PREEMPTION_ALERT = "KvtaxVllmPreempting"
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseResult:
-    name: str
-    seconds: float
-    preemptions: float
-    generated: float
-    delivered: float | None
-    recomputed: float
-    method: str
-    tax: float
-
-
-def _get(metrics: Mapping[str, float], name: str, **labels: str) -> float | None:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total, found = 0.0, False
-    for key, value in metrics.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += value
-            found = True
-    return total if found else None
-
-
-def _tax_method(metrics: Mapping[str, float]) -> str:
-    measured = _get(metrics, "kvtax_recomputed_tokens_total", method="measured")
-    return "measured" if measured is not None else "estimated"
-
-
-def phase_result(
-    name: str, seconds: float, before: Mapping[str, float], after: Mapping[str, float]
-) -> PhaseResult:
-    """A phase's figures from kvtax's counters before and after it."""
-
-    def delta(metric: str, **labels: str) -> float:
-        return (_get(after, metric, **labels) or 0.0) - (_get(before, metric, **labels) or 0.0)
-
-    method = _tax_method(after)
-    recomputed = delta("kvtax_recomputed_tokens_total", method=method)
-    generated = delta("kvtax_engine_generation_tokens_total")
-    computed = delta("kvtax_engine_prompt_computed_tokens_total")
-    work = computed + generated + recomputed
-    delivered = (
-        delta("kvtax_delivered_tokens_total")
-        if _get(after, "kvtax_delivered_tokens_total") is not None
-        else None
-    )
-    return PhaseResult(
-        name=name,
-        seconds=seconds,
-        preemptions=delta("kvtax_engine_preemptions_total"),
-        generated=generated,
-        delivered=delivered,
-        recomputed=recomputed,
-        method=method,
-        tax=recomputed / work if work > 0 else 0.0,
-    )
-
-
-def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}{unit}"
-
-
-def render_status(metrics: Mapping[str, float], phase: str, elapsed: float) -> list[str]:
-    """The live view's lines for one poll of kvtax's /metrics."""
-    method = _tax_method(metrics)
-    tax = _get(metrics, "kvtax_preemption_tax_ratio", method=method)
-    state = _get(metrics, "kvtax_thrash_state")
-    usage = _get(metrics, "kvtax_kv_cache_usage_ratio")
-    return [
-        f"phase {phase:<9} {elapsed:5.0f}s   vLLM up: "
-        f"{'yes' if _get(metrics, 'kvtax_vllm_up') == 1.0 else 'no'}",
-        f"  goodput          {_fmt(_get(metrics, 'kvtax_goodput_tokens_per_second'), ' tok/s')}"
-        f"   engine throughput "
-        f"{_fmt(_get(metrics, 'kvtax_engine_generation_tokens_per_second'), ' tok/s')}",
-        f"  preemption tax   {_fmt(None if tax is None else tax * 100, ' %', 1)} ({method})"
-        f"   KV usage {_fmt(None if usage is None else usage * 100, ' %')}",
-        f"  preemptions      {_fmt(_get(metrics, 'kvtax_engine_preemptions_total'))}"
-        f"   recommended max_num_seqs "
-        f"{_fmt(_get(metrics, 'kvtax_recommended_max_num_seqs'))}"
-        f"   thrash state {THRASH.get(int(state), '?') if state is not None else '-'}",
-    ]
-
-
-def render_summary(
-    results: list[PhaseResult],
-    metrics_url: str,
-    previews: Path | None,
-    configured: int,
-    last: Mapping[str, float],
-) -> str:
-    """The closing summary: each phase's figures, then what to change."""
-    lines = ["", "== kvtax demo summary =="]
-    lines.append(
-        f"{'phase':<10}{'seconds':>8}{'preemptions':>13}{'generated':>11}"
-        f"{'delivered':>11}{'recomputed':>12}{'tax':>9}"
-    )
-    for r in results:
-        lines.append(
-            f"{r.name:<10}{r.seconds:>8.1f}{r.preemptions:>13,.0f}{r.generated:>11,.0f}"
-            f"{_fmt(r.delivered):>11}{r.recomputed:>12,.0f}{r.tax * 100:>8.1f}%"
-        )
-    method = results[0].method if results else "estimated"
-    lines += ["", f"tax = recomputed / (computed prompt + generated + recomputed), {method}."]
-    recommended = _get(last, "kvtax_recommended_max_num_seqs")
-    capacity = _get(last, "kvtax_kv_capacity_tokens")
-    p95 = _get(last, "kvtax_request_length_p95_tokens")
-    if recommended is not None and capacity is not None and p95 is not None:
-        lines.append(
-            f"The engine ran with max_num_seqs={configured}; its {capacity:,.0f}-token KV pool "
-            f"holds {recommended:.0f} requests of the p95 length ({p95:,.0f} tokens) at 90 % "
-            f"usage, so kvtax recommends --max-num-seqs={recommended:.0f}."
-        )
-    lines.append(f"kvtax's metrics were served at {metrics_url} (stopped with the demo).")
-    if previews is not None:
-        lines.append(f"Dashboard previews (PNG): {previews}")
-    else:
-        lines.append("Run with --with-prometheus for alerts and dashboard previews.")
-    return "\n".join(lines)
 
 
 class _Live:

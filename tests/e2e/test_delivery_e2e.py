@@ -243,9 +243,24 @@ def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: Kv
     undelivered = series_key("kvtax_undelivered_tokens_total", {"model_name": M, "source": "proxy"})
     page = kvtax.wait_for(lambda m: m.get(disconnected) == 1.0, what="disconnect settled")
     assert page[undelivered] > 0
-    rate = series_key("kvtax_undelivered_tokens_per_second", {"model_name": M})
-    page = kvtax.wait_for(lambda m: m.get(rate, 0.0) > 0, what="join sees undelivered tokens")
-    assert page[rate] > 0
+    # The join sees them: the window's waste exceeds its tax by U / (Pc + G + R).
+    page = kvtax.wait_for(
+        lambda m: (
+            _window_ratio(m, "kvtax_waste_ratio") > _window_ratio(m, "kvtax_preemption_tax_ratio")
+        ),
+        what="join sees undelivered tokens",
+    )
+    waste = _window_ratio(page, "kvtax_waste_ratio")
+    assert waste > _window_ratio(page, "kvtax_preemption_tax_ratio")
+
+
+def _window_ratio(page: dict[str, float], name: str) -> float:
+    """The one series of a window ratio for the model, whatever method it names (-1 if none)."""
+    found = [
+        v for key, v in page.items() if key.startswith(name + "{") and f'model_name="{M}"' in key
+    ]
+    assert len(found) <= 1, found
+    return found[0] if found else -1.0
 
 
 def test_traffic_bypassing_the_proxy_lowers_join_coverage(

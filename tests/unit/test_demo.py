@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtax_dev.demo import PhaseResult, phase_result, render_status, render_summary
+from kvtax_dev.demo_view import PhaseResult, phase_result, render_status, render_summary
 
 M = 'model_name="tiny-llama"'
 
@@ -16,8 +16,9 @@ def _page(**values: float) -> dict[str, float]:
         "gen": f"kvtax_engine_generation_tokens_total{{{M}}}",
         "pc": f"kvtax_engine_prompt_computed_tokens_total{{{M}}}",
         "pre": f"kvtax_engine_preemptions_total{{{M}}}",
-        "rm": f'kvtax_recomputed_tokens_total{{method="measured",{M}}}',
-        "re": f'kvtax_recomputed_tokens_total{{method="estimated",{M}}}',
+        "rm": f"kvtax_recomputed_tokens_measured_total{{{M}}}",
+        "re": f"kvtax_recomputed_tokens_estimated_total{{{M}}}",
+        "rs": f"kvtax_recomputed_tokens_stall_estimated_total{{{M}}}",
         "d": f'kvtax_delivered_tokens_total{{{M},source="proxy"}}',
     }
     return {names[k]: v for k, v in values.items()}
@@ -42,11 +43,19 @@ def test_phase_falls_back_to_the_estimate_and_zero_work_is_zero_tax() -> None:
     assert r.delivered is None
 
 
+def test_phase_takes_the_stall_estimate_only_when_nothing_better_exists() -> None:
+    before = _page(gen=0, pc=0, rs=0)
+    after = _page(gen=100, pc=0, rs=50)
+    r = phase_result("overload", 1.0, before, after)
+    assert r.method == "stall_estimated"
+    assert r.tax == pytest.approx(50 / 150)
+
+
 def test_status_lines_show_the_figures_that_exist() -> None:
     metrics = {
         "kvtax_vllm_up": 1.0,
         f'kvtax_preemption_tax_ratio{{method="measured",{M}}}': 0.267,
-        f'kvtax_recomputed_tokens_total{{method="measured",{M}}}': 5.0,
+        f"kvtax_recomputed_tokens_measured_total{{{M}}}": 5.0,
         f"kvtax_thrash_state{{{M}}}": 2.0,
         f"kvtax_kv_cache_usage_ratio{{{M}}}": 1.0,
     }

@@ -1,4 +1,5 @@
-"""derive: capacity, request-length quantiles, recommended max_num_seqs, thrash state and tax."""
+"""derive: capacity, request-length quantiles, recommended max_num_seqs, thrash state, the tax
+and waste with the best method, goodput, coverage and undelivered tokens."""
 
 from __future__ import annotations
 
@@ -6,18 +7,22 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
+from kvtax.delivery.ledger import LedgerTotals
 from kvtax.engine.normalize import normalize
 from kvtax.engine.snapshot import Histogram
 from kvtax.figures.derive import (
     EngineSettings,
+    MethodValue,
     ThrashState,
-    derive_engine,
+    best_method,
+    derive_model,
     kv_capacity_tokens,
     recommended_max_num_seqs,
     tax_ratio,
     thrash_state,
+    waste_ratio,
 )
-from kvtax.figures.history import EngineHistory, Point
+from kvtax.figures.window import Point, Window
 from tests.unit.conftest import read_fixture
 
 INF = float("inf")
@@ -118,29 +123,43 @@ def test_tax_and_recompute_rate_over_a_window() -> None:
             "recomputed_estimated": 400,  # R-hat = 300
         },
     )
-    f = derive_engine([first, last], EngineSettings())
-    assert f.tax["measured"] == pytest.approx(100 / (300 + 600 + 100))
-    assert f.tax["estimated"] == pytest.approx(300 / (300 + 600 + 300))
-    assert f.recompute_rate == {"measured": 10.0, "estimated": 30.0}
-    assert f.generation_rate == 60.0
-    assert f.prompt_computed_rate == 30.0
-    assert f.window_seconds == 10.0
-    assert f.window_increase["generation_tokens"] == 600
+    f = derive_model([first, last], EngineSettings())
+    # Measured is there, so it is the tax: one value, named by its method.
+    assert f.tax == MethodValue("measured", pytest.approx(100 / (300 + 600 + 100)))
+    without_measured = [
+        point(p.t, {k: v for k, v in p.counters.items() if k != "recomputed_measured"})
+        for p in (first, last)
+    ]
+    f = derive_model(without_measured, EngineSettings())
+    assert f.tax == MethodValue("estimated", pytest.approx(300 / (300 + 600 + 300)))
+
+
+def test_the_best_method_is_the_first_available_in_a_fixed_order() -> None:
+    everything = {
+        "recomputed_measured": 1.0,
+        "recomputed_estimated": 2.0,
+        "recomputed_stall_estimated": 3.0,
+    }
+    assert best_method(everything) == ("measured", 1.0)
+    del everything["recomputed_measured"]
+    assert best_method(everything) == ("estimated", 2.0)
+    del everything["recomputed_estimated"]
+    assert best_method(everything) == ("stall_estimated", 3.0)
+    assert best_method({"generation_tokens": 5.0}) is None
 
 
 def test_a_single_scrape_publishes_no_rate_and_no_tax() -> None:
     # One point spans no time: a rate or a tax of 0 would claim "no tax" before anything is known.
     only = point(0.0, {"generation_tokens": 10, "preemptions": 3, "recomputed_estimated": 30})
-    f = derive_engine([only], EngineSettings())
-    assert f.generation_rate is None
-    assert f.preemption_rate is None
-    assert f.recompute_rate == {}
-    assert f.tax == {}
+    f = derive_model([only], EngineSettings())
+    assert f.tax is None
+    assert f.waste is None
+    assert f.goodput is None
     assert f.totals["generation_tokens"] == 10
 
 
 def test_no_points_no_figures() -> None:
-    f = derive_engine([], EngineSettings())
+    f = derive_model([], EngineSettings())
     assert f.totals == {}
     assert f.thrash_state is None
     assert f.recommended_max_num_seqs is None
@@ -149,9 +168,8 @@ def test_no_points_no_figures() -> None:
 def test_a_counter_new_in_the_window_counts_from_its_first_sighting() -> None:
     first = point(0.0, {"generation_tokens": 10})
     last = point(5.0, {"generation_tokens": 20, "recomputed_measured": 7})
-    f = derive_engine([first, last], EngineSettings())
-    assert f.window_increase["recomputed_measured"] == 0.0
-    assert f.tax["measured"] == 0.0
+    f = derive_model([first, last], EngineSettings())
+    assert f.tax == MethodValue("measured", 0.0)
 
 
 # -- request length quantiles and the recommendation on a window -------------------------------
@@ -178,29 +196,27 @@ def test_length_quantiles_and_over_admission_on_a_window() -> None:
             info=info,
         ),
     ]
-    f = derive_engine(points, EngineSettings(configured_max_num_seqs=64))
+    f = derive_model(points, EngineSettings(configured_max_num_seqs=64))
     assert f.length_p50 == pytest.approx(25 + 250)
     assert f.length_p95 == pytest.approx(47.5 + 475)
     assert f.kv_capacity_tokens == 2048
     assert f.recommended_max_num_seqs == 3  # floor(1843.2 / 522.5)
     assert f.over_admission_ratio == pytest.approx(64 / 3)
-    assert derive_engine(points, EngineSettings()).over_admission_ratio is None
+    assert derive_model(points, EngineSettings()).over_admission_ratio is None
 
 
 def test_a_quiet_window_falls_back_to_lifetime_histograms() -> None:
     prompt = _h([(50.0, 10.0), (INF, 10.0)], 410.0)
     gen = _h([(500.0, 10.0), (INF, 10.0)], 5000.0)
     hists = {"request_prompt_tokens": prompt, "request_generation_tokens": gen}
-    f = derive_engine(
-        [point(0.0, histograms=hists), point(5.0, histograms=hists)], EngineSettings()
-    )
+    f = derive_model([point(0.0, histograms=hists), point(5.0, histograms=hists)], EngineSettings())
     assert f.length_p50 == pytest.approx(25 + 250)
 
 
 def test_no_recommendation_without_capacity_or_lengths() -> None:
     prompt = _h([(50.0, 10.0), (INF, 10.0)], 410.0)
     only_prompt = point(0.0, histograms={"request_prompt_tokens": prompt})
-    f = derive_engine([only_prompt], EngineSettings(configured_max_num_seqs=8))
+    f = derive_model([only_prompt], EngineSettings(configured_max_num_seqs=8))
     assert f.length_p95 is None
     assert f.recommended_max_num_seqs is None
     assert f.over_admission_ratio is None
@@ -319,29 +335,100 @@ def test_thrash_thresholds_come_from_settings() -> None:
 
 
 def test_real_overload_window_is_thrashing_with_capacity_from_the_pool() -> None:
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(normalize(read_fixture("0.32-idle.prom"), timestamp=0.0))
     h.observe(normalize(read_fixture("0.32-preempting.prom"), timestamp=5.0))
-    f = derive_engine(h.points("tiny-llama"), EngineSettings(configured_max_num_seqs=64))
+    f = derive_model(h.points("tiny-llama"), EngineSettings(configured_max_num_seqs=64))
     assert f.kv_capacity_tokens == 2048
-    assert f.preemption_rate is not None
-    assert f.preemption_rate > 0
     assert f.thrash_state is ThrashState.THRASHING
     assert f.recommended_max_num_seqs is not None
     assert f.recommended_max_num_seqs < 64
     assert f.over_admission_ratio is not None
     assert f.over_admission_ratio > 1
-    assert "measured" not in f.tax
-    assert 0 < f.tax["estimated"] < 1
+    assert f.tax is not None
+    assert f.tax.method == "estimated"
+    assert 0 < f.tax.value < 1
 
 
-def test_v0_window_has_measured_and_estimated_tax() -> None:
-    h = EngineHistory(window_seconds=300)
+def test_v0_window_takes_the_measured_tax() -> None:
+    h = Window(window_seconds=300)
     h.observe(normalize(read_fixture("0.6.6.prom"), timestamp=0.0))
     h.observe(normalize(read_fixture("0.6.6-later.prom"), timestamp=10.0))
-    f = derive_engine(h.points("mistralai/Mistral-7B-Instruct-v0.3"), EngineSettings())
-    g = f.window_increase["generation_tokens"]
-    assert f.recompute_rate["measured"] == 260.0
-    assert f.tax["measured"] == pytest.approx(2_600 / (6_400 + g + 2_600))
+    f = derive_model(h.points("mistralai/Mistral-7B-Instruct-v0.3"), EngineSettings())
+    first, last = h.points("mistralai/Mistral-7B-Instruct-v0.3")
+    g = last.counters["generation_tokens"] - first.counters["generation_tokens"]
+    assert f.tax == MethodValue("measured", pytest.approx(2_600 / (6_400 + g + 2_600)))
     assert f.kv_capacity_tokens == 2127 * 16
     assert f.thrash_state is ThrashState.THRASHING
+
+
+# -- the delivery side: goodput, coverage, undelivered, waste -------------------------------------
+
+
+def _joined(
+    t: float,
+    engine: Mapping[str, float],
+    ledger: LedgerTotals,
+    served: float | None,
+    joined: float,
+) -> Point:
+    return Point(t, dict(engine), ledger=ledger, served_requests=served, joined_requests=joined)
+
+
+def _engine(g: float, pc: float, est: float, stall: float | None = None) -> dict[str, float]:
+    totals = {"generation_tokens": g, "prompt_computed": pc, "recomputed_estimated": est}
+    if stall is not None:
+        totals["recomputed_stall_estimated"] = stall
+    return totals
+
+
+def test_goodput_coverage_and_waste_over_a_window() -> None:
+    first = _joined(0.0, _engine(1000, 500, 100, 0), LedgerTotals(), 50, 0)
+    ledger = LedgerTotals(delivered=800, joined_requests=10, slo_met_tokens=400)
+    last = _joined(10.0, _engine(2000, 700, 300, 600), ledger, 60, 10)
+    f = derive_model([first, last], EngineSettings())
+    assert f.goodput == pytest.approx(80)
+    assert f.slo_goodput_tokens == pytest.approx(40)
+    assert f.coverage == pytest.approx(1.0)
+    assert f.served_requests_total == 60
+    # Full coverage: U = G - D = 200; the estimate is the best method (R = 200).
+    assert f.tax == MethodValue("estimated", pytest.approx(200 / (200 + 1000 + 200)))
+    assert f.waste == MethodValue("estimated", pytest.approx((200 + 200) / (200 + 1000 + 200)))
+
+
+def test_the_stall_estimate_is_the_tax_only_when_nothing_better_exists() -> None:
+    first = _joined(
+        0.0, {"generation_tokens": 0, "recomputed_stall_estimated": 0}, LedgerTotals(), 0, 0
+    )
+    last = _joined(
+        5.0, {"generation_tokens": 100, "recomputed_stall_estimated": 50}, LedgerTotals(), 0, 0
+    )
+    f = derive_model([first, last], EngineSettings())
+    assert f.tax == MethodValue("stall_estimated", pytest.approx(50 / 150))
+
+
+def test_coverage_below_one_leaves_undelivered_to_the_ledger() -> None:
+    first = _joined(0.0, _engine(0, 0, 0), LedgerTotals(), 0, 0)
+    ledger = LedgerTotals(delivered=50, undelivered=5, joined_requests=2)
+    last = _joined(5.0, _engine(200, 10, 0), ledger, 4, 2)
+    f = derive_model([first, last], EngineSettings())
+    assert f.coverage == pytest.approx(0.5)
+    # Partial join: U is the ledger's own 5, not G - D = 150.
+    assert f.waste == MethodValue("estimated", pytest.approx(5 / 210))
+
+
+def test_no_served_requests_in_the_window_means_no_coverage() -> None:
+    first = _joined(0.0, _engine(0, 0, 0), LedgerTotals(), 7, 0)
+    last = _joined(5.0, _engine(10, 0, 0), LedgerTotals(joined_requests=1), 7, 1)
+    assert derive_model([first, last], EngineSettings()).coverage is None
+
+
+def test_a_timing_skew_never_makes_coverage_exceed_one() -> None:
+    first = _joined(0.0, _engine(0, 0, 0), LedgerTotals(), 0, 0)
+    last = _joined(5.0, _engine(10, 0, 0), LedgerTotals(joined_requests=3), 2, 3)
+    assert derive_model([first, last], EngineSettings()).coverage == 1.0
+
+
+def test_waste_ratio_edge_cases() -> None:
+    assert waste_ratio(0, 0, 0, 0) == 0.0
+    assert waste_ratio(10, 20, 30, 40) == pytest.approx(30 / 80)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -18,7 +18,6 @@ from kvtax.serve.config import Config
 from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import one, parse_exposition, read_fixture
 
-PROMTOOL = Path("/usr/bin/promtool")
 INF = float("inf")
 
 
@@ -83,10 +82,17 @@ def test_counters_histograms_and_info_render_with_their_types() -> None:
     assert "# TYPE kvtax_client_ttft_seconds histogram" in text
 
 
+def _promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool is not on PATH: install it with scripts/setup-system.sh")
+    return found
+
+
 def test_sidecar_output_on_real_captures_passes_promtool() -> None:
     text = fed(REAL, max_num_seqs=64)
     done = subprocess.run(
-        [str(PROMTOOL), "check", "metrics"],
+        [_promtool(), "check", "metrics"],
         input=text,
         capture_output=True,
         text=True,
@@ -128,9 +134,8 @@ ALWAYS = {
     "kvtax_engine_generation_tokens_total",
     "kvtax_engine_prompt_computed_tokens_total",
     "kvtax_engine_preemptions_total",
-    "kvtax_engine_generation_tokens_per_second",
-    "kvtax_engine_prompt_computed_tokens_per_second",
-    "kvtax_engine_preemptions_per_second",
+    "kvtax_recomputed_tokens_estimated_total",
+    "kvtax_recomputed_tokens_stall_estimated_total",
     "kvtax_kv_cache_usage_ratio",
     "kvtax_requests_running",
     "kvtax_requests_waiting",
@@ -147,29 +152,27 @@ def _methods(samples: dict[str, dict[frozenset[tuple[str, str]], float]], name: 
 
 
 @pytest.mark.parametrize(
-    ("fixtures", "model", "methods"),
+    ("fixtures", "model", "best"),
     [
-        (
-            ["0.6.6.prom", "0.6.6-later.prom"],
-            "mistralai/Mistral-7B-Instruct-v0.3",
-            {"measured", "estimated"},
-        ),
-        (["0.8.2.prom", "0.8.5.prom"], "meta-llama/Llama-3.1-8B-Instruct", {"estimated"}),
-        (["0.10.1.prom", "0.10.1.prom"], "Qwen/Qwen2.5-7B-Instruct", {"estimated"}),
-        (REAL, "tiny-llama", {"estimated"}),
+        (["0.6.6.prom", "0.6.6-later.prom"], "mistralai/Mistral-7B-Instruct-v0.3", "measured"),
+        (["0.8.2.prom", "0.8.5.prom"], "meta-llama/Llama-3.1-8B-Instruct", "estimated"),
+        (["0.10.1.prom", "0.10.1.prom"], "Qwen/Qwen2.5-7B-Instruct", "estimated"),
+        (REAL, "tiny-llama", "estimated"),
     ],
 )
-def test_rendered_figures_per_version(fixtures: list[str], model: str, methods: set[str]) -> None:
+def test_rendered_figures_per_version(fixtures: list[str], model: str, best: str) -> None:
     samples = parse_exposition(fed(fixtures))
     for name in ALWAYS:
         assert set(samples.get(name, {})) == {frozenset({("model_name", model)})}, name
     # Only V0 (prompt-counter excess) or the plugin measure recompute; the estimate is universal.
-    for name in (
-        "kvtax_recomputed_tokens_total",
-        "kvtax_recomputed_tokens_per_second",
-        "kvtax_preemption_tax_ratio",
-    ):
-        assert _methods(samples, name) == methods, name
+    measured = "kvtax_recomputed_tokens_measured_total" in samples
+    assert measured == (best == "measured")
+    # One tax and one waste series per model, named by the best method available.
+    assert _methods(samples, "kvtax_preemption_tax_ratio") == {best}
+    assert _methods(samples, "kvtax_waste_ratio") == {best}
+    # No window gauge that nothing reads, and no per-method sum that counts tokens twice.
+    for gone in ("kvtax_recomputed_tokens_total", "kvtax_engine_generation_tokens_per_second"):
+        assert gone not in samples, gone
     # No --max-num-seqs given: no over-admission ratio, and no zero standing in for it.
     assert "kvtax_over_admission_ratio" not in samples
     assert "kvtax_configured_max_num_seqs" not in samples
@@ -178,16 +181,18 @@ def test_rendered_figures_per_version(fixtures: list[str], model: str, methods: 
 def test_v0_measured_tax_is_rendered_from_the_prompt_excess() -> None:
     samples = parse_exposition(fed(["0.6.6.prom", "0.6.6-later.prom"], step=10.0))
     model = "mistralai/Mistral-7B-Instruct-v0.3"
-    rate = one(samples, "kvtax_recomputed_tokens_per_second", model_name=model, method="measured")
-    assert rate == 260.0
+    assert one(samples, "kvtax_recomputed_tokens_measured_total", model_name=model) > 0
+    tax = one(samples, "kvtax_preemption_tax_ratio", model_name=model, method="measured")
+    # 2,600 tokens recomputed in the window (see test_history), of Pc 6,400 + G + R.
+    assert 0 < tax < 2_600 / (6_400 + 2_600)
     assert one(samples, "kvtax_kv_capacity_tokens", model_name=model) == 2127 * 16
 
 
 def test_one_scrape_renders_no_rate_and_no_tax() -> None:
     samples = parse_exposition(fed(["0.32-preempting.prom"]))
     assert "kvtax_engine_generation_tokens_total" in samples
-    assert "kvtax_engine_generation_tokens_per_second" not in samples
     assert "kvtax_preemption_tax_ratio" not in samples
+    assert "kvtax_waste_ratio" not in samples
 
 
 def test_missing_sources_are_absent_not_zero() -> None:
@@ -202,7 +207,7 @@ def test_missing_sources_are_absent_not_zero() -> None:
     sidecar.ingest(text, 0.0)
     sidecar.ingest(text.replace(" 10\n", " 30\n"), 5.0)
     samples = parse_exposition(generate_latest(sidecar.registry).decode())
-    assert one(samples, "kvtax_engine_generation_tokens_per_second", model_name="m") == 4.0
+    assert one(samples, "kvtax_engine_generation_tokens_total", model_name="m") == 30.0
     for name in (
         "kvtax_kv_capacity_tokens",
         "kvtax_request_length_p95_tokens",
@@ -211,7 +216,10 @@ def test_missing_sources_are_absent_not_zero() -> None:
         "kvtax_engine_prompt_computed_tokens_total",
         "kvtax_engine_preemptions_total",
         "kvtax_thrash_state",
-        "kvtax_recomputed_tokens_total",
+        "kvtax_recomputed_tokens_measured_total",
+        "kvtax_recomputed_tokens_estimated_total",
+        "kvtax_recomputed_tokens_stall_estimated_total",
+        "kvtax_preemption_tax_ratio",
         "kvtax_requests_waiting",
     ):
         assert name not in samples, name

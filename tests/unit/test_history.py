@@ -1,4 +1,4 @@
-"""EngineHistory: reset-corrected totals per model, recompute measured and estimated, windows."""
+"""The window: reset-corrected totals per model, the three recompute totals, points, trimming."""
 
 from __future__ import annotations
 
@@ -6,14 +6,11 @@ from collections.abc import Mapping
 
 import pytest
 
+from kvtax.delivery.ledger import LedgerTotals
 from kvtax.engine.normalize import normalize
 from kvtax.engine.snapshot import Histogram, ModelMetrics, VllmSnapshot
-from kvtax.figures.history import (
-    WINDOW_HISTOGRAMS,
-    EngineHistory,
-    computed_prompt_raw,
-    mean_context,
-)
+from kvtax.figures.recompute import computed_prompt_raw, mean_context
+from kvtax.figures.window import WINDOW_HISTOGRAMS, Point, Window
 from tests.unit.conftest import read_fixture
 
 V0_MODEL = "mistralai/Mistral-7B-Instruct-v0.3"
@@ -36,13 +33,17 @@ def snap(
     )
 
 
-def increase(h: EngineHistory, key: str, model: str = "m") -> float:
+def latest(h: Window, model: str = "m") -> Point:
+    return h.points(model)[-1]
+
+
+def increase(h: Window, key: str, model: str = "m") -> float:
     points = h.points(model)
     return points[-1].counters[key] - points[0].counters[key]
 
 
 def test_v0_recompute_is_the_prompt_counter_excess_over_the_request_histogram() -> None:
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(normalize(read_fixture("0.6.6.prom"), timestamp=0.0))
     h.observe(normalize(read_fixture("0.6.6-later.prom"), timestamp=10.0))
     assert increase(h, "prompt_tokens", V0_MODEL) == 9_000
@@ -52,17 +53,16 @@ def test_v0_recompute_is_the_prompt_counter_excess_over_the_request_histogram() 
 
 
 def test_v1_has_no_measured_recompute_without_the_plugin() -> None:
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(normalize(read_fixture("0.32-idle.prom"), timestamp=0.0))
     h.observe(normalize(read_fixture("0.32-preempting.prom"), timestamp=5.0))
-    last = h.latest("tiny-llama")
-    assert last is not None
+    last = latest(h, "tiny-llama")
     assert "recomputed_measured" not in last.counters
     assert "recomputed_estimated" in last.counters
 
 
 def test_plugin_counter_feeds_measured_recompute() -> None:
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(snap(0.0, {"recomputed_tokens": 100.0}))
     h.observe(snap(5.0, {"recomputed_tokens": 350.0}))
     assert increase(h, "recomputed_measured") == 250
@@ -71,7 +71,7 @@ def test_plugin_counter_feeds_measured_recompute() -> None:
 def test_a_restart_between_real_captures_never_makes_a_total_fall() -> None:
     after = normalize(read_fixture("0.32-after-overload.prom"), timestamp=0.0)
     idle = normalize(read_fixture("0.32-idle.prom"), timestamp=5.0)
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(after)
     h.observe(idle)
     assert h.restarts == 1
@@ -86,7 +86,7 @@ def test_a_restart_between_real_captures_never_makes_a_total_fall() -> None:
 
 
 def test_first_scrape_after_a_restart_counts_the_new_raw_value() -> None:
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(snap(0.0, {"generation_tokens": 1_000.0, "preemptions": 40.0}))
     h.observe(snap(5.0, {"generation_tokens": 30.0, "preemptions": 2.0}))
     h.observe(snap(10.0, {"generation_tokens": 90.0, "preemptions": 2.0}))
@@ -98,7 +98,7 @@ def test_first_scrape_after_a_restart_counts_the_new_raw_value() -> None:
 
 
 def test_restarts_count_once_per_scrape_that_saw_one() -> None:
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     for t, raw in enumerate((500.0, 10.0, 20.0, 3.0)):
         h.observe(snap(float(t), {"generation_tokens": raw}))
     assert h.restarts == 2
@@ -107,7 +107,7 @@ def test_restarts_count_once_per_scrape_that_saw_one() -> None:
 def test_estimated_recompute_is_preemptions_times_mean_context() -> None:
     # L-hat = mean prompt + half the mean generation = 100 + 200 / 2.
     hists = {"request_prompt_tokens": hist(100.0), "request_generation_tokens": hist(200.0)}
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(snap(0.0, {"preemptions": 10.0}, histograms=hists))
     h.observe(snap(5.0, {"preemptions": 14.0}, histograms=hists))
     totals = [p.counters["recomputed_estimated"] for p in h.points("m")]
@@ -116,7 +116,7 @@ def test_estimated_recompute_is_preemptions_times_mean_context() -> None:
 
 def test_preemptions_seen_before_any_request_histogram_are_estimated_later() -> None:
     hists = {"request_prompt_tokens": hist(50.0), "request_generation_tokens": hist(100.0)}
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(snap(0.0, {"preemptions": 3.0}))
     h.observe(snap(5.0, {"preemptions": 5.0}))
     assert h.points("m")[-1].counters["recomputed_estimated"] == 0.0
@@ -125,7 +125,7 @@ def test_preemptions_seen_before_any_request_histogram_are_estimated_later() -> 
 
 
 def test_window_keeps_one_point_at_or_before_its_start() -> None:
-    h = EngineHistory(window_seconds=10)
+    h = Window(window_seconds=10)
     for t in range(0, 25, 5):
         h.observe(snap(float(t), {"generation_tokens": float(t)}))
     times = [p.t for p in h.points("m")]
@@ -133,14 +133,14 @@ def test_window_keeps_one_point_at_or_before_its_start() -> None:
 
 
 def test_points_are_bounded_by_max_points() -> None:
-    h = EngineHistory(window_seconds=10_000, max_points=3)
+    h = Window(window_seconds=10_000, max_points=3)
     for t in range(6):
         h.observe(snap(float(t), {"generation_tokens": float(t)}))
     assert [p.t for p in h.points("m")] == [3.0, 4.0, 5.0]
 
 
 def test_models_are_kept_apart() -> None:
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     both = VllmSnapshot(
         0.0,
         {
@@ -150,14 +150,11 @@ def test_models_are_kept_apart() -> None:
     )
     h.observe(both)
     assert h.models() == ["a", "b"]
-    a, b = h.latest("a"), h.latest("b")
-    assert a is not None
-    assert b is not None
+    a, b = latest(h, "a"), latest(h, "b")
     assert a.counters["generation_tokens"] == 10.0
     assert a.gauges == {"kv_usage": 0.5}
     assert b.gauges == {}
     assert h.points("nope") == ()
-    assert h.latest("nope") is None
 
 
 def test_computed_prompt_prefers_the_most_exact_source() -> None:
@@ -188,7 +185,7 @@ def test_mean_context_needs_both_histograms() -> None:
 
 def test_points_keep_only_what_derive_reads_and_share_what_did_not_change() -> None:
     # Points live for a whole window per model; see bench/README.md for the memory this saves.
-    h = EngineHistory(window_seconds=300)
+    h = Window(window_seconds=300)
     h.observe(normalize(read_fixture("0.32-idle.prom"), timestamp=0.0))
     h.observe(normalize(read_fixture("0.32-preempting.prom"), timestamp=5.0))
     h.observe(normalize(read_fixture("0.32-preempting.prom"), timestamp=10.0))
@@ -199,3 +196,55 @@ def test_points_keep_only_what_derive_reads_and_share_what_did_not_change() -> N
     assert busy.histograms["request_prompt_tokens"] != idle.histograms["request_prompt_tokens"]
     assert same.info is busy.info
     assert busy.info["kv_cache_size_tokens"] == "2048"
+
+
+# -- the ledger side of each point, and the stall estimate --------------------------------------
+
+
+def test_each_point_pairs_the_engine_with_the_ledger_at_the_same_scrape() -> None:
+    h = Window(window_seconds=300)
+    h.observe(snap(0.0, {"generation_tokens": 10.0}), {"m": LedgerTotals(delivered=3.0)})
+    h.observe(snap(5.0, {"generation_tokens": 40.0}), {"m": LedgerTotals(delivered=30.0)})
+    assert [(p.counters["generation_tokens"], p.ledger.delivered) for p in h.points("m")] == [
+        (10.0, 3.0),
+        (40.0, 30.0),
+    ]
+
+
+def test_requests_the_ledger_could_not_attribute_still_count_as_joined() -> None:
+    h = Window(window_seconds=300)
+    ledger = {"m": LedgerTotals(joined_requests=2.0), "other": LedgerTotals(joined_requests=5.0)}
+    h.observe(snap(0.0, {"generation_tokens": 1.0}), ledger)
+    assert latest(h).joined_requests == 7.0
+    assert h.models() == ["m"]  # "other" is no model
+
+
+def test_the_stall_estimate_counts_new_preemptions_times_the_mean_stall_context() -> None:
+    h = Window(window_seconds=300)
+    # Preemptions before kvtax's ledger saw anything are not attributable to its stalls.
+    h.observe(snap(0.0, {"preemptions": 10.0}), {"m": LedgerTotals()})
+    assert latest(h).counters["recomputed_stall_estimated"] == 0.0
+    # 4 new preemptions; no stall yet: they wait.
+    h.observe(snap(5.0, {"preemptions": 14.0}), {"m": LedgerTotals()})
+    assert latest(h).counters["recomputed_stall_estimated"] == 0.0
+    # Two stalls of 300 context tokens in all: 4 x 150.
+    stalls = LedgerTotals(stalls=2.0, stall_context=300.0)
+    h.observe(snap(10.0, {"preemptions": 14.0}), {"m": stalls})
+    assert latest(h).counters["recomputed_stall_estimated"] == 600.0
+
+
+def test_no_preemption_counter_means_no_estimate_of_either_kind() -> None:
+    h = Window(window_seconds=300)
+    h.observe(snap(0.0, {"generation_tokens": 1.0}), {"m": LedgerTotals(stalls=1.0)})
+    assert not {"recomputed_estimated", "recomputed_stall_estimated"} & set(latest(h).counters)
+
+
+def test_served_requests_are_reset_corrected_like_every_total() -> None:
+    def served(t: float, n: float) -> VllmSnapshot:
+        split = {"http_requests": {"/v1/completions": n, "/metrics": 99.0}}
+        return VllmSnapshot(t, {"m": ModelMetrics({"generation_tokens": 1.0}, split)})
+
+    h = Window(window_seconds=300)
+    for t, n in ((0.0, 100.0), (5.0, 3.0), (10.0, 7.0)):
+        h.observe(served(t, n))
+    assert [p.served_requests for p in h.points("m")] == [100.0, 103.0, 107.0]

@@ -1,4 +1,5 @@
-"""The delivery ledger, stream timing, push/gateway intake and the join, on plain values."""
+"""The delivery ledger, stream timing, push/gateway intake and the join with the engine, on plain
+values."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from kvtax.delivery.ledger import (
     RequestRecord,
 )
 from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
+from kvtax.engine.snapshot import ModelMetrics, VllmSnapshot
+from kvtax.expose.publish import ledger_samples, model_samples
 from kvtax.expose.report import HistogramSample, Sample
-from kvtax.figures.join import JoinHistory, join_samples
+from kvtax.figures.derive import EngineSettings, MethodValue, derive_all
+from kvtax.figures.window import Window
 
 
 def _ledger() -> DeliveryLedger:
@@ -58,12 +62,12 @@ def test_settle_counts_outcomes_tokens_slo_and_stalls() -> None:
     assert (t.delivered, t.prompt, t.undelivered) == (13, 4, 2)
     assert (t.joined_requests, t.slo_met_requests, t.slo_met_tokens) == (2, 1, 10)
     assert (t.stalls, t.stall_context) == (1, 40)
-    v = _values(ledger.samples())
+    v = _values(ledger_samples(ledger.counts()))
     assert v[("kvtax_requests_total", ("m", "client_disconnected"))] == 1
     assert v[("kvtax_requests_total", ("m", "upstream_error"))] == 0
     itl = next(
         s
-        for s in ledger.samples()
+        for s in ledger_samples(ledger.counts())
         if isinstance(s, HistogramSample) and s.metric == "kvtax_client_itl_seconds"
     )
     assert itl.buckets[-1] == (float("inf"), 2.0)
@@ -74,7 +78,7 @@ def test_other_sources_are_labelled() -> None:
     ledger = _ledger()
     ledger.add("m", DeliveryCounts(delivered_tokens=5, requests={"completed": 2}), "push")
     ledger.add("m", DeliveryCounts(delivered_tokens=7), "gateway")
-    v = _values(ledger.samples())
+    v = _values(ledger_samples(ledger.counts()))
     assert v[("kvtax_delivered_tokens_total", ("m", "push"))] == 5
     assert v[("kvtax_delivered_tokens_total", ("m", "gateway"))] == 7
     assert ledger.totals()["m"].joined_requests == 2
@@ -156,18 +160,15 @@ def test_gateway_counters_litellm_and_envoy() -> None:
     assert envoy == {"m": 42}
 
 
-def _engine(g: float, pc: float, pre: float, est: float) -> dict[str, float]:
-    return {
-        "generation_tokens": g,
-        "prompt_computed": pc,
-        "preemptions": pre,
-        "recomputed_estimated": est,
-    }
+def _scrape(t: float, g: float, pc: float, pre: float, served: float) -> VllmSnapshot:
+    values = {"generation_tokens": g, "prompt_tokens": pc, "preemptions": pre}
+    split = {"http_requests": {"/v1/completions": served}}
+    return VllmSnapshot(t, {"m": ModelMetrics(values, split)})
 
 
-def test_join_window_figures() -> None:
-    join = JoinHistory(window_seconds=100)
-    join.observe(0.0, {"m": _engine(1000, 500, 10, 100)}, 50, {"m": LedgerTotals()})
+def test_the_join_pairs_engine_and_ledger_in_one_window() -> None:
+    window = Window(window_seconds=100)
+    window.observe(_scrape(0.0, 1000, 500, 10, 50), {"m": LedgerTotals()})
     ledger = LedgerTotals(
         delivered=800,
         joined_requests=10,
@@ -176,36 +177,26 @@ def test_join_window_figures() -> None:
         stalls=2,
         stall_context=300,
     )
-    join.observe(10.0, {"m": _engine(2000, 700, 14, 300)}, 60, {"m": ledger})
-    f = join.figures()["m"]
+    window.observe(_scrape(10.0, 2000, 700, 14, 60), {"m": ledger})
+    f = derive_all(window, EngineSettings())["m"]
     assert f.goodput == pytest.approx(80)
     assert f.slo_goodput_tokens == pytest.approx(40)
-    assert f.slo_goodput_requests == pytest.approx(0.5)
     assert f.coverage == pytest.approx(1.0)
-    assert f.delivery_yield == pytest.approx(0.8)
-    # Full coverage: U = G - D = 200. Stall estimate: 4 preemptions x 150 mean context = 600.
-    assert f.undelivered_rate == pytest.approx(20)
-    assert f.stall_recomputed_total == pytest.approx(600)
-    assert f.waste["estimated"] == pytest.approx((200 + 200) / (200 + 1000 + 200))
-    assert f.waste["stall_estimated"] == pytest.approx((600 + 200) / (200 + 1000 + 600))
-    assert f.stall_tax == pytest.approx(600 / 1800)
-    names = {s.metric for s in join_samples(join.figures())}
-    assert {"kvtax_goodput_tokens_per_second", "kvtax_join_coverage_ratio"} <= names
+    # Stall estimate: 4 preemptions x 150 mean context = 600. No L-hat: the estimate is 0,
+    # and it is still the best method available (measured is not).
+    assert f.totals["recomputed_stall_estimated"] == pytest.approx(600)
+    assert f.tax == MethodValue("estimated", 0.0)
+    # Full coverage: U = G - D = 200, over Pc + G = 200 + 1000.
+    assert f.waste == MethodValue("estimated", pytest.approx(200 / 1200))
+    page = _values(model_samples({"m": f}, None))
+    assert page[("kvtax_recomputed_tokens_stall_estimated_total", ("m",))] == pytest.approx(600)
+    assert page[("kvtax_preemption_tax_ratio", ("m", "estimated"))] == 0.0
+    assert page[("kvtax_goodput_tokens_per_second", ("m",))] == pytest.approx(80)
+    assert ("kvtax_join_coverage_ratio", ("m",)) in page
 
 
-def test_join_coverage_below_one_when_traffic_bypasses() -> None:
-    join = JoinHistory(window_seconds=100)
-    join.observe(0.0, {"m": _engine(0, 0, 0, 0)}, 0, {})
-    ledger = LedgerTotals(delivered=50, undelivered=5, joined_requests=2)
-    join.observe(5.0, {"m": _engine(200, 10, 0, 0)}, 4, {"m": ledger})
-    f = join.figures()["m"]
-    assert f.coverage == pytest.approx(0.5)
-    # Partial join: only the ledger's own undelivered count is known.
-    assert f.undelivered_rate == pytest.approx(1.0)
-
-
-def test_join_survives_a_vllm_restart() -> None:
-    join = JoinHistory(window_seconds=100)
-    join.observe(0.0, {"m": _engine(0, 0, 0, 0)}, 100, {})
-    join.observe(5.0, {"m": _engine(10, 0, 0, 0)}, 3, {"m": LedgerTotals(joined_requests=3)})
-    assert join.figures()["m"].coverage == pytest.approx(1.0)
+def test_the_join_survives_a_vllm_restart() -> None:
+    window = Window(window_seconds=100)
+    window.observe(_scrape(0.0, 0, 0, 0, 100), {})
+    window.observe(_scrape(5.0, 10, 0, 0, 3), {"m": LedgerTotals(joined_requests=3)})
+    assert derive_all(window, EngineSettings())["m"].coverage == pytest.approx(1.0)

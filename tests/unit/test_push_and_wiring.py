@@ -1,10 +1,11 @@
-"""The push endpoint on kvtax's web port, and the delivery side wired into a real Sidecar."""
+"""The push endpoint on kvtax's web port, and the parts wired by serve.wiring.build."""
 
 from __future__ import annotations
 
 import io
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +16,23 @@ from prometheus_client.exposition import generate_latest
 
 from kvtax.delivery.intake import MAX_COUNT, PushError, parse_push
 from kvtax.delivery.ledger import RequestRecord
+from kvtax.figures.window import served_requests
 from kvtax.serve.config import load_config
 from kvtax.serve.sidecar import Sidecar
 from kvtax.serve.sources import MAX_GATEWAY_PAGE, PUSH_PATH, GatewayPoller, push_handler
-from kvtax.serve.wiring import Delivery, served_requests
+from kvtax.serve.wiring import Stack, build
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
 
-def _delivery(**flags: Any) -> tuple[Sidecar, Delivery]:
+def _delivery(**flags: Any) -> tuple[Sidecar, Stack]:
     config = load_config(
         {"proxy.listen_address": "off", "scrape.interval": "1s", "window": "60s", **flags},
         env={},
         file=None,
     )
-    sidecar = Sidecar(config)
-    return sidecar, Delivery(config, sidecar)
+    stack = build(config)
+    return stack.sidecar, stack
 
 
 async def test_push_rejects_a_wrong_token(aiohttp_client: Any) -> None:
@@ -158,6 +160,55 @@ def test_scrapes_feed_the_join_and_metrics_render() -> None:
     served = served_requests(snap) - served_requests(idle)
     assert f'kvtax_join_coverage_ratio{{model_name="{model}"}} {1 / served}' in page
     assert "kvtax_client_ttft_seconds_bucket" in page
+    # One report: the sidecar's own series, the proxy's gauges and the self-watch beside them.
+    for name in ("kvtax_vllm_up", "kvtax_proxy_requests_in_flight", "kvtax_event_loop_lag_seconds"):
+        assert f"\n{name} " in page, name
+
+
+class _StreamsInFlight:
+    """Stands in for the proxy's credit_in_flight: each call credits one more token."""
+
+    def __init__(self, stack: Stack, model: str) -> None:
+        self.stack, self.model, self.calls = stack, model, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.stack.ledger.credit(self.model, 1)
+
+
+def test_a_get_of_metrics_changes_nothing_and_the_scrape_credits_running_streams() -> None:
+    config = load_config({"proxy.listen_address": "off", "window": "60s"}, env={}, file=None)
+    stack = build(config)
+    text = (FIXTURES / "0.32-preempting.prom").read_text()
+    stack.sidecar.ingest(text, timestamp=1000.0)
+    model = next(iter(stack.window.models()))
+    streams = _StreamsInFlight(stack, model)
+    feed = stack.sidecar.feed
+    assert feed is not None
+    stack.sidecar.feed = replace(feed, credit=streams)  # in place of proxy.credit_in_flight
+    stack.sidecar.ingest(text, timestamp=1005.0)
+    assert streams.calls == 1
+    before = stack.ledger.totals()
+    pages = [generate_latest(stack.sidecar.registry).decode() for _ in range(2)]
+    # The process's own CPU and memory move between two reads; kvtax's figures must not.
+    first, second = ([line for line in p.splitlines() if "kvtax_" in line] for p in pages)
+    assert first == second
+    assert streams.calls == 1
+    assert stack.ledger.totals() == before
+    assert f'kvtax_delivered_tokens_total{{model_name="{model}",source="proxy"}} 1.0' in pages[0]
+
+
+def test_the_window_sees_the_ledger_after_the_credit_of_the_same_scrape() -> None:
+    config = load_config({"proxy.listen_address": "off", "window": "60s"}, env={}, file=None)
+    stack = build(config)
+    text = (FIXTURES / "0.32-preempting.prom").read_text()
+    stack.sidecar.ingest(text, timestamp=1000.0)
+    model = next(iter(stack.window.models()))
+    feed = stack.sidecar.feed
+    assert feed is not None
+    stack.sidecar.feed = replace(feed, credit=_StreamsInFlight(stack, model))
+    stack.sidecar.ingest(text, timestamp=1005.0)
+    assert stack.window.points(model)[-1].ledger.delivered == 1.0
 
 
 def test_gateway_poller_adds_increases_only() -> None:
@@ -187,7 +238,7 @@ GATEWAY_PAGE = (
 
 async def _poll_once(
     server: TestServer, path: str, caplog: pytest.LogCaptureFixture
-) -> tuple[Delivery, GatewayPoller]:
+) -> tuple[Stack, GatewayPoller]:
     _, delivery = _delivery()
     delivery.names.update(["m"])
     url = str(server.make_url(path)).replace("http://", "http://user:PASSWORD@")

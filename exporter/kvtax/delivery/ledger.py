@@ -2,10 +2,10 @@
 
 Pure counting, no I/O. The proxy settles one :class:`RequestRecord` per request; the push
 endpoint and a gateway's counter add :class:`DeliveryCounts` increments. Every counter only grows,
-so the ledger publishes Prometheus counters and histograms directly, and the join reads its
-:class:`LedgerTotals` as plain values. Model labels go through :class:`ModelNames`: only models
-vLLM serves get their own label, anything else is counted as ``other``, so a client cannot
-create series by inventing model names.
+so :meth:`DeliveryLedger.counts` hands the exposition plain values to publish as Prometheus
+counters and histograms, and the window reads :class:`LedgerTotals` at every scrape of vLLM.
+Model labels go through :class:`ModelNames`: only models vLLM serves get their own label,
+anything else is counted as ``other``, so a client cannot create series by inventing model names.
 
 Example::
 
@@ -19,18 +19,18 @@ Example::
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-
-from kvtax.expose.report import HistogramSample, Sample
 
 __all__ = [
     "OTHER",
     "OUTCOMES",
     "SOURCES",
+    "BookCounts",
     "DeliveryCounts",
     "DeliveryLedger",
     "HistogramAccumulator",
+    "HistogramCounts",
     "LedgerTotals",
     "ModelNames",
     "RequestRecord",
@@ -83,6 +83,14 @@ class ModelNames:
         return name in self._served
 
 
+@dataclass(frozen=True, slots=True)
+class HistogramCounts:
+    """Cumulative buckets ``(le, count)`` ending with ``+Inf``, and the sum of observations."""
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+
+
 class HistogramAccumulator:
     """A cumulative Prometheus histogram with fixed bounds (``+Inf`` is implied)."""
 
@@ -105,13 +113,13 @@ class HistogramAccumulator:
     def sum(self) -> float:
         return self._sum
 
-    def sample(self, metric: str, labels: tuple[str, ...]) -> HistogramSample:
+    def counts(self) -> HistogramCounts:
         running = 0
         buckets: list[tuple[float, float]] = []
         for le, n in zip((*self._bounds, float("inf")), self._counts, strict=True):
             running += n
             buckets.append((le, float(running)))
-        return HistogramSample(metric, labels, tuple(buckets), self._sum)
+        return HistogramCounts(tuple(buckets), self._sum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +174,25 @@ class LedgerTotals:
     stall_context: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class BookCounts:
+    """One model label's counters, as values for the exposition (by source, by outcome)."""
+
+    delivered: Mapping[str, float]
+    prompt: Mapping[str, float]
+    undelivered: Mapping[str, float]
+    outcomes: Mapping[str, float]
+    joined_requests: float
+    usage_missing: float
+    slo_met_requests: float
+    slo_met_tokens: float
+    stall_context: float
+    ttft: HistogramCounts
+    itl: HistogramCounts
+    stall: HistogramCounts
+    duration: HistogramCounts
+
+
 class _ModelBook:
     """Mutable counters of one model label."""
 
@@ -188,6 +215,23 @@ class _ModelBook:
         self.delivered[source] = self.delivered.get(source, 0.0) + delivered
         self.prompt[source] = self.prompt.get(source, 0.0) + prompt
         self.undelivered[source] = self.undelivered.get(source, 0.0) + undelivered
+
+    def counts(self) -> BookCounts:
+        return BookCounts(
+            delivered=dict(self.delivered),
+            prompt=dict(self.prompt),
+            undelivered=dict(self.undelivered),
+            outcomes=dict(self.outcomes),
+            joined_requests=self.joined_requests,
+            usage_missing=self.usage_missing,
+            slo_met_requests=self.slo_met_requests,
+            slo_met_tokens=self.slo_met_tokens,
+            stall_context=self.stall_context,
+            ttft=self.ttft.counts(),
+            itl=self.itl.counts(),
+            stall=self.stall.counts(),
+            duration=self.duration.counts(),
+        )
 
     def totals(self) -> LedgerTotals:
         return LedgerTotals(
@@ -283,25 +327,6 @@ class DeliveryLedger:
     def totals(self) -> dict[str, LedgerTotals]:
         return {label: book.totals() for label, book in self._books.items()}
 
-    def samples(self) -> Iterator[Sample | HistogramSample]:
-        for label in sorted(self._books):
-            book = self._books[label]
-            m = (label,)
-            for metric, by_source in (
-                ("kvtax_delivered_tokens_total", book.delivered),
-                ("kvtax_delivered_prompt_tokens_total", book.prompt),
-                ("kvtax_undelivered_tokens_total", book.undelivered),
-            ):
-                for source, value in sorted(by_source.items()):
-                    yield Sample(metric, (label, source), value)
-            for outcome, n in book.outcomes.items():
-                yield Sample("kvtax_requests_total", (label, outcome), n)
-            yield Sample("kvtax_joined_requests_total", m, book.joined_requests)
-            yield Sample("kvtax_requests_without_usage_total", m, book.usage_missing)
-            yield Sample("kvtax_slo_met_requests_total", m, book.slo_met_requests)
-            yield Sample("kvtax_slo_met_tokens_total", m, book.slo_met_tokens)
-            yield Sample("kvtax_stall_context_tokens_total", m, book.stall_context)
-            yield book.ttft.sample("kvtax_client_ttft_seconds", m)
-            yield book.itl.sample("kvtax_client_itl_seconds", m)
-            yield book.stall.sample("kvtax_stream_stall_seconds", m)
-            yield book.duration.sample("kvtax_request_duration_seconds", m)
+    def counts(self) -> dict[str, BookCounts]:
+        """Every counter of every model label, sorted by label (what kvtax publishes)."""
+        return {label: self._books[label].counts() for label in sorted(self._books)}

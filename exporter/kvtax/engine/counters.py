@@ -5,9 +5,10 @@ the way Prometheus' ``increase()`` does: when a raw value drops, the engine rest
 raw value is all the increase since the last scrape. The first value ever seen is taken as the
 starting total, so kvtax's counters mirror vLLM's until vLLM restarts and stay monotonic after.
 
-A reading that is NaN, infinite or negative is no counter value at all: it is rejected (counted
-in ``rejected``), the total keeps its last good value, and it is not taken for a restart. One NaN
-would otherwise make the total, and every rate over it, NaN for good.
+A reading that is NaN, infinite or negative is no counter value at all: it is ignored, the total
+keeps its last good value, and it is not taken for a restart. One NaN would otherwise make the
+total, and every rate over it, NaN for good. (normalize already drops such samples and counts
+them in ``VllmSnapshot.rejected``; this is the last guard.)
 
 Example::
 
@@ -36,12 +37,10 @@ class CounterTracker:
     def __init__(self) -> None:
         self._tracks: dict[str, _Track] = {}
         self.resets = 0
-        self.rejected = 0
 
     def update(self, key: str, raw: float) -> float:
         """Record a raw reading and return the increase since the previous one (never < 0)."""
         if not (math.isfinite(raw) and raw >= 0):
-            self.rejected += 1
             return 0.0
         track = self._tracks.get(key)
         if track is None:
@@ -59,7 +58,6 @@ class CounterTracker:
     def add(self, key: str, amount: float) -> None:
         """Grow a total kvtax computes itself (no raw counter behind it)."""
         if not (math.isfinite(amount) and amount >= 0):
-            self.rejected += 1
             return
         track = self._tracks.get(key)
         if track is None:

@@ -69,14 +69,6 @@ class ModelMetrics:
     histograms: Mapping[str, Histogram] = field(default_factory=dict)
     info: Mapping[str, str] = field(default_factory=dict)
 
-    def has(self, concept: str) -> bool:
-        return (
-            concept in self.values
-            or concept in self.split
-            or concept in self.histograms
-            or (concept == "cache_config" and bool(self.info))
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class VllmSnapshot:
@@ -86,7 +78,7 @@ class VllmSnapshot:
     ``names`` records which exposed name fed each concept, for the docs and for debugging.
     ``rejected`` counts samples left out by reason (``non_finite``, ``negative``).
     ``models_on_page`` is set when models that could not be tracked were already left out
-    (see :func:`kvtax.figures.history.candidates`): how many the page had.
+    (see :func:`kvtax.figures.window.candidates`): how many the page had.
     """
 
     timestamp: float

@@ -1,42 +1,52 @@
-"""Engine figures and sidecar health as :class:`~kvtax.expose.report.Sample` values.
+"""What kvtax publishes, as :class:`~kvtax.expose.report.Sample` values: the one mapping onto
+catalog names of the derived figures, the ledger's counters and the proxy's gauges.
 
-Pure: it maps :class:`~kvtax.figures.derive.EngineFigures` onto catalog names. A figure that is
-``None``
-produces no sample, so a concept a vLLM version lacks is absent from kvtax's output, not zero.
+Pure. A figure that is ``None`` produces no sample, so a concept a vLLM version lacks is absent
+from kvtax's output, not zero. Reading never changes what is read: the figures are computed at
+the scrape of vLLM, and the ledger's running streams are credited there too.
+
+Example::
+
+    list(model_samples(derive_all(window, settings), configured_max_num_seqs=None))
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from kvtax.expose.report import Sample
-from kvtax.figures.derive import EngineFigures
+from kvtax.delivery.ledger import BookCounts, HistogramCounts
+from kvtax.expose.report import HistogramSample, Sample
+from kvtax.figures.derive import ModelFigures
+from kvtax.figures.recompute import METHODS
 
-__all__ = ["engine_samples"]
+__all__ = ["RECOMPUTED_COUNTERS", "ledger_samples", "model_samples", "proxy_samples"]
 
 _COUNTERS = (
     ("kvtax_engine_generation_tokens_total", "generation_tokens"),
     ("kvtax_engine_prompt_computed_tokens_total", "prompt_computed"),
     ("kvtax_engine_preemptions_total", "preemptions"),
 )
-_RECOMPUTED = (("measured", "recomputed_measured"), ("estimated", "recomputed_estimated"))
+# One counter per recompute method, so that a sum() over any of them means something.
+RECOMPUTED_COUNTERS = {
+    "measured": "kvtax_recomputed_tokens_measured_total",
+    "estimated": "kvtax_recomputed_tokens_estimated_total",
+    "stall_estimated": "kvtax_recomputed_tokens_stall_estimated_total",
+}
 
 
-def engine_samples(
-    figures: Mapping[str, EngineFigures], configured_max_num_seqs: int | None
+def model_samples(
+    figures: Mapping[str, ModelFigures], configured_max_num_seqs: int | None
 ) -> Iterator[Sample]:
-    for model, f in figures.items():
+    """Each model's totals and window figures; the tax and waste once, with their method."""
+    for model, f in sorted(figures.items()):
         m = (model,)
         for metric, key in _COUNTERS:
             if key in f.totals:
                 yield Sample(metric, m, f.totals[key])
-        for method, key in _RECOMPUTED:
+        for method, key in METHODS:
             if key in f.totals:
-                yield Sample("kvtax_recomputed_tokens_total", (model, method), f.totals[key])
+                yield Sample(RECOMPUTED_COUNTERS[method], m, f.totals[key])
         gauges = (
-            ("kvtax_engine_generation_tokens_per_second", f.generation_rate),
-            ("kvtax_engine_prompt_computed_tokens_per_second", f.prompt_computed_rate),
-            ("kvtax_engine_preemptions_per_second", f.preemption_rate),
             ("kvtax_kv_cache_usage_ratio", f.kv_usage),
             ("kvtax_requests_running", f.running),
             ("kvtax_requests_waiting", f.waiting),
@@ -46,12 +56,50 @@ def engine_samples(
             ("kvtax_recommended_max_num_seqs", f.recommended_max_num_seqs),
             ("kvtax_over_admission_ratio", f.over_admission_ratio),
             ("kvtax_thrash_state", f.thrash_state),
-            ("kvtax_configured_max_num_seqs", configured_max_num_seqs),
+            ("kvtax_goodput_tokens_per_second", f.goodput),
+            ("kvtax_slo_goodput_tokens_per_second", f.slo_goodput_tokens),
+            ("kvtax_join_coverage_ratio", f.coverage),
+            ("kvtax_engine_api_requests_total", f.served_requests_total),
         )
         for metric, value in gauges:
             if value is not None:
                 yield Sample(metric, m, float(value))
-        for method, value in f.recompute_rate.items():
-            yield Sample("kvtax_recomputed_tokens_per_second", (model, method), value)
-        for method, value in f.tax.items():
-            yield Sample("kvtax_preemption_tax_ratio", (model, method), value)
+        if f.engine and configured_max_num_seqs is not None:
+            yield Sample("kvtax_configured_max_num_seqs", m, float(configured_max_num_seqs))
+        if f.tax is not None:
+            yield Sample("kvtax_preemption_tax_ratio", (model, f.tax.method), f.tax.value)
+        if f.waste is not None:
+            yield Sample("kvtax_waste_ratio", (model, f.waste.method), f.waste.value)
+
+
+def ledger_samples(books: Mapping[str, BookCounts]) -> Iterator[Sample | HistogramSample]:
+    """The ledger's counters and histograms per model label (from ``DeliveryLedger.counts()``)."""
+    for label, book in sorted(books.items()):
+        m = (label,)
+        for metric, by_source in (
+            ("kvtax_delivered_tokens_total", book.delivered),
+            ("kvtax_delivered_prompt_tokens_total", book.prompt),
+            ("kvtax_undelivered_tokens_total", book.undelivered),
+        ):
+            for source, value in sorted(by_source.items()):
+                yield Sample(metric, (label, source), value)
+        for outcome, n in book.outcomes.items():
+            yield Sample("kvtax_requests_total", (label, outcome), n)
+        yield Sample("kvtax_joined_requests_total", m, book.joined_requests)
+        yield Sample("kvtax_requests_without_usage_total", m, book.usage_missing)
+        yield Sample("kvtax_slo_met_requests_total", m, book.slo_met_requests)
+        yield Sample("kvtax_slo_met_tokens_total", m, book.slo_met_tokens)
+        yield Sample("kvtax_stall_context_tokens_total", m, book.stall_context)
+        yield _histogram("kvtax_client_ttft_seconds", m, book.ttft)
+        yield _histogram("kvtax_client_itl_seconds", m, book.itl)
+        yield _histogram("kvtax_stream_stall_seconds", m, book.stall)
+        yield _histogram("kvtax_request_duration_seconds", m, book.duration)
+
+
+def proxy_samples(in_flight: int, streams_open: int) -> Iterator[Sample]:
+    yield Sample("kvtax_proxy_requests_in_flight", (), float(in_flight))
+    yield Sample("kvtax_proxy_streams_open", (), float(streams_open))
+
+
+def _histogram(metric: str, labels: tuple[str, ...], h: HistogramCounts) -> HistogramSample:
+    return HistogramSample(metric, labels, h.buckets, h.sum)

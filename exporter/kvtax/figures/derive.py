@@ -1,13 +1,15 @@
-"""Derived engine numbers per model, as pure functions of a window of :class:`Point` values.
+"""Every derived number, per model, as pure functions of a window of :class:`Point` values.
 
-Everything here is arithmetic on values: rates over the window, KV capacity, request-length
-quantiles, the recommended ``max_num_seqs``, the thrash state and the preemption tax. The exact
-meaning of each number is in ``docs/tax.md``; the formulas live only here.
+This module owns the formulas: KV capacity, request-length quantiles, the recommended
+``max_num_seqs``, the thrash state, goodput and SLO goodput, undelivered tokens, join coverage,
+and the preemption tax and waste ratio with the best recompute method. The recompute totals
+themselves grow in :mod:`kvtax.figures.window` by the formulas of
+:mod:`kvtax.figures.recompute`. The exact meaning of each number is in ``docs/tax.md``.
 
 Example::
 
-    figures = derive_engine(history.points("tiny-llama"), EngineSettings())
-    figures.recommended_max_num_seqs
+    figures = derive_model(window.points("tiny-llama"), EngineSettings())
+    figures.tax  # MethodValue("measured", 0.24)
 """
 
 from __future__ import annotations
@@ -18,17 +20,29 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from kvtax.engine.snapshot import Histogram
-from kvtax.figures.history import Point
+from kvtax.figures.recompute import METHODS
+from kvtax.figures.window import Point, Window
 
 __all__ = [
-    "EngineFigures",
+    "FULL_COVERAGE",
     "EngineSettings",
+    "MethodValue",
+    "ModelFigures",
     "ThrashState",
-    "derive_engine",
+    "best_method",
+    "coverage",
+    "derive_all",
+    "derive_model",
     "kv_capacity_tokens",
     "recommended_max_num_seqs",
     "tax_ratio",
+    "thrash_state",
+    "undelivered",
+    "waste_ratio",
 ]
+
+# Coverage at or above this counts as "the ledger saw everything": then U = G - D exactly.
+FULL_COVERAGE = 0.999
 
 
 class ThrashState(IntEnum):
@@ -48,13 +62,20 @@ class EngineSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineFigures:
+class MethodValue:
+    """A ratio computed with one recompute method, and that method's name."""
+
+    method: str
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFigures:
     """One model's derived numbers. ``None`` means "cannot be known yet", never zero."""
 
+    # Whether the window's last point has engine data (the page had the model lately).
+    engine: bool = False
     totals: Mapping[str, float] = field(default_factory=dict)
-    generation_rate: float | None = None
-    prompt_computed_rate: float | None = None
-    preemption_rate: float | None = None
     kv_usage: float | None = None
     running: float | None = None
     waiting: float | None = None
@@ -64,12 +85,13 @@ class EngineFigures:
     recommended_max_num_seqs: int | None = None
     over_admission_ratio: float | None = None
     thrash_state: ThrashState | None = None
-    # method -> value; a method is present only if its source exists.
-    recompute_rate: Mapping[str, float] = field(default_factory=dict)
-    tax: Mapping[str, float] = field(default_factory=dict)
-    # The window actually covered, and every total's increase over it (G, Pc, R by method).
-    window_seconds: float = 0.0
-    window_increase: Mapping[str, float] = field(default_factory=dict)
+    goodput: float | None = None
+    slo_goodput_tokens: float | None = None
+    coverage: float | None = None
+    served_requests_total: float | None = None
+    # With the best recompute method of the window (see best_method).
+    tax: MethodValue | None = None
+    waste: MethodValue | None = None
 
 
 def kv_capacity_tokens(info: Mapping[str, str]) -> float | None:
@@ -92,9 +114,112 @@ def recommended_max_num_seqs(capacity: float, target_usage: float, p95_length: f
 
 
 def tax_ratio(recomputed: float, prompt_computed: float, generated: float) -> float:
-    """R / (Pc + G + R); 0 when the engine did no work at all."""
+    """R / (Pc + G + R): the share of engine token work that was recompute; 0 with no work."""
     work = prompt_computed + generated + recomputed
     return recomputed / work if work > 0 else 0.0
+
+
+def waste_ratio(
+    recomputed: float, undelivered_tokens: float, prompt_computed: float, generated: float
+) -> float:
+    """(R + U) / (Pc + G + R): everything the engine did that no client received."""
+    work = prompt_computed + generated + recomputed
+    return (recomputed + undelivered_tokens) / work if work > 0 else 0.0
+
+
+def best_method(increases: Mapping[str, float]) -> tuple[str, float] | None:
+    """The first recompute method available, in the fixed order of METHODS, and its increase."""
+    for method, key in METHODS:
+        if key in increases:
+            return method, increases[key]
+    return None
+
+
+def coverage(first: Point, last: Point) -> float | None:
+    """Requests the ledger saw / requests vLLM served over the window (server-wide)."""
+    if first.served_requests is None or last.served_requests is None:
+        return None
+    served = last.served_requests - first.served_requests
+    if served <= 0:
+        return None
+    joined = last.joined_requests - first.joined_requests
+    # The ledger settles a request when its response ends, vLLM's counter a moment earlier or
+    # later; a small excess is timing skew, not more traffic than vLLM saw.
+    return min(1.0, joined / served)
+
+
+def undelivered(first: Point, last: Point, generated: float | None, covered: float | None) -> float:
+    """U over the window: G - D when the join covers all traffic, else the ledger's own count."""
+    delivered = last.ledger.delivered - first.ledger.delivered
+    if generated is not None and covered is not None and covered >= FULL_COVERAGE:
+        return max(0.0, generated - delivered)
+    return last.ledger.undelivered - first.ledger.undelivered
+
+
+def derive_all(window: Window, settings: EngineSettings) -> dict[str, ModelFigures]:
+    """Every tracked model's figures over the window."""
+    return {model: derive_model(window.points(model), settings) for model in window.models()}
+
+
+def derive_model(points: Sequence[Point], settings: EngineSettings) -> ModelFigures:
+    """All derived numbers for one model from its window of points (oldest first)."""
+    if not points:
+        return ModelFigures()
+    first, last = points[0], points[-1]
+    span = last.t - first.t
+    capacity = kv_capacity_tokens(last.info)
+    p95 = _length_quantile(first, last, 0.95)
+    recommended = (
+        recommended_max_num_seqs(capacity, settings.target_usage, p95)
+        if capacity is not None and p95 is not None and p95 > 0
+        else None
+    )
+    configured = settings.configured_max_num_seqs
+    tax, waste = _tax_and_waste(first, last)
+
+    def per_second(value: float) -> float | None:
+        return value / span if span > 0 else None
+
+    return ModelFigures(
+        engine=bool(last.counters or last.gauges or last.histograms or last.info),
+        totals=dict(last.counters),
+        kv_usage=last.gauges.get("kv_usage"),
+        running=last.gauges.get("requests_running"),
+        waiting=last.gauges.get("requests_waiting"),
+        kv_capacity_tokens=capacity,
+        length_p50=_length_quantile(first, last, 0.5),
+        length_p95=p95,
+        recommended_max_num_seqs=recommended,
+        over_admission_ratio=(
+            configured / recommended if configured is not None and recommended else None
+        ),
+        thrash_state=thrash_state(points, settings),
+        goodput=per_second(last.ledger.delivered - first.ledger.delivered),
+        slo_goodput_tokens=per_second(last.ledger.slo_met_tokens - first.ledger.slo_met_tokens),
+        coverage=coverage(first, last),
+        served_requests_total=last.served_requests,
+        tax=tax,
+        waste=waste,
+    )
+
+
+def _tax_and_waste(first: Point, last: Point) -> tuple[MethodValue | None, MethodValue | None]:
+    """The tax and the waste over the window, both with R from the best method available."""
+    increases = {
+        key: inc for key in last.counters if (inc := _increase(first, last, key)) is not None
+    }
+    best = best_method(increases)
+    # A window of one scrape spans no time: its tax would be 0/0, not "no tax".
+    if best is None or last.t - first.t <= 0:
+        return None, None
+    method, recomputed = best
+    generated = increases.get("generation_tokens")
+    computed = increases.get("prompt_computed", 0.0)
+    tax = MethodValue(method, tax_ratio(recomputed, computed, generated or 0.0))
+    if generated is None:
+        return tax, None
+    u = undelivered(first, last, generated, coverage(first, last))
+    return tax, MethodValue(method, waste_ratio(recomputed, u, computed, generated))
 
 
 def _num(text: str | None) -> float | None:
@@ -134,69 +259,6 @@ def _length_quantile(first: Point, last: Point, q: float) -> float | None:
     # Quantiles of the two histograms add up to an upper bound of the total's quantile: vLLM
     # exposes no joint histogram, and over-estimating the length errs on the safe side.
     return pq + gq
-
-
-def derive_engine(points: Sequence[Point], settings: EngineSettings) -> EngineFigures:
-    """All derived engine numbers for one model from its window of points (oldest first)."""
-    if not points:
-        return EngineFigures()
-    first, last = points[0], points[-1]
-    span = last.t - first.t
-
-    def rate(key: str) -> float | None:
-        inc = _increase(first, last, key)
-        if inc is None or span <= 0:
-            return None
-        return inc / span
-
-    increases = {
-        key: inc for key in last.counters if (inc := _increase(first, last, key)) is not None
-    }
-    capacity = kv_capacity_tokens(last.info)
-    p50 = _length_quantile(first, last, 0.5)
-    p95 = _length_quantile(first, last, 0.95)
-    recommended = (
-        recommended_max_num_seqs(capacity, settings.target_usage, p95)
-        if capacity is not None and p95 is not None and p95 > 0
-        else None
-    )
-    over = (
-        settings.configured_max_num_seqs / recommended
-        if settings.configured_max_num_seqs is not None and recommended
-        else None
-    )
-
-    recompute_rate: dict[str, float] = {}
-    tax: dict[str, float] = {}
-    generated = increases.get("generation_tokens", 0.0)
-    computed = increases.get("prompt_computed", 0.0)
-    for method, key in (("measured", "recomputed_measured"), ("estimated", "recomputed_estimated")):
-        # A window of one scrape spans no time: its tax would be 0/0, not "no tax".
-        if key not in increases or span <= 0:
-            continue
-        recomputed = increases[key]
-        recompute_rate[method] = recomputed / span
-        tax[method] = tax_ratio(recomputed, computed, generated)
-
-    return EngineFigures(
-        totals=dict(last.counters),
-        generation_rate=rate("generation_tokens"),
-        prompt_computed_rate=rate("prompt_computed"),
-        preemption_rate=rate("preemptions"),
-        kv_usage=last.gauges.get("kv_usage"),
-        running=last.gauges.get("requests_running"),
-        waiting=last.gauges.get("requests_waiting"),
-        kv_capacity_tokens=capacity,
-        length_p50=p50,
-        length_p95=p95,
-        recommended_max_num_seqs=recommended,
-        over_admission_ratio=over,
-        thrash_state=thrash_state(points, settings),
-        recompute_rate=recompute_rate,
-        tax=tax,
-        window_seconds=span,
-        window_increase=increases,
-    )
 
 
 def thrash_state(points: Sequence[Point], settings: EngineSettings) -> ThrashState | None:

@@ -19,7 +19,7 @@ import sys
 from typing import IO
 
 from kvtax.engine.normalize import ParseError, normalize
-from kvtax.figures.history import candidates
+from kvtax.figures.window import candidates
 
 __all__ = ["main", "receive_frame", "send_frame"]
 

@@ -1,17 +1,19 @@
 """The observe-mode sidecar: scrape on a schedule, fold, derive, and serve kvtax's /metrics.
 
 :class:`Sidecar` owns the I/O of observe mode: an APScheduler job scrapes vLLM every interval,
-the pure pipeline (normalize, history, derive) turns the text into figures, and an aiohttp app
-serves ``/metrics``, ``/healthz`` and ``/readyz``. A vLLM that is down, slow or restarting shows
-as ``kvtax_vllm_up 0`` and a scrape error by reason; it never stops the sidecar. Other parts (the
-proxy's ledger, the join) add samples through :meth:`Sidecar.add_producer`.
+the fold step (normalize, then the window and derive of :mod:`kvtax.figures`) turns the text
+into figures, and an aiohttp app serves ``/metrics``, ``/healthz`` and ``/readyz``. A vLLM that
+is down, slow or restarting shows as ``kvtax_vllm_up 0`` and a scrape error by reason; it never
+stops the sidecar. The scrape is the write path: with a :class:`LedgerFeed`, it credits the
+proxy's running streams and pairs the ledger's totals with the engine's in the window. A GET of
+``/metrics`` only reads. :func:`kvtax.serve.wiring.build` passes each part what it needs.
 
 The page is parsed in a worker process (:class:`~kvtax.serve.parsepool.ParsePool`), so a big page
 never holds up the event loop that also relays the proxy's streams.
 
 Example::
 
-    sidecar = Sidecar(config)
+    sidecar = Sidecar(config)  # observe only; see kvtax.serve.wiring for the whole stack
     await sidecar.start()
     ...
     await sidecar.stop()
@@ -23,7 +25,7 @@ import asyncio
 import logging
 import platform
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -32,25 +34,39 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtax import __version__
+from kvtax.delivery.ledger import DeliveryLedger, LedgerTotals, ModelNames
 from kvtax.engine.normalize import REJECT_REASONS, ParseError, normalize
 from kvtax.engine.snapshot import VllmSnapshot
 from kvtax.expose.exposition import ReportCollector
-from kvtax.expose.publish import engine_samples
+from kvtax.expose.publish import model_samples
 from kvtax.expose.report import HistogramSample, Sample
-from kvtax.figures.derive import EngineFigures, EngineSettings, derive_engine
-from kvtax.figures.history import EngineHistory
+from kvtax.figures.derive import EngineSettings, ModelFigures, derive_all
+from kvtax.figures.window import Window, candidates
 from kvtax.serve.config import Config
 from kvtax.serve.parsepool import ParsePool
 from kvtax.serve.scraper import REASONS, ScrapeError, Scraper
-from kvtax.serve.selfwatch import LoopWatch
 
-__all__ = ["ScrapeHealth", "Sidecar"]
+__all__ = ["LedgerFeed", "Route", "ScrapeHealth", "Sidecar"]
 
 log = logging.getLogger("kvtax.serve.sidecar")
 
-Producer = Callable[[], Iterable[Sample | HistogramSample]]
-Observer = Callable[[VllmSnapshot], None]
+Report = Callable[[], Iterable[Sample | HistogramSample]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Route = tuple[str, str, Handler]
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerFeed:
+    """What a scrape of vLLM needs of the delivery side, to pair the ledger with the engine.
+
+    ``names`` learns the models vLLM serves (the only labels the ledger gives their own);
+    ``credit`` counts the tokens of streams still running (the proxy's ``credit_in_flight``)
+    so that the totals read next are current.
+    """
+
+    names: ModelNames
+    ledger: DeliveryLedger
+    credit: Callable[[], None]
 
 
 @dataclass(slots=True)
@@ -77,15 +93,19 @@ class Sidecar:
         self,
         config: Config,
         *,
+        window: Window | None = None,
+        feed: LedgerFeed | None = None,
+        report: Report | None = None,
+        routes: Sequence[Route] = (),
         clock: Callable[[], float] = time.time,
         parser: ParsePool | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
-        self.history = EngineHistory(config.window, max_models=config.scrape_max_models)
+        self.window = window or Window(config.window, max_models=config.scrape_max_models)
+        self.feed = feed
         self.health = ScrapeHealth()
-        self.figures: dict[str, EngineFigures] = {}
-        self.snapshot: VllmSnapshot | None = None
+        self.figures: dict[str, ModelFigures] = {}
         self.settings = EngineSettings(
             target_usage=config.target_usage, configured_max_num_seqs=config.max_num_seqs
         )
@@ -93,15 +113,12 @@ class Sidecar:
         # A parser passed in belongs to the caller (tests share one); one made here is ours.
         self._owns_parser = parser is None
         self.parser = parser if parser is not None else ParsePool()
-        self._producers: list[Producer] = [self._own_samples]
-        self._observers: list[Observer] = []
-        self._routes: list[tuple[str, str, Handler]] = []
+        self._routes = tuple(routes)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ReportCollector(self._report))
+        # The whole report when the wiring passes one; alone, the sidecar's own samples.
+        self.registry.register(ReportCollector(report or self.samples))
         # process_* (RSS, open FDs, CPU seconds) of this process, the standard way.
         ProcessCollector(registry=self.registry)
-        self.loopwatch = LoopWatch()
-        self._producers.append(self.loopwatch.samples)
         self._scheduler: AsyncIOScheduler | None = None
         self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
@@ -109,42 +126,35 @@ class Sidecar:
         # Set on SIGTERM: /readyz fails so the Service stops sending new requests.
         self.draining = False
 
-    # -- the pipeline ------------------------------------------------------------------------
-    def add_producer(self, producer: Producer) -> None:
-        self._producers.append(producer)
-
-    def add_observer(self, observer: Observer) -> None:
-        """Called with each ingested snapshot, after the engine figures are updated."""
-        self._observers.append(observer)
-
-    def add_route(self, method: str, path: str, handler: Handler) -> None:
-        """An extra route on the web port (e.g. the push endpoint); add it before start()."""
-        self._routes.append((method, path, handler))
-
-    def _report(self) -> Iterator[Sample | HistogramSample]:
-        for producer in self._producers:
-            yield from producer()
-
+    # -- the fold step (the write path) -----------------------------------------------------
     def ingest(self, text: str, timestamp: float) -> VllmSnapshot:
-        """Pure pipeline step for one scrape body; raises ParseError. Public for tests/bench."""
+        """Normalize one scrape body (pure) and fold it; raises ParseError. For tests and bench."""
         max_series = self.config.scrape_max_series
         return self._fold(
             normalize(text, timestamp=timestamp, version=self.health.version, max_series=max_series)
         )
 
     def _fold(self, parsed: VllmSnapshot) -> VllmSnapshot:
-        """History, figures and observers from one parsed page; returns the models kept."""
+        """The one state change of a scrape: the window, then the figures derived from it.
+
+        Returns the snapshot cut to the models tracked.
+        """
         for reason, count in parsed.rejected.items():
             self.health.rejected[reason] += count
-        snap = self.history.observe(parsed)
-        self.figures = {
-            model: derive_engine(self.history.points(model), self.settings)
-            for model in self.history.models()
-        }
-        self.snapshot = snap
-        for observer in self._observers:
-            observer(snap)
+        snap = self.window.observe(parsed, self._ledger_totals(parsed))
+        self.figures = derive_all(self.window, self.settings)
         return snap
+
+    def _ledger_totals(self, parsed: VllmSnapshot) -> Mapping[str, LedgerTotals]:
+        """The ledger's totals at this instant, its running streams credited first."""
+        feed = self.feed
+        if feed is None:
+            return {}
+        # The models this scrape will track: running streams credit under their own label.
+        kept = candidates(parsed, self.window.models(), self.window.max_models)
+        feed.names.update(kept.models)
+        feed.credit()
+        return feed.ledger.totals()
 
     async def scrape_once(self) -> None:
         """One scrape; every failure becomes a counted reason, never an exception."""
@@ -161,8 +171,8 @@ class Sidecar:
                     timestamp=self.clock(),
                     version=self.health.version,
                     max_series=self.config.scrape_max_series,
-                    tracked=self.history.models(),
-                    max_models=self.history.max_models,
+                    tracked=self.window.models(),
+                    max_models=self.window.max_models,
                 )
                 del text  # the page can be megabytes: do not hold it while folding
                 snap = self._fold(parsed)
@@ -195,7 +205,8 @@ class Sidecar:
         self.health.last_error = f"{reason}: {detail}"
         self.health.last_reason = reason
 
-    def _own_samples(self) -> Iterator[Sample]:
+    def samples(self) -> Iterator[Sample]:
+        """The sidecar's health and the models' figures, as of the last scrape (reads only)."""
         h = self.health
         yield Sample("kvtax_build_info", (__version__, platform.python_version()), 1.0)
         yield Sample("kvtax_vllm_up", (), 1.0 if h.up else 0.0)
@@ -208,13 +219,13 @@ class Sidecar:
             yield Sample("kvtax_last_scrape_error", (reason,), float(reason == h.last_reason))
         for reason, count in h.rejected.items():
             yield Sample("kvtax_scrape_rejected_samples_total", (reason,), float(count))
-        yield Sample("kvtax_scrape_dropped_models_total", (), float(self.history.dropped_models))
+        yield Sample("kvtax_scrape_dropped_models_total", (), float(self.window.dropped_models))
         if h.last_success is not None:
             yield Sample("kvtax_last_scrape_success_timestamp_seconds", (), h.last_success)
-        yield Sample("kvtax_vllm_restarts_total", (), float(self.history.restarts))
+        yield Sample("kvtax_vllm_restarts_total", (), float(self.window.restarts))
         if h.engine is not None:
             yield Sample("kvtax_vllm_info", (h.version or "unknown", h.engine), 1.0)
-        yield from engine_samples(self.figures, self.config.max_num_seqs)
+        yield from model_samples(self.figures, self.config.max_num_seqs)
 
     # -- HTTP --------------------------------------------------------------------------------
     def is_ready(self) -> tuple[bool, str]:
@@ -271,12 +282,10 @@ class Sidecar:
             misfire_grace_time=None,
         )
         self._scheduler.start()
-        self.loopwatch.start()
         # The first scrape runs now, not one interval from now.
         self._first = asyncio.get_running_loop().create_task(self.scrape_once())
 
     async def stop(self) -> None:
-        await self.loopwatch.stop()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
@@ -284,6 +293,9 @@ class Sidecar:
             self.parser.close()  # a parse in flight fails at once
         # Let a scrape in flight end (its fetch is bounded by the timeout) rather than be
         # cancelled mid-way when the loop closes, which the scheduler logs as an error.
+        first, self._first = self._first, None
+        if first is not None:
+            await first
         async with self._lock:
             pass
         if self._runner is not None:
