@@ -19,8 +19,7 @@ from aiohttp.test_utils import TestServer
 from kvtax import cli
 from kvtax.serve import logsafe, wiring
 from kvtax.serve.config import Config, load_config
-from kvtax.serve.sidecar import Sidecar
-from kvtax.serve.wiring import Delivery
+from kvtax.serve.wiring import build
 
 SECRET = b"SECRET-c0ffee-4711"
 
@@ -51,8 +50,8 @@ def safe_logging() -> Iterator[None]:
 
 async def _servers(aiohttp_server: Any) -> dict[str, TestServer]:
     config = load_config({"proxy.listen_address": "off"}, env={}, file=None)
-    sidecar = Sidecar(config)
-    delivery = Delivery(config, sidecar)
+    delivery = build(config)
+    sidecar = delivery.sidecar
     return {
         "web port": await aiohttp_server(sidecar.web_app()),
         "proxy port": await aiohttp_server(delivery.proxy.app()),

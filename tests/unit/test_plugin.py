@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvtax import plugin
 from kvtax.engine.normalize import normalize
 from kvtax.engine.vocabulary import CONCEPTS
-from kvtax.expose.publish import engine_samples
+from kvtax.expose.publish import model_samples
 from kvtax.expose.report import Sample
-from kvtax.figures.derive import EngineSettings, derive_engine, tax_ratio
-from kvtax.figures.history import EngineHistory
+from kvtax.figures.derive import EngineSettings, derive_all, tax_ratio
+from kvtax.figures.window import Window
 from kvtax_dev.testbed.sidecar import parse_metrics
 
 MODEL = "tiny-llama"
@@ -383,19 +383,18 @@ CAPTURES = ("0.32-idle.prom", "0.32-preempting.prom", "0.32-after-overload.prom"
 
 def published(texts: list[str]) -> list[Sample]:
     """The sidecar's pure pipeline: normalize, fold, derive, publish; one scrape 10 s apart."""
-    history = EngineHistory(window_seconds=3600)
+    window = Window(window_seconds=3600)
     for i, text in enumerate(texts):
-        history.observe(normalize(text, timestamp=1000.0 + 10 * i))
-    figures = {m: derive_engine(history.points(m), EngineSettings()) for m in history.models()}
-    return list(engine_samples(figures, None))
+        window.observe(normalize(text, timestamp=1000.0 + 10 * i))
+    return list(model_samples(derive_all(window, EngineSettings()), None))
 
 
-def method_labels(samples: list[Sample]) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for s in samples:
-        if s.metric in ("kvtax_recomputed_tokens_total", "kvtax_preemption_tax_ratio"):
-            out.setdefault(s.metric, set()).add(s.labels[1])
-    return out
+def recompute_counters(samples: list[Sample]) -> set[str]:
+    return {s.metric for s in samples if s.metric.startswith("kvtax_recomputed_tokens_")}
+
+
+def tax_methods(samples: list[Sample]) -> set[str]:
+    return {s.labels[1] for s in samples if s.metric == "kvtax_preemption_tax_ratio"}
 
 
 def test_real_captures_without_the_plugin_publish_only_the_estimate(
@@ -404,10 +403,9 @@ def test_real_captures_without_the_plugin_publish_only_the_estimate(
     texts = [fixture_text(name) for name in CAPTURES]
     assert not any("kvtax_plugin_" in t for t in texts)
     samples = published(texts)
-    assert method_labels(samples) == {
-        "kvtax_recomputed_tokens_total": {"estimated"},
-        "kvtax_preemption_tax_ratio": {"estimated"},
-    }
+    assert "kvtax_recomputed_tokens_measured_total" not in recompute_counters(samples)
+    assert "kvtax_recomputed_tokens_estimated_total" in recompute_counters(samples)
+    assert tax_methods(samples) == {"estimated"}
     # Not even a zero: no sample anywhere carries method="measured".
     assert [s for s in samples if "measured" in s.labels] == []
     tax = next(s.value for s in samples if s.metric == "kvtax_preemption_tax_ratio")
@@ -429,9 +427,10 @@ def test_real_captures_with_plugin_series_publish_the_measurement(
         texts.append(fixture_text(name) + generate_latest(registry).decode())
     samples = published(texts)
 
-    assert method_labels(samples)["kvtax_preemption_tax_ratio"] == {"measured", "estimated"}
+    # One tax series: the measurement is the best method.
+    assert tax_methods(samples) == {"measured"}
     by = {(s.metric, s.labels): s.value for s in samples}
-    measured = by[("kvtax_recomputed_tokens_total", (MODEL, "measured"))]
+    measured = by[("kvtax_recomputed_tokens_measured_total", (MODEL,))]
     assert measured == series(registry)[key("recomputed_tokens")] == 17500.0
     generated = by[("kvtax_engine_generation_tokens_total", (MODEL,))]
     computed = by[("kvtax_engine_prompt_computed_tokens_total", (MODEL,))]
@@ -451,4 +450,4 @@ def test_measured_total_mirrors_the_plugin_counter_from_the_first_scrape(
     text = fixture_text("0.32-after-overload.prom") + generate_latest(registry).decode()
     samples = published([text])
     by = {(s.metric, s.labels): s.value for s in samples}
-    assert by[("kvtax_recomputed_tokens_total", (MODEL, "measured"))] == 4000.0
+    assert by[("kvtax_recomputed_tokens_measured_total", (MODEL,))] == 4000.0

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.expose.publish import ledger_samples
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.testbed.engine import free_port
 from tests.unit.fake_vllm import FakeVllm
@@ -57,7 +58,7 @@ async def start_proxy() -> AsyncIterator[Start]:
 def _outcomes(proxy: Proxy, model: str = "m") -> dict[str, float]:
     return {
         s.labels[1]: s.value
-        for s in proxy.ledger.samples()
+        for s in ledger_samples(proxy.ledger.counts())
         if getattr(s, "metric", "") == "kvtax_requests_total" and s.labels[0] == model
     }
 

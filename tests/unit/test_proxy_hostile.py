@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.expose.publish import ledger_samples
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.testbed.engine import free_port
 
@@ -70,7 +71,7 @@ async def proxy(upstream: Upstream) -> AsyncIterator[tuple[str, Proxy]]:
 def _outcomes(proxy: Proxy) -> dict[str, float]:
     return {
         s.labels[1]: s.value
-        for s in proxy.ledger.samples()
+        for s in ledger_samples(proxy.ledger.counts())
         if getattr(s, "metric", "") == "kvtax_requests_total" and s.labels[0] == "m" and s.value
     }
 
@@ -78,7 +79,7 @@ def _outcomes(proxy: Proxy) -> dict[str, float]:
 def _counter(proxy: Proxy, metric: str) -> float:
     return sum(
         s.value
-        for s in proxy.ledger.samples()
+        for s in ledger_samples(proxy.ledger.counts())
         if getattr(s, "metric", "") == metric and s.labels[0] == "m"
     )
 

@@ -15,9 +15,8 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from kvtax.serve.config import load_config
-from kvtax.serve.sidecar import Sidecar
 from kvtax.serve.sources import MAX_PUSH_BODY, PUSH_PATH
-from kvtax.serve.wiring import Delivery
+from kvtax.serve.wiring import Stack, build
 
 TOKEN = "s3cret-token"
 PIECES = 4
@@ -60,14 +59,14 @@ async def _send_in_pieces(port: int, body: bytes, *, chunked: bool) -> tuple[int
     return int(head.split()[1]), payload
 
 
-async def _serve(aiohttp_client: Any) -> tuple[int, Delivery]:
+async def _serve(aiohttp_client: Any) -> tuple[int, Stack]:
     config = load_config(
         {"proxy.listen_address": "off", "scrape.interval": "1s", "push.token": TOKEN},
         env={},
         file=None,
     )
-    sidecar = Sidecar(config)
-    delivery = Delivery(config, sidecar)
+    delivery = build(config)
+    sidecar = delivery.sidecar
     client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
     port = client.port
     assert port is not None

@@ -56,7 +56,7 @@ class ParsePool:
     ) -> VllmSnapshot:
         """:func:`~kvtax.engine.normalize.normalize` in the worker. Raises :class:`ParseError`.
 
-        With ``max_models``, only :func:`~kvtax.figures.history.candidates` come back.
+        With ``max_models``, only :func:`~kvtax.figures.window.candidates` come back.
         """
         request = (text, timestamp, version, max_series, frozenset(tracked), max_models)
         return await asyncio.to_thread(self._call, request)
