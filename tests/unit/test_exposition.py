@@ -224,3 +224,19 @@ def test_missing_sources_are_absent_not_zero() -> None:
     ):
         assert name not in samples, name
     assert one(samples, "kvtax_configured_max_num_seqs", model_name="m") == 8.0
+
+
+def test_each_recompute_method_has_its_catalog_counter_in_the_order_rules_use() -> None:
+    from kvtax.expose.catalog import METRICS
+    from kvtax.expose.publish import RECOMPUTED_COUNTERS
+    from kvtax.figures.recompute import METHODS
+    from kvtax.rules.recording import METHOD_PREFERENCE, RECOMPUTE_COUNTERS
+
+    # The documented order of "the tax" (docs/tax.md), the same for the gauge and the rules.
+    assert tuple(method for method, _ in METHODS) == ("measured", "estimated", "stall_estimated")
+    assert METHOD_PREFERENCE == ("measured", "estimated", "stall_estimated")
+    assert RECOMPUTE_COUNTERS == RECOMPUTED_COUNTERS
+    for method in METHOD_PREFERENCE:
+        spec = METRICS[RECOMPUTED_COUNTERS[method]]
+        assert spec.type == "counter"
+        assert spec.labels == ("model_name",)

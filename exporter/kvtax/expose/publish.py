@@ -27,11 +27,9 @@ _COUNTERS = (
     ("kvtax_engine_preemptions_total", "preemptions"),
 )
 # One counter per recompute method, so that a sum() over any of them means something.
-RECOMPUTED_COUNTERS = {
-    "measured": "kvtax_recomputed_tokens_measured_total",
-    "estimated": "kvtax_recomputed_tokens_estimated_total",
-    "stall_estimated": "kvtax_recomputed_tokens_stall_estimated_total",
-}
+# Named from recompute.METHODS, the one list of methods and their order; the catalog test
+# checks each name is a catalog counter.
+RECOMPUTED_COUNTERS = {method: f"kvtax_recomputed_tokens_{method}_total" for method, _ in METHODS}
 
 
 def model_samples(

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtax.engine.vocabulary import CONCEPTS
+from kvtax.expose.publish import RECOMPUTED_COUNTERS
+from kvtax.figures.recompute import METHODS
 
 from .config import DEFAULT, FLEET, POD, RulesConfig
 
@@ -38,12 +40,11 @@ __all__ = [
 
 POD_LEVEL = "_".join(POD)
 FLEET_LEVEL = "_".join(FLEET)
-# Best first: the plugin's exact count, then preemptions x context, then proxy stalls.
-METHOD_PREFERENCE: tuple[str, ...] = ("measured", "estimated", "stall_estimated")
-# The recompute counter of each method, in the catalog's spelling.
-RECOMPUTE_COUNTERS: dict[str, str] = {
-    m: f"kvtax_recomputed_tokens_{m}_total" for m in METHOD_PREFERENCE
-}
+# Best first: the plugin's exact count, then preemptions x context, then proxy stalls. The
+# order and the counter names are the exporter's own (figures.recompute, expose.publish), so a
+# rule can never prefer another method than the gauge does.
+METHOD_PREFERENCE: tuple[str, ...] = tuple(method for method, _ in METHODS)
+RECOMPUTE_COUNTERS: dict[str, str] = dict(RECOMPUTED_COUNTERS)
 
 
 @dataclass(frozen=True, slots=True)
