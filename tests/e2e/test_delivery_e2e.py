@@ -11,7 +11,6 @@ import asyncio
 import json
 import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,8 +33,7 @@ def kvtax(vllm_engine: VllmEngine) -> Iterator[KvtaxProcess]:
 
 def _vllm(engine: VllmEngine) -> dict[str, float]:
     """vLLM's own counters and gauges for the model, summed over engines."""
-    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as resp:
-        page = parse_metrics(resp.read().decode())
+    page = parse_metrics(engine.metrics_text())
     out: dict[str, float] = {}
     for key, value in page.items():
         name = key.split("{", 1)[0]

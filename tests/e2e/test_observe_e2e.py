@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
+import requests
 
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import drive
@@ -98,11 +97,7 @@ def _scraped_after(page: dict[str, float]) -> Callable[[dict[str, float]], bool]
 
 
 def _readyz_status(kvtax: KvtaxProcess) -> int:
-    try:
-        with urllib.request.urlopen(kvtax.base_url + "/readyz", timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
+    return requests.get(kvtax.base_url + "/readyz", timeout=5).status_code
 
 
 def _wait_readyz(kvtax: KvtaxProcess, status: int, timeout: float = 30.0) -> None:
