@@ -4,9 +4,10 @@ kvtax computes "the tax" twice, by one definition (docs/tax.md, "The one definit
 ``kvtax_preemption_tax_ratio`` is the exporter's own window (``--window``), and
 ``namespace_pod_model_name:kvtax_preemption_tax:ratio_rate<W>`` is the recording rule, a ratio of
 ``rate()`` over the same counters with the same method order. Here both run with W = 30 s on the
-session's real vLLM CPU engine while 64 streams of 500 tokens overload its 2,048-token pool, and
-Prometheus (scraping vLLM and kvtax every second) records both. At every second of the run
-where both exist, they must agree within :data:`TOLERANCE`.
+session's real vLLM CPU engine while 192 requests of 500 tokens, 64 streams at a time, overload
+its 2,048-token pool, and Prometheus (scraping vLLM and kvtax every second) records both. They
+must agree within :data:`TOLERANCE_MEDIAN` at the median second, and within :data:`TOLERANCE` at
+every second of steady overload.
 
 Why they can differ at all: the two windows have the same length but are not the same interval.
 The gauge spans kvtax's own scrapes of vLLM (from the last one at or before ``now - W`` to the
@@ -43,9 +44,10 @@ WINDOW_S = 30
 PROFILE = short_profile(replace(DEFAULT, kvtax_job_selector='job="kvtax"'), window=f"{WINDOW_S}s")
 RULE = per_pod("kvtax_preemption_tax", f"ratio_rate{WINDOW_S}s")
 GAUGE = "kvtax_preemption_tax_ratio"
-# Absolute difference in tax (a share, 0-1) allowed at the median second and at the worst one.
-# Measured here (52 s compared, peak tax 0.278): median 0.003, p90 0.015, max 0.021. The bounds
-# leave room for a slower machine shifting the two windows by another second or two.
+# Absolute difference in tax (a share, 0-1) allowed at the median second of the run, and at the
+# worst second of steady overload (a window wholly inside the load). Measured here (114 s
+# compared, peak tax 0.30): median 0.002, p90 0.009, steady max 0.014 over 73 s; the run's max,
+# 0.15, fell at the first preemptions (see the test). The bounds leave room for a slower machine.
 TOLERANCE_MEDIAN = 0.01
 TOLERANCE = 0.05
 HANG_GUARD_S = 420.0  # fails a hung run; not a performance claim
@@ -57,7 +59,15 @@ def _address(url: str) -> str:
 
 def _overload(engine: VllmEngine) -> list[RequestResult]:
     return asyncio.run(
-        drive(engine.url, engine.model_name, concurrency=64, max_tokens=500, stream=True)
+        drive(
+            engine.url,
+            engine.model_name,
+            concurrency=64,
+            max_tokens=500,
+            stream=True,
+            # Three waves, so that windows lie wholly inside the load for a good while.
+            requests=192,
+        )
     )
 
 
@@ -89,6 +99,7 @@ def test_exporter_gauge_and_recording_rule_agree(vllm_engine: VllmEngine, tmp_pa
             load.start()
             load.join(HANG_GUARD_S)
             assert not load.is_alive(), "the overload did not finish"
+            load_end = time.time()
             # Let both windows slide past the load's end, so its last seconds are compared too.
             time.sleep(WINDOW_S / 2)
             end = time.time()
@@ -106,12 +117,18 @@ def test_exporter_gauge_and_recording_rule_agree(vllm_engine: VllmEngine, tmp_pa
     busy = [t for t in both if max(ours[t], theirs[t]) > 0]
     assert len(busy) >= 10, f"too few seconds with a tax on both sides: {len(busy)}"
     diffs = [abs(ours[t] - theirs[t]) for t in busy]
+    # Seconds whose whole window lies inside the overload: there the 1-3 s shift between the
+    # two windows moves little work. At the load's edges a window holds a few seconds of work,
+    # and the same shift can move the ratio by 0.15 (seen once at the first preemptions).
+    steady = [abs(ours[t] - theirs[t]) for t in busy if start + WINDOW_S + 3 <= t <= load_end]
     peak = max(ours[t] for t in busy)
     print(
         f"\ntax agreement: {len(busy)} s compared, peak gauge {peak:.3f}; |gauge - rule| "
         f"median {statistics.median(diffs):.4f}, p90 "
-        f"{statistics.quantiles(diffs, n=10)[-1]:.4f}, max {max(diffs):.4f}"
+        f"{statistics.quantiles(diffs, n=10)[-1]:.4f}, max {max(diffs):.4f}; "
+        f"{len(steady)} s of steady overload, max {max(steady, default=float('nan')):.4f}"
     )
     assert peak > 0.05, "the overload produced no tax to compare"
     assert statistics.median(diffs) <= TOLERANCE_MEDIAN
-    assert max(diffs) <= TOLERANCE
+    assert len(steady) >= 5, f"too few seconds of steady overload: {len(steady)}"
+    assert max(steady) <= TOLERANCE
