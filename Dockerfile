@@ -5,7 +5,7 @@
 # to a vLLM image instead, see deploy/vllm-image/Dockerfile.plugin and docs/deploy.md.
 #
 # Build:  docker build -t kvtax:0.1.0 .
-# Run:    docker run --rm -p 9464:9464 kvtax:0.1.0 serve --vllm.url=http://vllm:8000
+# Run:    docker run --rm -p 10059:10059 kvtax:0.1.0 serve --vllm.url=http://vllm:8000
 #
 # scripts/check-dockerfile-install.sh runs the same pip steps in a fresh venv (CI has no Docker
 # engine), and tests/unit/test_dockerfile.py fails if the two drift apart.
@@ -31,15 +31,15 @@ ENV PATH="/opt/kvtax/bin:$PATH" \
 # A fixed numeric UID, so Kubernetes' runAsNonRoot can verify it without /etc/passwd.
 USER 10001:10001
 
-# 9464: /metrics, /healthz, /readyz (--web.listen-address). 8001: the OpenAI-compatible
+# 10059: /metrics, /healthz, /readyz (--web.listen-address). 8001: the OpenAI-compatible
 # proxy in front of vLLM (--proxy.listen-address; off for observe-only).
-EXPOSE 9464 8001
+EXPOSE 10059 8001
 
 # /healthz answers while the process serves, whether or not vLLM is up (that is /readyz).
 # Standard library only: the slim base has no curl. It follows KVTAX_WEB_LISTEN_ADDRESS's port;
 # a port set with the --web.listen-address flag instead needs the same value in that variable.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request as r; p = os.environ.get('KVTAX_WEB_LISTEN_ADDRESS', ':9464').rpartition(':')[2]; r.urlopen('http://127.0.0.1:' + p + '/healthz', timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request as r; p = os.environ.get('KVTAX_WEB_LISTEN_ADDRESS', ':10059').rpartition(':')[2]; r.urlopen('http://127.0.0.1:' + p + '/healthz', timeout=4)"]
 
 ENTRYPOINT ["kvtax"]
 CMD ["serve"]

@@ -1,7 +1,7 @@
 """The options table: every kvtax setting, written once, as the fields of :class:`Config`.
 
 Each field of :class:`Config` is declared with :func:`option`, which holds the setting's dotted
-key, its default as a user would write it (``"8MiB"``, ``":9464"``), its parser, help and
+key, its default as a user would write it (``"8MiB"``, ``":10059"``), its parser, help and
 metavar. The field's default is that text parsed, so ``Config()``, the ``kvtax serve`` flags and
 their ``--help``, the ``KVTAX_*`` environment variables, the YAML keys and
 ``docs/configuration.md`` all come from this one table and cannot disagree.
@@ -135,7 +135,7 @@ class Config:
     )
     web_listen_address: tuple[str, int] = option(
         "web.listen_address",
-        ":9464",
+        ":10059",
         v.parse_address,
         "Where kvtax serves /metrics, /healthz and /readyz.",
         "HOST:PORT",

@@ -8,7 +8,7 @@ source and the bad value, and raises :class:`ConfigError`.
 Example::
 
     parse_duration("500ms")  # 0.5
-    parse_address(":9464")   # ("0.0.0.0", 9464)
+    parse_address(":10059")   # ("0.0.0.0", 10059)
 """
 
 from __future__ import annotations
