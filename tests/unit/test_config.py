@@ -286,3 +286,15 @@ def test_a_field_under_another_options_key_is_refused() -> None:
 def test_an_invalid_default_fails_when_the_table_is_defined() -> None:
     with pytest.raises(ValueError, match="duration"):
         options.option("window", "soon", parse_duration, "Window.")
+
+
+@pytest.mark.parametrize(
+    "path", ["metrics", "/healthz", "/readyz", "/", "/a b", "/api/v1/delivered"]
+)
+def test_a_telemetry_path_that_is_not_a_free_absolute_path_is_refused(path: str) -> None:
+    with pytest.raises(ConfigError, match=r"--web\.telemetry-path"):
+        load_config({"web.telemetry_path": path}, env={}, file=None)
+
+
+def test_the_telemetry_path_defaults_to_metrics() -> None:
+    assert load_config({}, env={}, file=None).web_telemetry_path == "/metrics"

@@ -140,6 +140,24 @@ class Config:
         "Where kvtax serves /metrics, /healthz and /readyz.",
         "HOST:PORT",
     )
+    web_telemetry_path: str = option(
+        "web.telemetry_path",
+        "/metrics",
+        v.telemetry_path,
+        "The path of kvtax's metrics page on the web port.",
+        "PATH",
+    )
+    # option() returns a dataclasses.Field, which ruff cannot see; Path | None is immutable.
+    web_config_file: Path | None = option(  # noqa: RUF009
+        "web.config.file",
+        None,
+        v.optional_path,
+        "Prometheus exporter-toolkit web config (YAML) for TLS and basic auth on the web port: "
+        "tls_server_config (cert_file, key_file, client_ca_file, client_auth_type, "
+        "min_version, max_version) and basic_auth_users (bcrypt hashes). Basic auth guards "
+        "the metrics page, not /healthz, /readyz or the push route (which has its own token).",
+        "PATH",
+    )
     window: float = option(
         "window", 300.0, v.positive_duration, "Window of the rate and ratio gauges.", "DURATION"
     )
@@ -276,6 +294,13 @@ class Config:
         v.log_level,
         "Log level: debug, info, warning or error.",
         "LEVEL",
+    )
+    log_format: str = option(
+        "log.format",
+        "logfmt",
+        v.log_format,
+        "Log line format: logfmt (key=value pairs) or json (one object per line).",
+        "FORMAT",
     )
 
     @property

@@ -207,3 +207,29 @@ def log_level(value: Any) -> str:
     if level not in _LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(_LOG_LEVELS)}")
     return level
+
+
+_LOG_FORMATS = ("logfmt", "json")
+
+
+def log_format(value: Any) -> str:
+    fmt = str(value).lower()
+    if fmt not in _LOG_FORMATS:
+        raise ValueError(f"expected one of {', '.join(_LOG_FORMATS)}")
+    return fmt
+
+
+# Paths of the web port that the telemetry path may not take over.
+RESERVED_PATHS = ("/healthz", "/readyz", "/api/v1/delivered")
+
+
+def telemetry_path(value: Any) -> str:
+    """An absolute URL path such as ``/metrics``; not one of kvtax's other routes."""
+    path = str(value).strip()
+    if not path.startswith("/") or any(c in path for c in "?#% \t") or "//" in path:
+        raise ValueError("expected an absolute URL path such as /metrics")
+    if path.rstrip("/") in RESERVED_PATHS or path == "/":
+        raise ValueError(
+            f"{path} is taken; choose a path other than /, {', '.join(RESERVED_PATHS)}"
+        )
+    return path
