@@ -62,3 +62,22 @@ def test_the_flag_takes_logfmt_or_json_and_names_itself_otherwise() -> None:
     assert load_config({"log.format": "JSON"}, env={}, file=None).log_format == "json"
     with pytest.raises(Exception, match=r"--log\.format='xml' is invalid"):
         load_config({"log.format": "xml"}, env={}, file=None)
+
+
+def test_install_replaces_only_its_own_handler() -> None:
+    from kvtax.serve.logformat import install
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    level = root.level
+    try:
+        install("info", "json")
+        install("debug", "logfmt")
+        ours = [h for h in root.handlers if h not in before]
+        assert len(ours) == 1
+        assert isinstance(ours[0].formatter, LogfmtFormatter)
+        assert all(h in root.handlers for h in before)  # the runner's handlers stay
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
+        root.setLevel(level)

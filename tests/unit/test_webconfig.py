@@ -235,3 +235,20 @@ async def test_required_client_certificates_refuse_a_client_without_one(
                     await resp.read()
     finally:
         await server.close()
+
+
+def test_serve_refuses_a_bad_file_in_one_line_before_listening(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtax.cli import main
+    from kvtax.serve import logformat
+
+    # Leave the test runner's logging as it is.
+    monkeypatch.setattr(logformat, "install", lambda level, name: None)
+
+    path = write(tmp_path, "tls_server_config: {cert_file: x.crt}\n")
+    args = ["serve", f"--web.config.file={path}", "--proxy.listen-address=off"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "tls_server_config.key_file: is required" in err

@@ -76,12 +76,16 @@ def formatter(name: str) -> logging.Formatter:
     raise ValueError(f"unknown log format {name!r}; expected one of {', '.join(FORMATS)}")
 
 
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """kvtax's stderr handler, told apart from handlers others installed (a test runner's)."""
+
+
 def install(level: str, name: str) -> None:
-    """Log to stderr at ``level`` in format ``name``, replacing the root logger's handlers."""
-    handler = logging.StreamHandler()
+    """Log to stderr at ``level`` in format ``name``; a second call replaces the first."""
+    handler = _Handler()
     handler.setFormatter(formatter(name))
     root = logging.getLogger()
-    for old in list(root.handlers):
+    for old in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
