@@ -64,20 +64,27 @@ def test_the_flag_takes_logfmt_or_json_and_names_itself_otherwise() -> None:
         load_config({"log.format": "xml"}, env={}, file=None)
 
 
-def test_install_replaces_only_its_own_handler() -> None:
+def test_install_configures_a_bare_root_once_and_leaves_configured_logging_alone() -> None:
     from kvtax.serve.logformat import install
 
     root = logging.getLogger()
-    before = list(root.handlers)
-    level = root.level
+    before, level = list(root.handlers), root.level
     try:
+        # Configured by someone else (pytest here): nothing changes.
+        install("debug", "json")
+        assert root.handlers == before
+        assert root.level == level
+        # A bare root, as in `kvtax serve`: one handler, replaced by a second call.
+        for handler in before:
+            root.removeHandler(handler)
         install("info", "json")
         install("debug", "logfmt")
-        ours = [h for h in root.handlers if h not in before]
-        assert len(ours) == 1
-        assert isinstance(ours[0].formatter, LogfmtFormatter)
-        assert all(h in root.handlers for h in before)  # the runner's handlers stay
+        assert len(root.handlers) == 1
+        assert isinstance(root.handlers[0].formatter, LogfmtFormatter)
+        assert root.level == logging.DEBUG
     finally:
-        for handler in [h for h in root.handlers if h not in before]:
+        for handler in list(root.handlers):
             root.removeHandler(handler)
+        for handler in before:
+            root.addHandler(handler)
         root.setLevel(level)

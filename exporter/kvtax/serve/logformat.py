@@ -81,11 +81,17 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def install(level: str, name: str) -> None:
-    """Log to stderr at ``level`` in format ``name``; a second call replaces the first."""
+    """Log to stderr at ``level`` in format ``name``; a second call replaces the first.
+
+    Like :func:`logging.basicConfig`, it leaves logging alone when someone else configured it
+    already (a test runner, a program that embeds kvtax): their handlers and level stay.
+    """
+    root = logging.getLogger()
+    if any(not isinstance(h, _Handler) for h in root.handlers):
+        return
     handler = _Handler()
     handler.setFormatter(formatter(name))
-    root = logging.getLogger()
-    for old in [h for h in root.handlers if isinstance(h, _Handler)]:
+    for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
