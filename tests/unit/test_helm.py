@@ -525,3 +525,115 @@ def test_values_schema_is_valid_json_schema() -> None:
 def test_dev_extra_pins_the_helm_sdk() -> None:
     dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(re.fullmatch(r"helm-python-sdk==[\d.]+", d) for d in dev["dev"])
+
+
+# -- production-stack (docs/deploy.md, path a) ---------------------------------------------
+
+PRODUCTION_STACK = ROOT / "deploy" / "production-stack"
+
+
+def _engine_as_production_stack_renders_it(spec: Obj) -> Obj:
+    """The engine Deployment production-stack's chart makes from one modelSpec entry.
+
+    Written from its templates/deployment-vllm-multi.yaml (the fields these values touch); the
+    chart itself is not on any registry this suite installs from, so it is not rendered here.
+    """
+    init = spec["initContainer"]
+    labels = {"model": spec["name"], "helm-release-name": "vllm"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"vllm-{spec['name']}-deployment-vllm", "labels": labels},
+        "spec": {
+            "replicas": spec["replicaCount"],
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "initContainers": [
+                        {
+                            "name": init["name"],
+                            "image": init["image"],
+                            "command": init["command"],
+                            "env": [{"name": "RELEASE_NAME", "value": "vllm"}],
+                            "resources": init["resources"],
+                            "volumeMounts": init["extraVolumeMounts"],
+                        }
+                    ],
+                    "containers": [
+                        {
+                            "name": "vllm",
+                            "image": f"{spec['repository']}:{spec['tag']}",
+                            "command": ["vllm", "serve", spec["modelURL"], "--port", "8000"],
+                            "env": [{"name": "HF_HOME", "value": "/tmp"}, *spec["env"]],
+                            "ports": [{"name": "container-port", "containerPort": 8000}],
+                            "volumeMounts": spec["extraVolumeMounts"],
+                        }
+                    ],
+                    "volumes": spec["extraVolumes"],
+                },
+            },
+        },
+    }
+
+
+def test_production_stack_values_and_post_renderer_add_kvtax_to_the_engines_only() -> None:
+    values = yaml.safe_load((PRODUCTION_STACK / "values-kvtax.yaml").read_text())
+    (spec,) = values["servingEngineSpec"]["modelSpec"]
+    engine = _engine_as_production_stack_renders_it(spec)
+    router = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "vllm-deployment-router"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "router"}},
+            "template": {
+                "metadata": {"labels": {"app": "router"}},
+                "spec": {"containers": [{"name": "router", "image": "lmcache/router:latest"}]},
+            },
+        },
+    }
+    rendered = yaml.safe_dump_all([engine, router])
+    env = {**os.environ, "KUBECTL": dev_tool("kubectl"), "KVTAX_IMAGE": "ghcr.io/acme/kvtax:1"}
+    proc = subprocess.run(
+        ["bash", str(PRODUCTION_STACK / "kvtax-post-renderer.sh")],
+        input=rendered,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    objects = {o["metadata"]["name"]: o for o in yaml.safe_load_all(proc.stdout) if o}
+    assert objects["vllm-deployment-router"] == router
+    patched = objects["vllm-llama3-deployment-vllm"]
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(patched, desired_version=version, strict=True)
+    pod = patched["spec"]["template"]["spec"]
+    # The plugin copy (from the values) and kvtax (from the post-renderer); their order does not
+    # matter: vLLM starts once the copy has finished and the sidecar has started.
+    inits = by_name(pod["initContainers"])
+    assert sorted(inits) == ["kvtax", "kvtax-plugin"]
+    kvtax_c = inits["kvtax"]
+    assert kvtax_c["image"] == "ghcr.io/acme/kvtax:1"
+    assert kvtax_c["restartPolicy"] == "Always"
+    assert "readinessProbe" not in kvtax_c
+    config = config_from_args(build_parser().parse_args(kvtax_c["args"]), env={})
+    assert config.proxy_listen_address is None
+    assert config.max_num_seqs == spec["vllmConfig"]["maxNumSeqs"]
+    vllm = pod["containers"][0]
+    assert {"name": "PYTHONPATH", "value": "/opt/kvtax-plugin"} in vllm["env"]
+    plugin_mount = by_name(inits["kvtax-plugin"]["volumeMounts"])["kvtax-plugin"]
+    assert plugin_mount["mountPath"] == inits["kvtax-plugin"]["command"][-1]
+    assert by_name(vllm["volumeMounts"])["kvtax-plugin"]["mountPath"] == "/opt/kvtax-plugin"
+
+
+def test_production_stack_monitoring_values_never_scrape_vllm_a_second_time() -> None:
+    values = yaml.safe_load((PRODUCTION_STACK / "kvtax-monitoring-values.yaml").read_text())
+    assert lint(values, KUBERNETES_VERSIONS[-1]) == []
+    objects = template(values)
+    assert kinds(objects) == ["ConfigMap", "PodMonitor", "PrometheusRule"]
+    monitor = one(objects, "PodMonitor")
+    # production-stack's engine ServiceMonitor scrapes vLLM (the plugin's series with it).
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["kvtax-metrics"]
+    assert monitor["spec"]["selector"] == {"matchLabels": {"helm-release-name": "vllm"}}
