@@ -637,3 +637,55 @@ def test_production_stack_monitoring_values_never_scrape_vllm_a_second_time() ->
     # production-stack's engine ServiceMonitor scrapes vLLM (the plugin's series with it).
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["kvtax-metrics"]
     assert monitor["spec"]["selector"] == {"matchLabels": {"helm-release-name": "vllm"}}
+
+
+# -- scripts/setup-helm.sh -------------------------------------------------------------------
+
+SETUP_HELM = ROOT / "scripts" / "setup-helm.sh"
+
+
+def _run_setup_helm(tmp_path: Path, go_body: str) -> subprocess.CompletedProcess[str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "go").write_text(go_body)
+    (bin_dir / "go").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "KVTAX_CACHE": str(tmp_path / "cache"),
+        "TMPDIR": str(tmp_path),
+        "HOME": str(tmp_path),
+    }
+    return subprocess.run(
+        ["bash", str(SETUP_HELM)], capture_output=True, text=True, env=env, check=False
+    )
+
+
+def test_setup_helm_says_when_the_go_module_proxy_is_unreachable(tmp_path: Path) -> None:
+    go = """#!/bin/sh
+[ "$1" = version ] && { echo "go version go1.19.8 linux/amd64"; exit 0; }
+echo 'go: helm.sh/helm/v3/cmd/helm@v3.11.3: Get "https://proxy.golang.org/...":' \\
+  'dial tcp: lookup proxy.golang.org: no such host' >&2
+exit 1
+"""
+    result = _run_setup_helm(tmp_path, go)
+    assert result.returncode == 3, result.stderr
+    assert "Go module proxy is unreachable" in result.stderr
+    assert "helm-python-sdk" in result.stderr
+    assert result.stdout == ""
+
+
+def test_setup_helm_builds_once_and_then_reuses_the_binary(tmp_path: Path) -> None:
+    go = """#!/bin/sh
+[ "$1" = version ] && { echo "go version go1.19.8 linux/amd64"; exit 0; }
+echo "$*" >> "$KVTAX_CACHE.calls"
+mkdir -p "$GOBIN" && printf '#!/bin/sh\\necho v3.11.3\\n' > "$GOBIN/helm" && chmod +x "$GOBIN/helm"
+"""
+    first = _run_setup_helm(tmp_path, go)
+    assert first.returncode == 0, first.stderr
+    built = Path(first.stdout.strip())
+    assert built == tmp_path / "cache" / "helm-v3.11.3" / "helm"
+    assert built.exists()
+    again = _run_setup_helm(tmp_path, go)
+    assert again.stdout.strip() == str(built)
+    calls = (tmp_path / "cache.calls").read_text().splitlines()
+    assert calls == ["install helm.sh/helm/v3/cmd/helm@v3.11.3"]
