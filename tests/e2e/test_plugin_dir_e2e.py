@@ -110,6 +110,7 @@ def test_vllm_loads_the_plugin_from_the_folder_and_kvtax_publishes_the_measured_
     assert loaded_from, f"the plugin logged no load line:\n{folder_engine.log_tail()}"
     # The folder's copy, not the engine venv's editable install of the main checkout.
     assert all(ln.rstrip().endswith(str(plugin_dir / "kvtax")) for ln in loaded_from), loaded_from
+    print(loaded_from[0])  # shown with -s: the evidence of which copy vLLM loaded
     assert "kvtax plugin: publishing exact recompute counters" in log
     page = read_series(folder_engine.metrics_text())
     for concept in plugin.PLUGIN_CONCEPTS:
