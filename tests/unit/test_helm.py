@@ -279,6 +279,22 @@ def test_rendered_operator_objects_match_their_crd_schemas(tmp_path: Path) -> No
     assert checked == set(SCHEMA_FILES)
 
 
+def test_servicemonitor_schema_rejects_a_misspelt_endpoint_field(tmp_path: Path) -> None:
+    monitor = one(template(MODES["monitoring-servicemonitor"]), "ServiceMonitor")
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    instance = tmp_path / "servicemonitor.json"
+    instance.write_text(json.dumps(monitor))
+    schema = SCHEMAS / "servicemonitor.schema.json"
+    result = subprocess.run(
+        [dev_tool("check-jsonschema"), "--schemafile", str(schema), str(instance)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "intervall" in result.stdout
+
+
 # -- mode 1 over a plain vLLM Deployment ---------------------------------------------------
 
 

@@ -128,6 +128,16 @@ def check_jsonschema(kind: str, obj: Obj, tmp_path: Path) -> subprocess.Complete
     return run([dev_tool("check-jsonschema"), "--schemafile", str(schema), str(instance)])
 
 
+def test_crd_schemas_are_the_ones_the_vendored_crds_give() -> None:
+    from kvtax_dev import crdschema
+
+    assert crdschema.main(["--check"]) == 0
+    for source in crdschema.SCHEMAS.values():
+        crd = yaml.safe_load((SCHEMAS / source).read_text())
+        assert crd["kind"] == "CustomResourceDefinition"
+        assert crd["metadata"]["annotations"]["operator.prometheus.io/version"]
+
+
 def test_crd_schemas_are_valid_json_schemas() -> None:
     schemas = [str(SCHEMAS / f"{name}.schema.json") for name in CRD_SCHEMAS.values()]
     result = run([dev_tool("check-jsonschema"), "--check-metaschema", *schemas])
@@ -146,6 +156,10 @@ def _misspelt_endpoint_field(obj: Obj) -> None:
 
 def _bad_duration(obj: Obj) -> None:
     obj["spec"]["podMetricsEndpoints"][0]["interval"] = "15 seconds"
+
+
+def _misspelt_relabeling_action(obj: Obj) -> None:
+    obj["spec"]["podMetricsEndpoints"][0]["relabelings"] = [{"action": "rename"}]
 
 
 def _misspelt_spec_field(obj: Obj) -> None:
@@ -171,6 +185,7 @@ def _bad_for(obj: Obj) -> None:
         ("PodMonitor", _misspelt_endpoint_field),
         ("PodMonitor", _bad_duration),
         ("PodMonitor", _misspelt_spec_field),
+        ("PodMonitor", _misspelt_relabeling_action),
         ("PrometheusRule", _alert_and_record),
         ("PrometheusRule", _rule_without_expr),
         ("PrometheusRule", _bad_for),
