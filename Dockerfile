@@ -41,7 +41,7 @@ LABEL org.opencontainers.image.title="kvtax" \
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python -m venv /opt/kvtax \
     && /opt/kvtax/bin/pip install --no-cache-dir --no-index --find-links /wheels kvtax \
-    && python -m pip install --no-cache-dir --no-index --find-links /wheels --no-deps --target /opt/kvtax-plugin kvtax
+    && /opt/kvtax/bin/pip install --no-cache-dir --no-index --find-links /wheels --no-deps --target /opt/kvtax-plugin kvtax
 
 # The port comes from here, not from the version's flag default, so the image, the chart
 # (kvtax.port) and the kustomize Component agree whatever that default is.

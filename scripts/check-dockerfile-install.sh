@@ -11,7 +11,7 @@
 #   build context  = the paths .dockerignore admits, copied into a temp dir
 #   builder stage  = python -m pip wheel --no-cache-dir --wheel-dir "$wheels" .
 #   final stage    = python -m venv "$venv" && "$venv/bin/pip" install ... --find-links "$wheels" kvtax
-#                    && python -m pip install ... --no-deps --target "$plugin_dir" kvtax
+#                    && "$venv/bin/pip" install ... --no-deps --target "$plugin_dir" kvtax
 #
 # Usage: scripts/check-dockerfile-install.sh     Env: KVTAX_PYTHON (default python3.11, else python3)
 # Needs the package index (the builder stage downloads the dependencies' wheels, as Docker would).
@@ -71,7 +71,7 @@ export PIP_CONFIG_FILE=/dev/null
 unset PYTHONPATH
 "$python" -m venv "$venv"
 "$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" kvtax >&2
-"$python" -m pip install --no-cache-dir --no-index --find-links "$wheels" --no-deps --target "$plugin_dir" kvtax >&2
+"$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" --no-deps --target "$plugin_dir" kvtax >&2
 
 # Everything below runs from the temp dir, so the repo's source tree cannot shadow the install.
 step "the installed kvtax is the wheel's, not the source tree's"
