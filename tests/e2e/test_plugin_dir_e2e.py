@@ -139,3 +139,5 @@ def test_vllm_loads_the_plugin_from_the_folder_and_kvtax_publishes_the_measured_
             what="a measured tax above zero",
         )
     assert 0.0 < page_after[measured] < 1.0
+    tax, tokens = page_after[measured], page_after[recomputed]
+    print(f"measured tax {tax:.3f}, recomputed {tokens:.0f} tokens")
