@@ -27,6 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvtax import __version__ as kvtax_version
 from kvtax.cli import build_parser, config_from_args
 from tests.unit.test_dockerfile import DOCKERFILE, stages
 
@@ -487,3 +488,25 @@ def test_component_adds_kvtax_to_an_existing_deployment(tmp_path: Path) -> None:
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
     config = config_from_args(build_parser().parse_args(by_name["kvtax"]["args"]), env={})
     assert config.web_listen_address[1] == port_number(by_name["kvtax"], "kvtax-metrics")
+
+
+def test_existing_deployment_overlay_in_the_docs_renders_as_they_say(tmp_path: Path) -> None:
+    # Path (b) of docs/deploy.md, as written, over a plain Deployment named as the doc says.
+    blocks = re.findall(r"```yaml\n(.*?)```", DEPLOY_DOC.read_text(), flags=re.DOTALL)
+    (text,) = [b for b in blocks if b.startswith("# my-vllm/kustomization.yaml")]
+    overlay = tmp_path / "my-vllm"
+    overlay.mkdir()
+    deployment = {**PLAIN_VLLM, "metadata": {"name": "vllm", "labels": {"app": "llama"}}}
+    (overlay / "vllm-deployment.yaml").write_text(yaml.safe_dump(deployment))
+    assert "../kvtax/deploy/components/kvtax-sidecar" in text
+    component = os.path.relpath(COMPONENT, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        text.replace("../kvtax/deploy/components/kvtax-sidecar", component)
+    )
+    result = run([dev_tool("kubectl"), "kustomize", str(overlay)])
+    assert result.returncode == 0, result.stderr
+    (rendered_deployment,) = [o for o in yaml.safe_load_all(result.stdout) if o]
+    assert rendered_deployment["metadata"]["namespace"] == "inference"
+    pod = rendered_deployment["spec"]["template"]["spec"]
+    images = {c["name"]: c["image"] for c in [*pod["containers"], *pod["initContainers"]]}
+    assert images["kvtax"] == images["kvtax-plugin"] == f"ghcr.io/acme/kvtax:{kvtax_version}"
