@@ -64,7 +64,7 @@ def test_levels_from_lists_and_ranges() -> None:
     assert parse_levels("1:16:x2", mode="concurrency", field="--levels") == (1, 2, 4, 8, 16)
     assert parse_levels("0.5:2:0.5", mode="rate", field="--levels") == (0.5, 1, 1.5, 2)
     for bad in ("", "4,2", "1.5,2", "a,b", "0,1", "1:8:x1"):
-        with pytest.raises(InputError, match="^--levels: "):
+        with pytest.raises(InputError, match=r"^--levels: "):
             parse_levels(bad, mode="concurrency", field="--levels")
 
 
@@ -84,7 +84,7 @@ def test_a_step_too_short_to_measure_is_refused() -> None:
     assert check_plan(_plan()).step_seconds == 10.0
     with pytest.raises(InputError, match=r"^--step-duration: 0.5 s is too short to measure"):
         check_plan(_plan(step_seconds=0.5))
-    with pytest.raises(InputError, match="^--slo-itl: "):
+    with pytest.raises(InputError, match=r"^--slo-itl: "):
         check_plan(_plan(slo_itl=0.0))
 
 
