@@ -118,6 +118,13 @@ def add_loadtest_parser(sub: Any) -> None:
         metavar="N",
         help="The server's max_num_seqs, for the over-admission note.",
     )
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Send vLLM's ignore_eos so outputs are as long as asked (default on; "
+        "--no-ignore-eos for servers that refuse the field).",
+    )
     p.add_argument("--seed", type=int, default=0, help="Seed of the lengths and prompts.")
     p.add_argument(
         "--out",
@@ -142,6 +149,7 @@ def _plan(args: argparse.Namespace) -> LoadPlan:
             slo_ttft=args.slo_ttft,
             slo_itl=args.slo_itl,
             seed=args.seed,
+            ignore_eos=args.ignore_eos,
         )
     )
 

@@ -257,11 +257,12 @@ async def _request(
         "model": target.model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if plan.ignore_eos:
+        body["ignore_eos"] = True
     began = time.monotonic()
     started = time.time()
     timing = StreamTiming(began, factor=plan.stall_factor, floor=plan.stall_min)

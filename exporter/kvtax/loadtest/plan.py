@@ -38,6 +38,9 @@ class LoadPlan:
     stall_factor: float = 5.0
     stall_min: float = 0.05
     seed: int = 0
+    # vLLM's extension: generate max_tokens whatever the model says. Servers without it may
+    # refuse the field, so it can be left out.
+    ignore_eos: bool = True
     max_in_flight: int = 1024
 
 
