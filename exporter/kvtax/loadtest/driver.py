@@ -41,6 +41,8 @@ Progress = Callable[[str], None]
 # Token ids of a prompt: low ids exist in every vocabulary, the tiny test model's included.
 _TOKEN_IDS = (10, 500)
 _CONNECT_TIMEOUT = 10.0
+# A progress line this often inside a step.
+_TICK_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +136,15 @@ async def run_sweep(
                 await asyncio.sleep(plan.rest_seconds)
             progress(f"step {index + 1}/{len(plan.levels)}: {plan.mode} {level:g}")
             step = await _run_step(
-                plan, target, session, engine, rng=rng, index=index, level=level, settings=settings
+                plan,
+                target,
+                session,
+                engine,
+                rng=rng,
+                index=index,
+                level=level,
+                settings=settings,
+                progress=progress,
             )
             steps.append(step)
             progress(describe(step, plan.mode))
@@ -164,6 +174,7 @@ async def _run_step(
     index: int,
     level: float,
     settings: EngineSettings,
+    progress: Progress,
 ) -> StepResult:
     records: list[RequestRecord] = []
     tasks: set[asyncio.Task[None]] = set()
@@ -171,6 +182,17 @@ async def _run_step(
     await engine.scrape()
     deadline = time.monotonic() + plan.step_seconds
     scraper = asyncio.create_task(_scrape_every(engine, plan.scrape_interval))
+
+    async def tick() -> None:
+        began = time.monotonic()
+        while True:
+            await asyncio.sleep(_TICK_SECONDS)
+            progress(
+                f"  ... {time.monotonic() - began:.0f} s: {len(records)} done, "
+                f"{len(tasks)} in flight"
+            )
+
+    ticker = asyncio.create_task(tick())
 
     def launch() -> None:
         prompt = plan.prompt_tokens.sample(rng)
@@ -196,9 +218,10 @@ async def _run_step(
             if late:
                 await asyncio.wait(late)
     finally:
-        scraper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await scraper
+        for helper in (scraper, ticker):
+            helper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await helper
         for task in tasks:
             task.cancel()
     await engine.scrape()
