@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 from pathlib import Path
@@ -215,3 +216,63 @@ async def test_prometheus_range_queries_become_scrapes() -> None:
 async def test_an_unreachable_prometheus_is_named() -> None:
     with pytest.raises(InputError, match=r"^--prometheus: cannot query"):
         await prometheus_scrapes("http://127.0.0.1:9", 0.0, 1.0, 1.0)
+
+
+async def test_the_recorder_stops_cleanly_on_sigint_even_when_started_ignoring_it(
+    tmp_path: Path,
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from kvtax_dev import dev_env
+    from tests.unit.loadtest_fake import PreemptingServer
+
+    server = TestServer(PreemptingServer().app())
+    await server.start_server()
+    out = tmp_path / "rec.jsonl.gz"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtax.cli",
+        "annotate",
+        "--record",
+        str(out),
+        "--metrics-url",
+        str(server.make_url("/metrics")),
+        "--interval",
+        "0.1",
+    ]
+
+    def ignore_sigint() -> None:  # what a shell does to a command it starts in the background
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    log = tmp_path / "recorder.log"
+    with log.open("w") as err:
+        # preexec_fn runs in the child before exec; this test starts no thread of its own.
+        child = subprocess.Popen(
+            cmd,
+            env=dev_env(os.environ),
+            preexec_fn=ignore_sigint,  # noqa: PLW1509
+            stderr=err,
+        )
+    try:
+        for _ in range(200):
+            await asyncio.sleep(0.1)
+            if out.exists() and out.stat().st_size > 200:
+                break
+        await asyncio.sleep(0.5)
+        child.send_signal(signal.SIGINT)
+        for _ in range(100):
+            if child.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        await server.close()
+    assert child.wait(timeout=5) == 0, log.read_text()
+    scrapes = read_recording(out)  # a complete gzip stream: it was closed, not cut off
+    assert len(scrapes) >= 2
+    assert "vllm:num_preemptions_total" in scrapes[0].page

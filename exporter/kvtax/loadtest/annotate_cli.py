@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import gzip
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,19 +112,48 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _record(args: argparse.Namespace) -> int:
-    from kvtax.loadtest.sources import record
-
     if not args.metrics_url:
         raise InputError("--metrics-url", "is needed with --record")
     if not args.interval > 0:
         raise InputError("--interval", "must be a positive number of seconds")
     _err(f"kvtax annotate: recording {args.metrics_url} into {args.record}; Ctrl-C stops")
-    try:
-        asyncio.run(record(args.metrics_url, args.record, args.interval, _err, args.duration))
-    except KeyboardInterrupt:
-        _err(f"kvtax annotate: stopped; {args.record} holds what was recorded")
-        return 0
+    written = asyncio.run(_record_until_stopped(args))
+    _err(f"kvtax annotate: stopped; {args.record} holds {written} scrapes")
     return 0
+
+
+async def _record_until_stopped(args: argparse.Namespace) -> int:
+    """Record until ``--duration``, SIGINT or SIGTERM; the file is closed properly either way.
+
+    The handlers are installed here, not left to Python's defaults: a recorder started in the
+    background of a script inherits an ignored SIGINT, and SIGTERM would leave the gzip stream
+    unfinished."""
+    from kvtax.loadtest.sources import record
+
+    count = [0]
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _cancel, task)
+    try:
+        return await record(
+            args.metrics_url,
+            args.record,
+            args.interval,
+            _err,
+            duration=args.duration,
+            written=count,
+        )
+    except asyncio.CancelledError:
+        return count[0]
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _cancel(task: asyncio.Task[Any] | None) -> None:
+    if task is not None:
+        task.cancel()
 
 
 def _load_report(path: Path) -> Any:

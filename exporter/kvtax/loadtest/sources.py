@@ -55,11 +55,14 @@ async def record(
     out: Path,
     interval: float,
     progress: Callable[[str], None],
+    *,
     duration: float | None = None,
+    written: list[int] | None = None,
 ) -> int:
     """Scrape ``metrics_url`` every ``interval`` into ``out`` until cancelled (or ``duration``
-    passes); returns the scrapes written. Each line is flushed: a stop loses nothing."""
-    written = 0
+    passes); returns the scrapes written, also kept in ``written[0]`` for a caller that
+    cancels. Each line is flushed: a stop loses nothing."""
+    count = written if written is not None else [0]
     timeout = aiohttp.ClientTimeout(total=max(5.0, interval * 4))
     began = time.monotonic()
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -70,7 +73,7 @@ async def record(
                     async with session.get(metrics_url) as resp:
                         text = await resp.text() if resp.status == 200 else None
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    if written == 0:
+                    if count[0] == 0:
                         raise InputError(
                             "--metrics-url", f"cannot reach {metrics_url}: {exc}"
                         ) from None
@@ -78,11 +81,11 @@ async def record(
                 if text is not None:
                     f.write(json.dumps({"t": time.time(), "page": keep_known(text)}) + "\n")
                     f.flush()
-                    written += 1
-                    if written % 20 == 0:
-                        progress(f"kvtax annotate: {written} scrapes recorded")
+                    count[0] += 1
+                    if count[0] % 20 == 0:
+                        progress(f"kvtax annotate: {count[0]} scrapes recorded")
                 await asyncio.sleep(max(0.0, interval - (time.monotonic() - tick)))
-    return written
+    return count[0]
 
 
 async def prometheus_scrapes(url: str, start: float, end: float, step: float) -> list[Scrape]:
