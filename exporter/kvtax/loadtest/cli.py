@@ -196,6 +196,12 @@ def run_loadtest(args: argparse.Namespace) -> int:
         f"request length, as on the dashboard); gate cap {rec['gate_cap'] or '-'} requests in "
         "flight (the last level before preemption, at most the throughput knee's).",
     ]
+    if args.max_num_seqs and rec["max_num_seqs"]:
+        ratio = args.max_num_seqs / rec["max_num_seqs"]
+        intro.append(
+            f"\nThe server runs max_num_seqs {args.max_num_seqs}: {ratio:.1f} x the "
+            "recommendation (over-admission above 1)."
+        )
     if interrupted:
         intro.append("\nStopped by Ctrl-C: the steps after the last one shown were not run.")
     write_report(args.out, "report", report, title="kvtax load test", intro=intro, table=table)
