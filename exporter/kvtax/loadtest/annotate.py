@@ -79,6 +79,7 @@ def annotation_table(steps: Sequence[ToolStep], engine: Sequence[EngineStep]) ->
         preemption_knee=preemption_knee(preempt),
         throughput_knee=throughput_knee(tool),
         tax_method=tuple(e.tax_method for e in engine),
+        throughput_label="guidellm output tokens/s",
     )
 
 

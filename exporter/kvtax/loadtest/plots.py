@@ -62,7 +62,7 @@ def write_plots(table: Table, directory: Path, prefix: str) -> list[Path]:
             "throughput",
             "tokens/s",
             (
-                ("throughput", "engine throughput"),
+                ("throughput", table.throughput_label),
                 ("goodput", "goodput"),
                 ("slo_goodput", "SLO goodput"),
             ),

@@ -56,6 +56,8 @@ class Table:
     throughput_knee: Knee | None = None
     # "measured" or "estimated" per row: the recompute method behind the tax.
     tax_method: tuple[str | None, ...] = field(default_factory=tuple)
+    # What the "throughput" column holds, for the plot's legend.
+    throughput_label: str = "engine throughput"
 
     def numbers(self, column: str) -> list[float | None]:
         return [v if isinstance(v, int | float) else None for v in self.columns.get(column, ())]
