@@ -1,0 +1,212 @@
+"""``kvtax annotate``: record the engine during a benchmark, or annotate a benchmark's report.
+
+Two uses:
+
+- ``kvtax annotate --record run.jsonl.gz --metrics-url URL`` scrapes until Ctrl-C (or
+  ``--duration``), while the benchmark runs;
+- ``kvtax annotate REPORT --recording run.jsonl.gz`` (or ``--prometheus URL``) writes
+  ``<stem>-kvtax.json``, ``.md`` and PNG plots with the engine's figures per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtax.figures.derive import EngineSettings
+from kvtax.loadtest.annotate import annotate_steps, annotation_json, annotation_table, pick_model
+from kvtax.loadtest.errors import InputError
+from kvtax.loadtest.guidellm import read_guidellm
+from kvtax.loadtest.output import write_report
+from kvtax.loadtest.timeline import Scrape, Timeline
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "annotate",
+        help="Add the engine's preemptions, tax, KV usage and thrash state to a benchmark "
+        "report (guidellm JSON), or record the engine during a benchmark.",
+        description="Annotate every step of a benchmark tool's report with the engine's "
+        "figures over that step's time span, from a recording kvtax made during the run "
+        "(--recording) or a Prometheus (--prometheus); or make such a recording (--record).",
+    )
+    p.add_argument(
+        "report",
+        nargs="?",
+        type=Path,
+        metavar="REPORT",
+        help="The tool's JSON report (guidellm 0.8; .json or .json.gz).",
+    )
+    p.add_argument(
+        "--recording",
+        type=Path,
+        metavar="FILE",
+        help="A recording made with --record during the run.",
+    )
+    p.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="A Prometheus that scraped vLLM during the run, e.g. http://prom:9090.",
+    )
+    p.add_argument(
+        "--prometheus-step",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="Resolution of the range queries (default 1; use the scrape interval).",
+    )
+    p.add_argument("--model", help="The model to read, when the source has several.")
+    p.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="Where <stem>-kvtax.json/.md and the plots go (default: REPORT's dir).",
+    )
+    p.add_argument(
+        "--record",
+        type=Path,
+        metavar="FILE",
+        help="Record --metrics-url into FILE (JSON lines; gzip if it ends in .gz) "
+        "until Ctrl-C or --duration.",
+    )
+    p.add_argument(
+        "--metrics-url",
+        metavar="URL",
+        help="The vLLM metrics page to record, e.g. http://127.0.0.1:8000/metrics.",
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="Seconds between recorded scrapes (default 0.5).",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="Stop recording after this long (default: at Ctrl-C).",
+    )
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.record is not None:
+            return _record(args)
+        return _annotate(args)
+    except InputError as exc:
+        _err(f"kvtax: {exc}")
+        return 2
+
+
+def _record(args: argparse.Namespace) -> int:
+    if not args.metrics_url:
+        raise InputError("--metrics-url", "is needed with --record")
+    if not args.interval > 0:
+        raise InputError("--interval", "must be a positive number of seconds")
+    _err(f"kvtax annotate: recording {args.metrics_url} into {args.record}; Ctrl-C stops")
+    written = asyncio.run(_record_until_stopped(args))
+    _err(f"kvtax annotate: stopped; {args.record} holds {written} scrapes")
+    return 0
+
+
+async def _record_until_stopped(args: argparse.Namespace) -> int:
+    """Record until ``--duration``, SIGINT or SIGTERM; the file is closed properly either way.
+
+    The handlers are installed here, not left to Python's defaults: a recorder started in the
+    background of a script inherits an ignored SIGINT, and SIGTERM would leave the gzip stream
+    unfinished."""
+    from kvtax.loadtest.sources import record
+
+    count = [0]
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _cancel, task)
+    try:
+        return await record(
+            args.metrics_url,
+            args.record,
+            args.interval,
+            _err,
+            duration=args.duration,
+            written=count,
+        )
+    except asyncio.CancelledError:
+        return count[0]
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _cancel(task: asyncio.Task[Any] | None) -> None:
+    if task is not None:
+        task.cancel()
+
+
+def _load_report(path: Path) -> Any:
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        return json.loads(raw)
+    except OSError as exc:
+        raise InputError("REPORT", f"cannot read {path}: {exc.strerror or exc}") from None
+    except (ValueError, EOFError) as exc:
+        raise InputError("REPORT", f"{path} is not JSON: {exc}") from None
+
+
+def _annotate(args: argparse.Namespace) -> int:
+    if args.report is None:
+        raise InputError("REPORT", "give a report to annotate (or --record FILE to record)")
+    if (args.recording is None) == (args.prometheus is None):
+        raise InputError("--recording", "give exactly one of --recording FILE or --prometheus URL")
+    report = _load_report(args.report)
+    steps = read_guidellm(report)
+    scrapes: list[Scrape]
+    if args.recording is not None:
+        from kvtax.loadtest.sources import read_recording
+
+        field, source = "--recording", str(args.recording)
+        scrapes = read_recording(args.recording)
+    else:
+        from kvtax.loadtest.sources import prometheus_scrapes
+
+        if not args.prometheus_step > 0:
+            raise InputError("--prometheus-step", "must be a positive number of seconds")
+        field, source = "--prometheus", args.prometheus
+        start = min(s.start for s in steps) - 60
+        end = max(s.end for s in steps) + 60
+        scrapes = asyncio.run(prometheus_scrapes(args.prometheus, start, end, args.prometheus_step))
+    timeline = Timeline(scrapes, field=field)
+    model = pick_model(timeline, args.model, field)
+    engine = annotate_steps(steps, timeline, model, EngineSettings(), field)
+    table = annotation_table(steps, engine)
+    out = annotation_json(report, steps, engine, table, source=source, model=model)
+    stem = args.report.name.removesuffix(".gz").removesuffix(".json") + "-kvtax"
+    intro = [
+        f"guidellm report {args.report.name}, annotated with the engine's figures for model "
+        f"{model} from {source}.",
+        "",
+        "Throughput is guidellm's output tokens/s; preemptions, tax, KV and thrash are the "
+        "engine's over each benchmark's span.",
+    ]
+    write_report(
+        args.out or args.report.parent,
+        stem,
+        out,
+        title="guidellm run with the engine's side",
+        intro=intro,
+        table=table,
+    )
+    return 0
