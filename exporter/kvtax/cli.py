@@ -23,6 +23,7 @@ from kvtax.serve.config import OPTIONS, Config, ConfigError, Option, load_config
 from .checkout import harness_missing, needs_checkout
 from .dashboards.cli import add_dashboards_parser, run_dashboards
 from .generated import add_output_arguments, write_or_check
+from .plan.cli import add_plan_parser, run_plan
 from .rules.cli import add_rules_parser, run_rules
 
 __all__ = ["build_parser", "main"]
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_arguments(docs, Path("docs"))
     add_rules_parser(sub)
     add_dashboards_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -170,6 +172,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 command("rules")(run_rules)
 command("dashboards")(run_dashboards)
+command("plan")(run_plan)
 
 
 @command("docs")
