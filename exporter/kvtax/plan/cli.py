@@ -140,8 +140,9 @@ def add_plan_parser(sub: Any) -> None:
     w.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=8192,
-        help="Token budget per step (default 8192).",
+        default=2048,
+        help="Token budget per step: vLLM's --max-num-batched-tokens (default 2048, the API "
+        "server's default on CPU and most GPUs; 8192 on GPUs of 70 GiB and more).",
     )
     w.add_argument(
         "--requests", type=int, default=2000, help="Requests in the simulated trace (default 2000)."

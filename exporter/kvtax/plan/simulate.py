@@ -67,7 +67,7 @@ class Settings:
     num_blocks: int
     block_size: int
     max_num_seqs: int
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     # Step cost model for relative throughput: a step costs 1 + scheduled tokens / knee, so a
     # step of `knee` tokens costs twice a bare decode step of a small batch.
