@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -180,7 +180,7 @@ def test_a_missing_config_file_in_a_directory_is_named(
 
 
 class _Pages(BaseHTTPRequestHandler):
-    pages: dict[str, str] = {}
+    pages: ClassVar[dict[str, str]] = {}
 
     def do_GET(self) -> None:
         body = self.pages.get(self.path.split("?")[0])
