@@ -318,7 +318,14 @@ class _Sim:
             req.synced = step
         self.register(req)
 
-    def register(self, req: _Req) -> None:
+    def register(self, req: _Req, *, freeing: bool = False) -> None:
+        """Give ``req``'s full blocks their content hash, so a lookup can find them.
+
+        A request whose content is its own can only be found by itself, after it is preempted,
+        so its blocks are hashed then and never while it runs or when it finishes.
+        """
+        if req.content < 0 and not freeing:
+            return
         full = min(req.computed // self.bs, len(req.blocks))
         while req.hashed < full:
             self.pool.register(req.blocks[req.hashed], (req.content, req.hashed))
@@ -366,6 +373,7 @@ class _Sim:
         seq, victim = self.running.popitem()
         self.prefilling.discard(seq)
         self.sync(victim, step)
+        self.register(victim, freeing=True)
         self.pool.release(victim.blocks)
         victim.blocks = []
         victim.hashed = 0
