@@ -55,102 +55,135 @@ def within(predicted: float, measured: float) -> bool:
     return abs(predicted - measured) <= max(TOLERANCE_REL * measured, TOLERANCE_ABS)
 
 
+MODES = {
+    "identical": "identical requests (temperature 0, one prompt): blocks shared across requests",
+    "distinct": "distinct requests (temperature 1, a seed each): a victim finds its own blocks",
+}
+
+
 def build(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     load = data["load"]
+    # kvtax's metrics-only estimate: L-hat = mean prompt + half the mean output (docs/tax.md).
+    context = load["prompt_tokens"] + load["max_tokens"] / 2
     rows = []
-    for key in sorted(data["settings"], key=int):
-        entry = data["settings"][key]
-        runs = entry["runs"]
-        n = int(key)
-        same = predict(load, n, identical=True)
-        own = predict(load, n, identical=False)
-        preemptions = _mean(runs, "preemptions")
-        recomputed = _mean(runs, "recomputed")
-        prompt, generated = _mean(runs, "prompt"), _mean(runs, "generation")
-        # kvtax's metrics-only estimate: L-hat = mean prompt + half the mean output.
-        context = load["prompt_tokens"] + load["max_tokens"] / 2
-        per_preemption = same.recomputed / same.preemptions if same.preemptions else 0.0
-        rows.append(
-            {
-                "max_num_seqs": n,
-                "runs": len(runs),
-                "distinct_outputs": max(r["distinct_outputs"] for r in runs),
-                "measured_preemptions": [r["preemptions"] for r in runs],
-                "measured_recomputed": [r["recomputed"] for r in runs],
-                "measured_hit_share": [
-                    r["hits"] / r["queried"] if r["queried"] else 0.0 for r in runs
-                ],
-                "measured_tax": [r["tax"] for r in runs],
-                "measured_tax_mean": _mean(runs, "tax"),
-                "wall_s": [r["wall_s"] for r in runs],
-                "predicted_preemptions": same.preemptions,
-                "predicted_recomputed": same.recomputed,
-                "predicted_hit_share": same.hit_tokens / same.queried_tokens
-                if same.queried_tokens
-                else 0.0,
-                "predicted_tax": same.tax,
-                "own_blocks_preemptions": own.preemptions,
-                "own_blocks_tax": own.tax,
-                "estimate_tax": tax_ratio(preemptions * context, prompt, generated),
-                "corrected_estimate_tax": tax_ratio(
-                    preemptions * per_preemption, prompt, generated
-                ),
-                "measured_recomputed_mean": recomputed,
-            }
-        )
-    measured_rank = [r["max_num_seqs"] for r in sorted(rows, key=lambda r: r["measured_tax_mean"])]
-    predicted_rank = [r["max_num_seqs"] for r in sorted(rows, key=lambda r: r["predicted_tax"])]
-    summary = {"rows": rows, "measured_rank": measured_rank, "predicted_rank": predicted_rank}
-    return render(rows, load, measured_rank, predicted_rank), summary
+    for mode in MODES:
+        for key in sorted(data["settings"], key=int):
+            runs = data["settings"][key].get(f"{mode}_runs")
+            if not runs:
+                continue
+            n = int(key)
+            sim = predict(load, n, identical=mode == "identical")
+            preemptions = _mean(runs, "preemptions")
+            prompt, generated = _mean(runs, "prompt"), _mean(runs, "generation")
+            per_preemption = sim.recomputed / sim.preemptions if sim.preemptions else 0.0
+            rows.append(
+                {
+                    "mode": mode,
+                    "max_num_seqs": n,
+                    "distinct_outputs": [r["distinct_outputs"] for r in runs],
+                    "measured_preemptions": [r["preemptions"] for r in runs],
+                    "measured_recomputed": [r["recomputed"] for r in runs],
+                    "measured_hit_share": [
+                        r["hits"] / r["queried"] if r["queried"] else 0.0 for r in runs
+                    ],
+                    "measured_tax": [r["tax"] for r in runs],
+                    "measured_tax_mean": _mean(runs, "tax"),
+                    "wall_s": [r["wall_s"] for r in runs],
+                    "predicted_preemptions": sim.preemptions,
+                    "predicted_recomputed": sim.recomputed,
+                    "predicted_hit_share": (
+                        sim.hit_tokens / sim.queried_tokens if sim.queried_tokens else 0.0
+                    ),
+                    "predicted_tax": sim.tax,
+                    "within_target": within(sim.tax, _mean(runs, "tax")),
+                    "estimate_tax": tax_ratio(preemptions * context, prompt, generated),
+                    "corrected_estimate_tax": tax_ratio(
+                        preemptions * per_preemption, prompt, generated
+                    ),
+                }
+            )
+    ranks = {}
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        ranks[mode] = {
+            "measured": [
+                r["max_num_seqs"] for r in sorted(mine, key=lambda r: r["measured_tax_mean"])
+            ],
+            "predicted": [
+                r["max_num_seqs"] for r in sorted(mine, key=lambda r: r["predicted_tax"])
+            ],
+        }
+    summary = {"rows": rows, "ranks": ranks}
+    return render(rows, load, ranks), summary
 
 
 def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
-def render(rows: list[dict[str, Any]], load: dict[str, Any], mr: list[int], pr: list[int]) -> str:
+def _list(values: list[float], fmt: str) -> str:
+    return ", ".join(format(v, fmt) for v in values)
+
+
+def render(rows: list[dict[str, Any]], load: dict[str, Any], ranks: dict[str, Any]) -> str:
     out = [
         "# `kvtax plan --what-if` against the real engine",
         "",
         f"Real vLLM 0.32 CPU engine, tiny random Llama, {BLOCKS} blocks x {BLOCK_SIZE} = "
         f"{BLOCKS * BLOCK_SIZE:,} KV tokens, {load['clients']} concurrent streamed requests of "
-        f"{load['prompt_tokens']} prompt + {load['max_tokens']} output tokens (`ignore_eos`, "
-        "greedy), one fresh engine per setting, kvtax's plugin measuring the recompute. "
-        "Measured by `bench/whatif_engine.py`, predicted and written by `bench/whatif.py`.",
+        f"{load['prompt_tokens']} prompt + {load['max_tokens']} output tokens (`ignore_eos`), one "
+        "fresh engine per setting, kvtax's plugin measuring the recompute. Measured by "
+        "`bench/whatif_engine.py`, predicted and written by `bench/whatif.py`; the simulator is "
+        f"given the pool, {BUDGET:,} tokens per step (vLLM's CPU default), the lengths, 64 "
+        "clients, and whether requests are identical.",
         "",
         "Tax = recomputed / (computed prompt + generated + recomputed) (docs/tax.md). Target: "
-        "predicted within +-30 % relative or +-3 points absolute, whichever is larger.",
-        "",
-        "| max_num_seqs | measured preemptions | predicted | measured tax | predicted tax "
-        "| within target | measured hit share at resume | predicted |",
-        "|---:|---|---:|---|---:|:---:|---|---:|",
+        "predicted within +-30 % relative or +-3 points absolute, whichever is larger. Several "
+        "measured values are several runs on the same engine.",
     ]
-    for r in rows:
-        ok = within(r["predicted_tax"], r["measured_tax_mean"])
-        out.append(
-            f"| {r['max_num_seqs']} | {', '.join(f'{p:.0f}' for p in r['measured_preemptions'])} "
-            f"| {r['predicted_preemptions']} "
-            f"| {', '.join(_pct(t) for t in r['measured_tax'])} | {_pct(r['predicted_tax'])} "
-            f"| {'yes' if ok else '**no**'} "
-            f"| {', '.join(_pct(h) for h in r['measured_hit_share'])} "
-            f"| {_pct(r['predicted_hit_share'])} |"
-        )
+    for mode, title in MODES.items():
+        mine = [r for r in rows if r["mode"] == mode]
+        if not mine:
+            continue
+        rank = ranks[mode]
+        out += [
+            "",
+            f"## {title[0].upper()}{title[1:]}",
+            "",
+            "| max_num_seqs | preemptions measured | predicted | tax measured | predicted "
+            "| within target | hit share at resume, measured | predicted | distinct outputs |",
+            "|---:|---|---:|---|---:|:---:|---|---:|---|",
+        ]
+        for r in mine:
+            out.append(
+                f"| {r['max_num_seqs']} | {_list(r['measured_preemptions'], '.0f')} "
+                f"| {r['predicted_preemptions']} "
+                f"| {', '.join(_pct(t) for t in r['measured_tax'])} | {_pct(r['predicted_tax'])} "
+                f"| {'yes' if r['within_target'] else '**no**'} "
+                f"| {', '.join(_pct(h) for h in r['measured_hit_share'])} "
+                f"| {_pct(r['predicted_hit_share'])} | {_list(r['distinct_outputs'], 'd')} |"
+            )
+        same = rank["measured"] == rank["predicted"]
+        out += [
+            "",
+            f"Ranking by tax, lowest first: measured {rank['measured']}, predicted "
+            f"{rank['predicted']}" + (" (same order)." if same else " (**different**)."),
+        ]
     out += [
         "",
-        f"Ranking by tax, lowest first: measured {mr}, predicted {pr}"
-        + (" (same order)." if mr == pr else " (**different**)."),
+        "## The estimate without the plugin",
         "",
-        "## Without identical requests, and the estimate without the plugin",
+        "kvtax's metrics-only estimate takes each preemption to recompute the mean prompt + half "
+        "the mean output. The corrected column takes the measured preemptions times the "
+        "simulator's recompute per preemption instead (offline here: the sidecar does not run it).",
         "",
-        "| max_num_seqs | measured tax | predicted, own blocks only | metrics-only estimate "
-        "| corrected estimate |",
-        "|---:|---:|---:|---:|---:|",
+        "| requests | max_num_seqs | tax measured | metrics-only estimate | corrected estimate |",
+        "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         out.append(
-            f"| {r['max_num_seqs']} | {_pct(r['measured_tax_mean'])} | "
-            f"{_pct(r['own_blocks_tax'])} ({r['own_blocks_preemptions']} preemptions) | "
-            f"{_pct(r['estimate_tax'])} | {_pct(r['corrected_estimate_tax'])} |"
+            f"| {r['mode']} | {r['max_num_seqs']} | {_pct(r['measured_tax_mean'])} "
+            f"| {_pct(r['estimate_tax'])} | {_pct(r['corrected_estimate_tax'])} |"
         )
     out.append("")
     return "\n".join(out)
