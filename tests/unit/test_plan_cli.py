@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
@@ -244,3 +245,70 @@ def test_kvtax_pages_give_the_sum_so_the_prompt_comes_from_flags() -> None:
     assert (p.output_p50, p.output_p95) == (500, 540)
     with pytest.raises(ValueError, match="--prompt-p50"):
         profile_from_kvtax_page(page, "u", prompt_p50=None, prompt_p95=None, model="m")
+
+
+def _vector(rows: list[tuple[dict[str, str], float]]) -> str:
+    result = [{"metric": m, "value": [0, str(v)]} for m, v in rows]
+    return json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+class _Prometheus(BaseHTTPRequestHandler):
+    queries: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        query = parse_qs(urlparse(self.path).query)["query"][0]
+        self.queries.append(query)
+        if "request_prompt_tokens_bucket" in query:
+            body = _vector([({"le": "50.0"}, 90), ({"le": "100.0"}, 100), ({"le": "+Inf"}, 100)])
+        elif "request_generation_tokens_bucket" in query:
+            body = _vector([({"le": "500.0"}, 50), ({"le": "1000.0"}, 100), ({"le": "+Inf"}, 100)])
+        else:
+            body = _vector([({}, 12345.0)])
+        data = body.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_lengths_from_prometheus_over_a_range(capsys: pytest.CaptureFixture[str]) -> None:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Prometheus)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        plan = run_json(
+            [
+                "--what-if",
+                "4",
+                "--num-blocks",
+                "16",
+                "--block-size",
+                "128",
+                "--requests",
+                "50",
+                "--prometheus",
+                url,
+                "--range",
+                "6h",
+                "--model-name",
+                "m",
+            ],
+            capsys,
+        )
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    p = plan["profile"]
+    # Prometheus' interpolation inside the buckets: 50 of 90 in (0, 50], 95 of 100 in (50, 100].
+    assert p["prompt_p50"] == pytest.approx(50 * 50 / 90)
+    assert p["prompt_p95"] == pytest.approx(75.0)
+    assert p["output_p50"] == pytest.approx(500.0)
+    assert p["output_p95"] == pytest.approx(950.0)
+    assert any(
+        'increase(vllm:request_prompt_tokens_bucket{model_name="m"}[6h])' in q
+        for q in _Prometheus.queries
+    )
