@@ -102,19 +102,49 @@ def build(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                     ),
                 }
             )
-    ranks = {}
-    for mode in MODES:
-        mine = [r for r in rows if r["mode"] == mode]
-        ranks[mode] = {
-            "measured": [
-                r["max_num_seqs"] for r in sorted(mine, key=lambda r: r["measured_tax_mean"])
-            ],
-            "predicted": [
-                r["max_num_seqs"] for r in sorted(mine, key=lambda r: r["predicted_tax"])
-            ],
-        }
+    ranks = {mode: ranking([r for r in rows if r["mode"] == mode]) for mode in MODES}
     summary = {"rows": rows, "ranks": ranks}
     return render(rows, load, ranks), summary
+
+
+TIE = 0.005  # predicted taxes closer than half a point are a tie
+
+
+def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Do the settings rank alike? Pair by pair: the predicted order must be the measured one.
+
+    A predicted tie agrees when the measured runs of the two settings overlap (the engine cannot
+    tell them apart either); a measured tie (overlapping runs) agrees with any predicted order.
+    """
+    pairs = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            predicted = b["predicted_tax"] - a["predicted_tax"]
+            lo_a, hi_a = min(a["measured_tax"]), max(a["measured_tax"])
+            lo_b, hi_b = min(b["measured_tax"]), max(b["measured_tax"])
+            overlap = lo_a <= hi_b and lo_b <= hi_a
+            measured = b["measured_tax_mean"] - a["measured_tax_mean"]
+            if overlap:
+                agrees = True
+            elif abs(predicted) < TIE:
+                agrees = False
+            else:
+                agrees = (predicted > 0) == (measured > 0)
+            pairs.append(
+                {
+                    "settings": [a["max_num_seqs"], b["max_num_seqs"]],
+                    "predicted_difference": predicted,
+                    "measured_difference": measured,
+                    "measured_runs_overlap": overlap,
+                    "agrees": agrees,
+                }
+            )
+    return {
+        "measured": [r["max_num_seqs"] for r in sorted(rows, key=lambda r: r["measured_tax_mean"])],
+        "predicted": [r["max_num_seqs"] for r in sorted(rows, key=lambda r: r["predicted_tax"])],
+        "pairs": pairs,
+        "agrees": all(p["agrees"] for p in pairs),
+    }
 
 
 def _pct(x: float) -> str:
@@ -163,12 +193,19 @@ def render(rows: list[dict[str, Any]], load: dict[str, Any], ranks: dict[str, An
                 f"| {', '.join(_pct(h) for h in r['measured_hit_share'])} "
                 f"| {_pct(r['predicted_hit_share'])} | {_list(r['distinct_outputs'], 'd')} |"
             )
-        same = rank["measured"] == rank["predicted"]
         out += [
             "",
-            f"Ranking by tax, lowest first: measured {rank['measured']}, predicted "
-            f"{rank['predicted']}" + (" (same order)." if same else " (**different**)."),
+            f"Ranking by tax, lowest first: measured (mean) {rank['measured']}, "
+            f"predicted {rank['predicted']}.",
         ]
+        for pair in rank["pairs"]:
+            a, b = pair["settings"]
+            verdict = "agree" if pair["agrees"] else "**disagree**"
+            note = " (the measured runs overlap: a tie)" if pair["measured_runs_overlap"] else ""
+            out.append(
+                f"- {a} vs {b}: predicted {pair['predicted_difference'] * 100:+.1f} points, "
+                f"measured {pair['measured_difference'] * 100:+.1f}{note}: {verdict}."
+            )
     out += [
         "",
         "## The estimate without the plugin",
