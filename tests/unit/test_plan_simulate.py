@@ -112,9 +112,7 @@ def test_open_loop_arrivals_spread_the_load() -> None:
 
 def test_ten_thousand_requests_run_to_the_end() -> None:
     reqs = trace(LengthProfile(400, 2000, 150, 700), requests=10_000, seed=1, max_length=8192)
-    r = simulate(
-        reqs, Settings(num_blocks=4096, block_size=16, max_num_seqs=128), clients=160
-    )
+    r = simulate(reqs, Settings(num_blocks=4096, block_size=16, max_num_seqs=128), clients=160)
     assert r.finished == 10_000
     assert r.generated == sum(q.output for q in reqs)
     assert r.preemptions > 0
