@@ -14,8 +14,9 @@ The model follows what ``vllm/v1/core/sched/scheduler.py`` and the KV block pool
 - **Waiting** requests are admitted, front first, only in a step that preempted nobody, while
   fewer than ``max_num_seqs`` run and the budget and free blocks allow.
 - **Prefix cache**: a full block keeps its content hash after it is freed until the block is
-  reused. Freed blocks join the tail of the free queue (a request's last block first), and new
-  blocks come from the head, so a victim's early blocks survive longest. A resumed request
+  reused. Freed full blocks join the tail of the free queue (a request's last block first) and a
+  freed partial block its head; new blocks come from the head, so a victim's early blocks
+  survive longest. A resumed request
   finds the full blocks still cached and prefills only the rest: that rest is the recompute.
   Requests with the same ``content`` key share blocks (identical token streams, as with greedy
   decoding of one prompt); otherwise each request's blocks are its own.
@@ -169,13 +170,26 @@ class _Pool:
             del self.free[block]
         self.ref[block] += 1
 
-    def release(self, blocks: Sequence[int]) -> None:
+    def release(self, blocks: Sequence[int], full: int) -> None:
+        """Return a request's blocks; its first ``full`` blocks are full (cacheable).
+
+        As vLLM's block pool does: full blocks join the tail of the free queue, the request's
+        last block first, so its prefix survives longest (LRU); a partial block, which no
+        lookup can match, goes to the head and is reused first.
+        """
         self.releases += 1
-        # The tail block first, so it is evicted first and the prefix survives longest.
-        for block in reversed(blocks):
+        first: list[int] = []
+        last: list[int] = []
+        for i in range(len(blocks) - 1, -1, -1):
+            block = blocks[i]
             self.ref[block] -= 1
             if self.ref[block] == 0:
-                self.free[block] = None
+                (last if i < full or self.key[block] is not None else first).append(block)
+        for block in reversed(first):
+            self.free[block] = None
+            self.free.move_to_end(block, last=False)
+        for block in last:
+            self.free[block] = None
 
     def register(self, block: int, key: tuple[int, int]) -> None:
         if self.key[block] is None:
@@ -374,7 +388,7 @@ class _Sim:
         self.prefilling.discard(seq)
         self.sync(victim, step)
         self.register(victim, freeing=True)
-        self.pool.release(victim.blocks)
+        self.pool.release(victim.blocks, victim.computed // self.bs)
         victim.blocks = []
         victim.hashed = 0
         victim.computed = 0
@@ -449,7 +463,7 @@ class _Sim:
     def _finish(self, req: _Req) -> None:
         del self.running[req.seq]
         req.version += 1
-        self.pool.release(req.blocks)
+        self.pool.release(req.blocks, req.computed // self.bs)
         req.blocks = []
         self.finished += 1
         self.generated += req.output
