@@ -24,6 +24,7 @@ from .checkout import harness_missing, needs_checkout
 from .dashboards.cli import add_dashboards_parser, run_dashboards
 from .generated import add_output_arguments, write_or_check
 from .loadtest.cli import add_annotate_parser, add_loadtest_parser, run_annotate, run_loadtest
+from .plan.cli import add_plan_parser, run_plan
 from .rules.cli import add_rules_parser, run_rules
 
 __all__ = ["build_parser", "main"]
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dashboards_parser(sub)
     add_loadtest_parser(sub)
     add_annotate_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -173,6 +175,7 @@ command("rules")(run_rules)
 command("dashboards")(run_dashboards)
 command("loadtest")(run_loadtest)
 command("annotate")(run_annotate)
+command("plan")(run_plan)
 
 
 @command("docs")

@@ -1,0 +1,9 @@
+"""``kvtax plan``: size a vLLM deployment before it runs, and predict what a setting would cost.
+
+The package reads from the bottom up: :mod:`.errors` (the one exception), :mod:`.modelcfg` (a
+model's KV shape from config.json or flags), :mod:`.weights` (weight bytes from safetensors
+headers), :mod:`.sizing` (pool, tokens and concurrency: arithmetic only), :mod:`.profile`
+(request lengths from flags or histograms), :mod:`.simulate` (vLLM V1's scheduler, step by
+step), :mod:`.report` (the table and the JSON), then :mod:`.fetch` (the only module here that
+touches the network) and :mod:`.cli`.
+"""

@@ -1,0 +1,248 @@
+"""A model's KV-cache shape, read from a Hugging Face ``config.json`` or given as flags.
+
+What one token costs in the KV cache depends on the attention each layer runs:
+
+- full attention (MHA, GQA, MQA): ``2 x kv_heads x head_dim`` elements per layer (K and V);
+- MLA (DeepSeek-style compressed KV): one latent of ``kv_lora_rank + qk_rope_head_dim``
+  elements per layer, shared by K and V;
+- sliding-window layers cost the same per token, but hold at most ``window`` tokens of a
+  sequence, so they stop growing once a sequence is longer than the window.
+
+Layers that are not attention (Mamba, linear attention, convolutions) keep a fixed state per
+sequence that vLLM sizes differently; :func:`shape_from_config` refuses such hybrids and names
+the layer types it found, rather than print a number that leaves them out.
+
+Example::
+
+    >>> s = shape_from_flags(layers=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+    >>> s.elements_per_token()
+    65536
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PlanError
+
+__all__ = [
+    "DTYPE_BYTES",
+    "KvShape",
+    "dtype_bytes",
+    "shape_from_config",
+    "shape_from_flags",
+]
+
+# Bytes per element of every dtype spelling vLLM's --dtype, --kv-cache-dtype and config.json use.
+DTYPE_BYTES: Mapping[str, int] = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_ds_mla": 1,
+}
+_ATTENTION_TYPES = {"full_attention", "attention", "global", "sliding_attention", "local"}
+_SLIDING_TYPES = {"sliding_attention", "local"}
+# Models whose every layer is a state-space or recurrent block: no per-token KV at all.
+_STATE_SPACE_MODELS = {"mamba", "mamba2", "falcon_mamba", "rwkv", "rwkv6", "xlstm"}
+
+
+def dtype_bytes(name: str, field: str) -> int:
+    """Bytes per element of ``name``; a :class:`PlanError` naming ``field`` if unknown."""
+    key = name.strip().lower().removeprefix("torch.")
+    if key not in DTYPE_BYTES:
+        known = ", ".join(sorted(DTYPE_BYTES))
+        raise PlanError(field, f"unknown dtype {name!r} (known: {known})")
+    return DTYPE_BYTES[key]
+
+
+@dataclass(frozen=True, slots=True)
+class KvShape:
+    """Per-token KV elements of a model, layer kind by layer kind.
+
+    ``full_layers`` hold every token of a sequence; ``sliding_layers`` hold at most
+    ``sliding_window`` tokens. ``per_layer`` is the elements one token takes in one layer:
+    ``2 x kv_heads x head_dim``, or the MLA latent. ``dtype`` is the model's own dtype, the
+    KV cache's unless ``--kv-cache-dtype`` says otherwise.
+    """
+
+    name: str
+    full_layers: int
+    sliding_layers: int
+    sliding_window: int | None
+    per_layer: int
+    kv_heads: int
+    head_dim: int
+    mla: bool
+    dtype: str
+
+    def elements_per_token(self) -> int:
+        """Elements one token adds across all attention layers (sliding ones included)."""
+        return self.per_layer * (self.full_layers + self.sliding_layers)
+
+    def sequence_elements(self, tokens: int) -> int:
+        """Elements a sequence of ``tokens`` holds: sliding layers stop at the window."""
+        held = tokens if self.sliding_window is None else min(tokens, self.sliding_window)
+        return self.per_layer * (self.full_layers * tokens + self.sliding_layers * held)
+
+    def shards(self, tensor_parallel: int) -> int:
+        """How many ways the KV of one token splits across ``tensor_parallel`` GPUs.
+
+        KV heads split across ranks; with fewer heads than ranks each head is replicated, so
+        the split stops at the head count. The MLA latent is replicated on every rank.
+        """
+        if self.mla:
+            return 1
+        return min(tensor_parallel, self.kv_heads)
+
+
+def _opt_int(cfg: Mapping[str, Any], key: str, source: str) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(source, f"{key} must be a positive integer, not {value!r}")
+    return value
+
+
+def _int(cfg: Mapping[str, Any], key: str, source: str) -> int:
+    value = _opt_int(cfg, key, source)
+    if value is None:
+        raise PlanError(source, f"{key} is missing")
+    return value
+
+
+def _layer_types(cfg: Mapping[str, Any], layers: int, source: str) -> list[str] | None:
+    """Per-layer attention kind, from whichever spelling the config uses; None if uniform."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        if len(types) != layers:
+            raise PlanError(
+                source, f"layer_types has {len(types)} entries for {layers} num_hidden_layers"
+            )
+        return [str(t) for t in types]
+    for key in ("layers_block_type", "hybrid_override_pattern", "block_types"):
+        if cfg.get(key):
+            return [str(t) for t in cfg[key]] if isinstance(cfg[key], list) else list(cfg[key])
+    if cfg.get("attn_layer_period") is not None:  # Jamba: attention every Nth layer, else Mamba
+        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        return ["attention" if i % period == offset else "mamba" for i in range(layers)]
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None
+    pattern = cfg.get("sliding_window_pattern")
+    if str(cfg.get("model_type", "")) == "gemma2":  # local and global layers alternate
+        pattern = 2
+    if isinstance(pattern, int) and pattern > 1:
+        # Every pattern-th layer is global, the others slide (Gemma 2 and 3).
+        return [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)
+        ]
+    return ["sliding_attention"] * layers  # one window on every layer (Mistral 7B v0.1)
+
+
+def shape_from_config(config: Mapping[str, Any], *, source: str = "config.json") -> KvShape:
+    """The KV shape of a ``config.json`` already parsed; errors name ``source`` and the key."""
+    model_type = str(config.get("model_type", ""))
+    if model_type in _STATE_SPACE_MODELS:
+        raise PlanError(
+            source,
+            f"model_type {model_type!r} has no attention layers (state-space model): "
+            "its per-sequence state is not sized by kvtax plan",
+        )
+    # Multimodal wrappers keep the language model's settings under text_config.
+    text = config.get("text_config")
+    cfg: Mapping[str, Any] = text if isinstance(text, Mapping) else config
+    layers = _int(cfg, "num_hidden_layers", source)
+    heads = _int(cfg, "num_attention_heads", source)
+    types = _layer_types(cfg, layers, source)
+    if types is not None:
+        other = sorted({t for t in types if t not in _ATTENTION_TYPES})
+        if other:
+            count = sum(t not in _ATTENTION_TYPES for t in types)
+            raise PlanError(
+                source,
+                f"hybrid model: {count} of {layers} layers are {', '.join(map(repr, other))}, "
+                "not attention; kvtax plan does not size their per-sequence state (unsupported)",
+            )
+    sliding = 0 if types is None else sum(t in _SLIDING_TYPES for t in types)
+    window = _opt_int(cfg, "sliding_window", source) if sliding else None
+    dtype = str(
+        cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    )
+    dtype_bytes(dtype, f"{source}: torch_dtype")
+
+    if cfg.get("kv_lora_rank"):
+        rank = _int(cfg, "kv_lora_rank", source)
+        rope = _int(cfg, "qk_rope_head_dim", source)
+        return KvShape(
+            name=model_type or "mla",
+            full_layers=layers - sliding,
+            sliding_layers=sliding,
+            sliding_window=window,
+            per_layer=rank + rope,
+            kv_heads=1,
+            head_dim=rank + rope,
+            mla=True,
+            dtype=dtype,
+        )
+    kv_heads = _opt_int(cfg, "num_key_value_heads", source)
+    if kv_heads is None:
+        # Falcon's multi_query flag means one KV head; otherwise no key means plain MHA.
+        kv_heads = 1 if cfg.get("multi_query") else heads
+    head_dim = _opt_int(cfg, "head_dim", source)
+    if head_dim is None:
+        hidden = _int(cfg, "hidden_size", source)
+        head_dim = hidden // heads
+    return KvShape(
+        name=model_type or "model",
+        full_layers=layers - sliding,
+        sliding_layers=sliding,
+        sliding_window=window,
+        per_layer=2 * kv_heads * head_dim,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        mla=False,
+        dtype=dtype,
+    )
+
+
+def shape_from_flags(
+    *,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    sliding_layers: int = 0,
+    sliding_window: int | None = None,
+) -> KvShape:
+    """A GQA/MQA/MHA shape from numbers given by hand (``--layers`` and friends)."""
+    for flag, value in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim)):
+        if value <= 0:
+            raise PlanError(flag, f"must be a positive integer, not {value}")
+    if sliding_layers < 0 or sliding_layers > layers:
+        raise PlanError("--sliding-layers", f"must be between 0 and --layers, not {sliding_layers}")
+    if sliding_layers and not sliding_window:
+        raise PlanError("--sliding-window", "is required when --sliding-layers is set")
+    dtype_bytes(dtype, "--dtype")
+    return KvShape(
+        name="flags",
+        full_layers=layers - sliding_layers,
+        sliding_layers=sliding_layers,
+        sliding_window=sliding_window if sliding_layers else None,
+        per_layer=2 * kv_heads * head_dim,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        mla=False,
+        dtype=dtype,
+    )
