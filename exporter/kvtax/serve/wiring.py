@@ -33,10 +33,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
-from kvtax.expose.publish import ledger_samples, proxy_samples
+from kvtax.expose.publish import adapter_samples, ledger_samples, proxy_samples
 from kvtax.expose.report import HistogramSample, Sample
 from kvtax.figures.window import Window
 from kvtax.serve.config import Config
+from kvtax.serve.models import ModelsPoller
 from kvtax.serve.parsepool import ParsePool
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.selfwatch import LoopWatch
@@ -60,11 +61,13 @@ class Stack:
     gateway: GatewayPoller | None
     loopwatch: LoopWatch
     sidecar: Sidecar
+    models: ModelsPoller | None = None
 
     def report(self) -> Iterator[Sample | HistogramSample]:
         """Everything ``/metrics`` shows, read from the parts; it changes none of them."""
         yield from self.sidecar.samples()
         yield from ledger_samples(self.ledger.counts())
+        yield from adapter_samples(self.ledger.adapter_counts())
         yield from proxy_samples(self.proxy.in_flight, self.proxy.streams_open)
         yield from self.loopwatch.samples()
 
@@ -75,6 +78,8 @@ class Stack:
             await self.proxy.start(*self.config.proxy_listen_address)
         if self.gateway is not None:
             self.gateway.start()
+        if self.models is not None:
+            self.models.start()
 
     async def drain(self, grace: float = 0.0) -> None:
         """Stop taking requests: /readyz fails, the proxy lets requests in flight finish for up
@@ -83,6 +88,8 @@ class Stack:
         await self.proxy.stop(grace)
         if self.gateway is not None:
             await self.gateway.stop()
+        if self.models is not None:
+            await self.models.stop()
 
     async def stop(self) -> None:
         await self.sidecar.stop()
@@ -115,6 +122,18 @@ def _gateway(config: Config, ledger: DeliveryLedger) -> GatewayPoller | None:
     )
 
 
+def _models(config: Config, names: ModelNames) -> ModelsPoller | None:
+    poller = ModelsPoller(
+        names,
+        url=config.vllm_url,
+        configured=config.delivery_adapters,
+        interval=config.delivery_models_refresh,
+        timeout=config.effective_timeout,
+    )
+    # Built even when polling is off: it installs the configured adapters.
+    return poller if config.delivery_models_refresh > 0 else None
+
+
 def build(
     config: Config,
     *,
@@ -145,7 +164,15 @@ def build(
         parser=parser,
     )
     stack = Stack(
-        config, names, ledger, window, proxy, _gateway(config, ledger), LoopWatch(), sidecar
+        config,
+        names,
+        ledger,
+        window,
+        proxy,
+        _gateway(config, ledger),
+        LoopWatch(),
+        sidecar,
+        _models(config, names),
     )
     return stack
 
