@@ -248,3 +248,12 @@ def test_two_engines_sum_counters_but_not_usage_or_capacity() -> None:
     published = {(s.metric, s.labels): s.value for s in model_samples({BASE: two}, 64)}
     assert published[("kvtax_kv_capacity_tokens", (BASE,))] == 2048
     assert published[("kvtax_kv_cache_usage_ratio", (BASE,))] == max(single_usage, 0.25)
+
+
+def test_the_recorded_lora_page_carries_only_the_base_model() -> None:
+    """vLLM counted the adapter's request under the base model: the join must do the same."""
+    page = (FIXTURES / "0.32-lora.prom").read_text()
+    snap = normalize(page, timestamp=0.0)
+    assert set(snap.models) == {BASE}
+    assert snap.models[BASE].values["generation_tokens"] == 32  # 16 adapter + 16 base
+    assert ADAPTER in page  # only in vllm:lora_requests_info, which has no model_name
