@@ -66,7 +66,7 @@ if __name__ == "__main__":
 
 
 def ensure_adapter(venv: Path, model_dir: Path, out: Path) -> Path:
-    """Make the adapter into ``out`` with the engine venv's python (skipped when both files exist)."""
+    """Make the adapter into ``out`` with the engine venv's python; skipped when it is there."""
     import subprocess
 
     from .engine import EngineStartError, _venv_env
