@@ -146,6 +146,7 @@ class SeriesCounts:
     vllm_per_model: int
     records_per_pod_model: int
     records_per_model: int
+    vllm_read_per_model: int  # of vllm_per_model, those a rule or a dashboard panel reads
 
     def per_pod(self, models: int, adapters: int = 0) -> int:
         """Series Prometheus holds for one pod: both pages plus the per-pod records."""
@@ -175,7 +176,24 @@ def count_series() -> SeriesCounts:
         vllm_per_model=vllm_two - vllm_one,
         records_per_pod_model=pod_level,
         records_per_model=len(records) - pod_level,
+        vllm_read_per_model=sum(
+            1
+            for name, labels in _samples(multi_model_payload(CAPTURE.read_text(), 1))
+            if "model_name" in labels and name.startswith("vllm:") and name in read_series()
+        ),
     )
+
+
+def read_series() -> set[str]:
+    """Every series name a rule or a dashboard panel reads."""
+    from kvtax.dashboards.generate import dashboards
+    from kvtax.dashboards.lint import queries
+
+    names = rule_series()
+    for board in dashboards().values():
+        for _, target in queries(board):
+            names |= series_names(target["expr"])
+    return names
 
 
 # -- part 2: a synthetic fleet in a real Prometheus ---------------------------------------------
@@ -374,6 +392,7 @@ def _series_table(c: SeriesCounts) -> str:
         ("kvtax /metrics, per LoRA adapter", c.kvtax_per_adapter),
         ("vLLM /metrics (0.32), fixed", c.vllm_fixed),
         ("vLLM /metrics (0.32), per model", c.vllm_per_model),
+        ("... of which a rule or a dashboard reads", c.vllm_read_per_model),
         ("recording rules, per pod and model", c.records_per_pod_model),
         (
             "Prometheus' own per target (up, scrape_*), two targets a pod",
