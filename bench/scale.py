@@ -47,6 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import requests
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -56,6 +57,7 @@ from kvtax.rules.alerts import alert_rules
 from kvtax.rules.promql import series_names
 from kvtax.serve.config import load_config
 from kvtax.serve.wiring import build
+from kvtax_dev.exposition import Samples, read_samples
 from kvtax_dev.promapi import PrometheusApi
 from kvtax_dev.testbed.engine import free_port
 from kvtax_dev.testbed.promstack import PrometheusProcess
@@ -319,17 +321,34 @@ class FleetResult:
     scrape_seconds: list[float]
 
 
-def _group_durations(
-    api: PrometheusApi, start: float, end: float, step: float
-) -> dict[str, list[float]]:
-    series = api.query_range("prometheus_rule_group_last_duration_seconds", start, end, step)
-    out: dict[str, list[float]] = {}
-    for s in series:
-        name = s.labels["rule_group"].rpartition(";")[2]
-        # One value per evaluation: consecutive equal points are the same evaluation seen twice.
-        values = [v for i, (_, v) in enumerate(s.points) if i == 0 or v != s.points[i - 1][1]]
-        out[name] = values
-    return out
+def _own_metrics(url: str) -> Samples:
+    """Prometheus' own /metrics (it does not scrape itself here)."""
+    return read_samples(requests.get(f"{url}/metrics", timeout=30).text)
+
+
+def _watch_groups(url: str, seconds: float, poll: float) -> tuple[dict[str, list[float]], float]:
+    """Each rule group's evaluation durations over ``seconds``, one per evaluation (told apart
+    by its timestamp), and the head series at the end."""
+    seen: dict[tuple[str, float], float] = {}
+    head = math.nan
+    deadline = time.monotonic() + seconds
+    while True:
+        page = _own_metrics(url)
+        stamps = page.get("prometheus_rule_group_last_evaluation_timestamp_seconds", {})
+        durations = page.get("prometheus_rule_group_last_duration_seconds", {})
+        for labels, duration in durations.items():
+            group = dict(labels)["rule_group"].rpartition(";")[2]
+            stamp = stamps.get(labels, math.nan)
+            if stamp > 0:
+                seen[(group, stamp)] = duration
+        head = next(iter(page.get("prometheus_tsdb_head_series", {}).values()), math.nan)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll)
+    groups: dict[str, list[float]] = {}
+    for (group, _), duration in sorted(seen.items()):
+        groups.setdefault(group, []).append(duration)
+    return groups, head
 
 
 def _query_seconds(api: PrometheusApi, expr: str) -> float:
@@ -370,10 +389,8 @@ def measure_fleet(
             # Two scrapes before rate() has a value, then the evaluations measured.
             time.sleep(2 * interval)
             start = time.time()
-            time.sleep(evaluations * interval)
+            groups, head = _watch_groups(prom.url, evaluations * interval, interval / 3)
             end = time.time()
-            groups = _group_durations(api, start, end, interval / 2)
-            head = api.query("prometheus_tsdb_head_series")[0].points[0][1]
             scrapes = api.query_range(
                 'scrape_duration_seconds{job="kvtax"}', start, end, interval / 2
             )
