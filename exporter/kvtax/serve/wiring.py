@@ -128,7 +128,8 @@ def _models(config: Config, names: ModelNames) -> ModelsPoller | None:
         url=config.vllm_url,
         configured=config.delivery_adapters,
         interval=config.delivery_models_refresh,
-        timeout=config.effective_timeout,
+        # Read rarely, so it may wait longer than a scrape: a busy vLLM still answers.
+        timeout=max(config.effective_timeout, 10.0),
     )
     # Built even when polling is off: it installs the configured adapters.
     return poller if config.delivery_models_refresh > 0 else None
