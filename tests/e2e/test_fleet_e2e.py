@@ -183,14 +183,19 @@ async def _loads(hot: Replica, calm: Replica) -> dict[str, list[RequestResult]]:
     assert hot.kvtax.proxy_url is not None
     assert calm.kvtax.proxy_url is not None
     model = hot.engine.model_name
+    calm_load: dict[str, Any] = {
+        "concurrency": 1,
+        "max_tokens": 200,
+        "stream": True,
+        "requests": 8,
+    }
     hot_results, calm_results, adapter_results = await asyncio.gather(
         # One wave that overflows the pool; the calm one's two streams never do.
         drive(hot.kvtax.proxy_url, model, concurrency=64, max_tokens=500, stream=True, requests=64),
         # One stream for the base model and one for its adapter, through the calm pod's proxy.
-        drive(calm.kvtax.proxy_url, model, concurrency=1, max_tokens=200, stream=True, requests=8),
-        drive(
-            calm.kvtax.proxy_url, ADAPTER, concurrency=1, max_tokens=200, stream=True, requests=8
-        ),
+        # Usage asked for, so each client knows how many tokens it received.
+        drive(calm.kvtax.proxy_url, model, include_usage=True, **calm_load),
+        drive(calm.kvtax.proxy_url, ADAPTER, include_usage=True, **calm_load),
     )
     return {HOT: hot_results, CALM: calm_results, ADAPTER: adapter_results}
 
