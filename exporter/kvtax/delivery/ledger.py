@@ -14,6 +14,10 @@ Example::
     ledger = DeliveryLedger(names)
     ledger.settle(RequestRecord("tiny-llama", "completed", delivered_tokens=12, prompt_tokens=5))
     ledger.totals()["tiny-llama"].delivered  # 12.0
+    names.set_adapters({"sql-lora": "tiny-llama"})  # an adapter counts under its base model
+    ledger.settle(RequestRecord("sql-lora", "completed", delivered_tokens=3))
+    ledger.totals()["tiny-llama"].delivered  # 15.0
+    ledger.adapter_counts()  # {("tiny-llama", "sql-lora"): 3.0}
 """
 
 from __future__ import annotations
@@ -60,11 +64,15 @@ class ModelNames:
     """The bounded set of model labels: names vLLM reports, plus names vLLM answered with 2xx.
 
     ``limit`` caps learned names so a misbehaving upstream still cannot grow cardinality.
+    LoRA adapters (:meth:`set_adapters`) are not labels of their own: a request for one is
+    labelled with its base model, whose engine series did the work (see
+    :mod:`kvtax.delivery.adapters`), and :meth:`adapter` names it for the per-adapter counter.
     """
 
     def __init__(self, limit: int = 256) -> None:
         self._served: set[str] = set()
         self._limit = limit
+        self._adapters: dict[str, str] = {}
 
     def update(self, served: Iterable[str]) -> None:
         """Names seen on vLLM's /metrics (the scrape's model_name values)."""
@@ -73,10 +81,28 @@ class ModelNames:
 
     def learn(self, name: str) -> None:
         """A name vLLM accepted (it answered 2xx for it), so vLLM serves it."""
+        if name in self._adapters:
+            return  # counted under its base model, never as a label of its own
         if name and name != OTHER and len(self._served) < self._limit:
             self._served.add(name)
 
+    def set_adapters(self, adapters: Mapping[str, str]) -> None:
+        """Replace the adapter -> base model map (from /v1/models and the config)."""
+        self._adapters = dict(adapters)
+        # A name learned before the map arrived is an adapter after all: no label of its own.
+        self._served -= self._adapters.keys()
+
+    @property
+    def adapters(self) -> Mapping[str, str]:
+        return dict(self._adapters)
+
+    def adapter(self, name: str | None) -> str | None:
+        """The adapter ``name`` is, or None for a base model or an unknown name."""
+        return name if name is not None and name in self._adapters else None
+
     def label(self, name: str | None) -> str:
+        if name is not None and name in self._adapters:
+            name = self._adapters[name]
         return name if name is not None and name in self._served else OTHER
 
     def __contains__(self, name: object) -> bool:
@@ -252,6 +278,8 @@ class DeliveryLedger:
     def __init__(self, names: ModelNames) -> None:
         self.names = names
         self._books: dict[str, _ModelBook] = {}
+        # (base model label, adapter) -> delivered tokens, every source together.
+        self._adapter_delivered: dict[tuple[str, str], float] = {}
 
     def _book(self, model: str | None) -> _ModelBook:
         label = self.names.label(model)
@@ -270,6 +298,7 @@ class DeliveryLedger:
         prompt = record.prompt_tokens if record.delivered_tokens > 0 else 0
         remaining = max(0, record.delivered_tokens - record.credited_tokens)
         book.add_tokens("proxy", remaining, prompt, record.undelivered_tokens)
+        self._credit_adapter(record.model, remaining)
         if record.forwarded:
             book.joined_requests += 1
         if record.usage_missing:
@@ -295,6 +324,7 @@ class DeliveryLedger:
         tokens in the window it ended in.
         """
         self._book(model).add_tokens("proxy", tokens, 0, 0)
+        self._credit_adapter(model, tokens)
 
     def add(self, model: str | None, counts: DeliveryCounts, source: str) -> None:
         """Add increments from another source (``push`` or ``gateway``)."""
@@ -304,6 +334,7 @@ class DeliveryLedger:
         book.add_tokens(
             source, counts.delivered_tokens, counts.prompt_tokens, counts.undelivered_tokens
         )
+        self._credit_adapter(model, counts.delivered_tokens)
         for outcome, n in counts.requests.items():
             if outcome not in OUTCOMES:
                 raise ValueError(f"unknown outcome {outcome!r}")
@@ -313,8 +344,20 @@ class DeliveryLedger:
         book.slo_met_requests += counts.slo_met_requests
         book.slo_met_tokens += counts.slo_met_tokens
 
+    def _credit_adapter(self, model: str | None, tokens: float) -> None:
+        adapter = self.names.adapter(model)
+        if adapter is None or tokens <= 0:
+            return
+        key = (self.names.label(adapter), adapter)
+        self._adapter_delivered[key] = self._adapter_delivered.get(key, 0.0) + tokens
+
     def models(self) -> list[str]:
         return sorted(self._books)
+
+    def adapter_counts(self) -> dict[tuple[str, str], float]:
+        """Delivered tokens per (base model label, adapter), sorted; a subset of the base
+        model's ``delivered``, which already holds them."""
+        return dict(sorted(self._adapter_delivered.items()))
 
     def outcomes(self) -> dict[str, float]:
         """Requests by outcome, over every model (for the shutdown log line)."""

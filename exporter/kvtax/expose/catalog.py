@@ -380,6 +380,16 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         (),
         "sidecar",
     ),
+    # -- LoRA adapters: their tokens count under the base model, and here by adapter too -----
+    _S(
+        "kvtax_adapter_delivered_tokens_total",
+        "counter",
+        "Completion tokens of LoRA adapter requests written to a still-connected client, by "
+        "adapter; model_name is the base model (from vLLM's /v1/models parent or "
+        "--delivery.adapters), whose kvtax_delivered_tokens_total already includes them.",
+        (M, "adapter"),
+        "delivery",
+    ),
 )
 
 METRICS: dict[str, MetricSpec] = {m.name: m for m in METRIC_LIST}

@@ -19,7 +19,13 @@ from kvtax.expose.report import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
 from kvtax.figures.recompute import METHODS
 
-__all__ = ["RECOMPUTED_COUNTERS", "ledger_samples", "model_samples", "proxy_samples"]
+__all__ = [
+    "RECOMPUTED_COUNTERS",
+    "adapter_samples",
+    "ledger_samples",
+    "model_samples",
+    "proxy_samples",
+]
 
 _COUNTERS = (
     ("kvtax_engine_generation_tokens_total", "generation_tokens"),
@@ -92,6 +98,12 @@ def ledger_samples(books: Mapping[str, BookCounts]) -> Iterator[Sample | Histogr
         yield _histogram("kvtax_client_itl_seconds", m, book.itl)
         yield _histogram("kvtax_stream_stall_seconds", m, book.stall)
         yield _histogram("kvtax_request_duration_seconds", m, book.duration)
+
+
+def adapter_samples(delivered: Mapping[tuple[str, str], float]) -> Iterator[Sample]:
+    """Delivered tokens per (base model, adapter) (from ``DeliveryLedger.adapter_counts()``)."""
+    for labels, value in sorted(delivered.items()):
+        yield Sample("kvtax_adapter_delivered_tokens_total", labels, value)
 
 
 def proxy_samples(in_flight: int, streams_open: int) -> Iterator[Sample]:

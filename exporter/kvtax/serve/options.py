@@ -20,6 +20,8 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
+from kvtax.delivery.adapters import adapter_pairs
+
 from . import values as v
 
 __all__ = ["OPTIONS", "Config", "Option", "env_name", "option", "options_of"]
@@ -265,6 +267,23 @@ class Config:
         v.selector,
         "Extra label matches for the gateway metric, e.g. gen_ai_token_type=output.",
         "LABEL=VALUE,...",
+    )
+    delivery_adapters: tuple[tuple[str, str], ...] = option(
+        "delivery.adapters",
+        "",
+        adapter_pairs,
+        "LoRA adapters and their base models: a request naming an adapter counts under the "
+        "base model, whose engine series did the work. Adds to (and overrides) what vLLM's "
+        "/v1/models says.",
+        "ADAPTER=BASE,...",
+    )
+    delivery_models_refresh: float = option(
+        "delivery.models_refresh",
+        "5m",
+        v.nonnegative_duration,
+        "How often to read vLLM's /v1/models for LoRA adapters and their parent model; "
+        "0 turns it off.",
+        "DURATION",
     )
     slo_ttft: float = option(
         "slo.ttft",

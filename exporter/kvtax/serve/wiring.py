@@ -33,10 +33,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
-from kvtax.expose.publish import ledger_samples, proxy_samples
+from kvtax.expose.publish import adapter_samples, ledger_samples, proxy_samples
 from kvtax.expose.report import HistogramSample, Sample
 from kvtax.figures.window import Window
 from kvtax.serve.config import Config
+from kvtax.serve.models import ModelsPoller
 from kvtax.serve.parsepool import ParsePool
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.selfwatch import LoopWatch
@@ -61,11 +62,13 @@ class Stack:
     gateway: GatewayPoller | None
     loopwatch: LoopWatch
     sidecar: Sidecar
+    models: ModelsPoller | None = None
 
     def report(self) -> Iterator[Sample | HistogramSample]:
         """Everything ``/metrics`` shows, read from the parts; it changes none of them."""
         yield from self.sidecar.samples()
         yield from ledger_samples(self.ledger.counts())
+        yield from adapter_samples(self.ledger.adapter_counts())
         yield from proxy_samples(self.proxy.in_flight, self.proxy.streams_open)
         yield from self.loopwatch.samples()
 
@@ -76,6 +79,8 @@ class Stack:
             await self.proxy.start(*self.config.proxy_listen_address)
         if self.gateway is not None:
             self.gateway.start()
+        if self.models is not None:
+            self.models.start()
 
     async def drain(self, grace: float = 0.0) -> None:
         """Stop taking requests: /readyz fails, the proxy lets requests in flight finish for up
@@ -84,6 +89,8 @@ class Stack:
         await self.proxy.stop(grace)
         if self.gateway is not None:
             await self.gateway.stop()
+        if self.models is not None:
+            await self.models.stop()
 
     async def stop(self) -> None:
         await self.sidecar.stop()
@@ -114,6 +121,19 @@ def _gateway(config: Config, ledger: DeliveryLedger) -> GatewayPoller | None:
         interval=config.scrape_interval,
         timeout=config.effective_timeout,
     )
+
+
+def _models(config: Config, names: ModelNames) -> ModelsPoller | None:
+    poller = ModelsPoller(
+        names,
+        url=config.vllm_url,
+        configured=config.delivery_adapters,
+        interval=config.delivery_models_refresh,
+        # Read rarely, so it may wait longer than a scrape: a busy vLLM still answers.
+        timeout=max(config.effective_timeout, 10.0),
+    )
+    # Built even when polling is off: it installs the configured adapters.
+    return poller if config.delivery_models_refresh > 0 else None
 
 
 def build(
@@ -152,7 +172,15 @@ def build(
         security=security,
     )
     stack = Stack(
-        config, names, ledger, window, proxy, _gateway(config, ledger), LoopWatch(), sidecar
+        config,
+        names,
+        ledger,
+        window,
+        proxy,
+        _gateway(config, ledger),
+        LoopWatch(),
+        sidecar,
+        _models(config, names),
     )
     return stack
 
