@@ -103,7 +103,7 @@ class CapState:
 def initial(settings: CapSettings) -> CapState:
     """The cap before any scrape: static's number, else the floor (never unlimited)."""
     if settings.mode == "static":
-        return CapState(settings.bound(settings.static_cap), "static")
+        return CapState(max(1, settings.static_cap), "static")
     return CapState(settings.floor, "floor")
 
 

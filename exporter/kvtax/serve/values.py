@@ -207,3 +207,15 @@ def log_level(value: Any) -> str:
     if level not in _LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(_LOG_LEVELS)}")
     return level
+
+
+def one_of(*choices: str) -> Callable[[Any], str]:
+    """A parser accepting exactly one of ``choices``."""
+
+    def check(value: Any) -> str:
+        chosen = str(value).strip().lower()
+        if chosen not in choices:
+            raise ValueError("must be one of " + ", ".join(choices))
+        return chosen
+
+    return check
