@@ -83,19 +83,39 @@ def _thrash_then_calm(cuts: int, calm: int) -> list[Signals]:
 
 
 def test_adaptive_cuts_on_preemption_and_recovers() -> None:
-    settings = CapSettings(mode="adaptive", floor=1, ceiling=64, cooldown=2, raise_after=2)
-    states = _run(settings, [Signals(POOL, 180.0), *_thrash_then_calm(6, 12)])
+    settings = CapSettings(
+        mode="adaptive", floor=1, ceiling=64, cooldown=2, raise_after=2, probe_after=4
+    )
+    states = _run(settings, [Signals(POOL, 180.0), *_thrash_then_calm(6, 20)])
     assert states[0].cap == 10
     after_first_cut = states[1]
     assert after_first_cut.cap == 5
     assert after_first_cut.source == "cut"
     low = min(s.cap for s in states)
-    assert low < 10
+    assert low < 5
     # Then it climbs one step every `raise_after` calm scrapes while requests queue.
     assert states[-1].cap > low
     assert states[-1].source == "raise"
     steps = [b.cap - a.cap for a, b in itertools.pairwise(states[7:])]
     assert set(steps) <= {0, 1}
+
+
+def test_adaptive_does_not_raise_back_into_the_cap_that_preempted_until_it_probes() -> None:
+    settings = CapSettings(mode="adaptive", floor=1, ceiling=64, raise_after=1, probe_after=20)
+    hurt = Signals(POOL, 180.0, preemptions=2, in_flight=4)
+    calm = Signals(POOL, 180.0, kv_usage=0.5, queued=9, in_flight=99)
+    states = _run(settings, [Signals(POOL, 180.0), hurt, *[calm] * 40])
+    assert states[1].cap == 2  # half of the four in flight
+    caps = [s.cap for s in states[2:]]
+    assert max(caps[:18]) == 3  # below the four that preempted
+    assert caps[-1] > 4  # after probe_after quiet scrapes it may try again
+
+
+def test_adaptive_steps_down_by_one_when_usage_passes_the_target() -> None:
+    settings = CapSettings(mode="adaptive", floor=1, ceiling=64)
+    full = Signals(POOL, 180.0, kv_usage=0.95, in_flight=10)
+    states = _run(settings, [Signals(POOL, 180.0), full])
+    assert states[1].cap == 9
 
 
 def test_adaptive_cuts_on_recompute_or_usage_past_the_target() -> None:

@@ -12,10 +12,12 @@ Modes:
 - ``auto``: floor(capacity x target usage / p95 request length), the recommended
   ``max_num_seqs`` (:func:`kvtax.figures.derive.recommended_max_num_seqs`). It moves only when
   the new value differs by more than the hysteresis and has held for ``confirm`` scrapes.
-- ``adaptive``: starts where ``auto`` first lands (or at the floor), then AIMD: a
-  multiplicative cut when preemptions or recompute appear or KV usage passes the target (at
-  most once per ``cooldown`` scrapes); +1 after ``raise_after`` scrapes in a row with usage
-  below the target less a margin, requests queued and the cap in full use.
+- ``adaptive``: starts where ``auto`` first lands (or at the floor), then AIMD: when
+  preemptions or recompute appear, a multiplicative cut from what is in flight; when KV usage
+  passes the target, one step down (either at most once per ``cooldown`` scrapes). +1 after
+  ``raise_after`` scrapes in a row with usage below the target less a margin, requests queued
+  and the cap in full use, but not back up to the concurrency of the last cut until
+  ``probe_after`` quiet scrapes have passed: the sawtooth does not keep probing into thrash.
 - ``off``: the gate does not act; the state still tracks what ``auto`` would set (the advice).
 
 Cold start: before the engine has length statistics, the cap comes from the footprint of the
@@ -61,6 +63,8 @@ class CapSettings:
     cooldown: int = 2
     raise_after: int = 2
     usage_margin: float = 0.1
+    # Scrapes without trouble before a raise may reach the cap at which trouble was last seen.
+    probe_after: int = 30
 
     def __post_init__(self) -> None:
         if self.floor < 1 or self.ceiling < self.floor:
@@ -96,6 +100,8 @@ class CapState:
     pending_for: int = 0
     cooldown: int = 0
     good: int = 0
+    bad: int | None = None  # adaptive: the concurrency at the last cut
+    memory: int = 0  # scrapes left before raises may reach `bad` again
     raises: int = 0
     cuts: int = 0
 
@@ -176,27 +182,31 @@ def _moved(state: CapState, cap: int, source: str) -> CapState:
 def _aimd(state: CapState, signals: Signals, settings: CapSettings) -> CapState:
     cooldown = max(0, state.cooldown - 1)
     usage = signals.kv_usage
-    hot = (
-        signals.preemptions > 0
-        or signals.recomputed > 0
-        or (usage is not None and usage > settings.target_usage)
-    )
-    if hot:
+    preempting = signals.preemptions > 0 or signals.recomputed > 0
+    over = usage is not None and usage > settings.target_usage
+    if preempting or over:
         if cooldown > 0:
             return replace(state, cooldown=cooldown, good=0)
-        # Cut from what is in use, not from a cap far above it.
-        base = min(state.cap, max(1, signals.in_flight))
-        cap = settings.bound(math.floor(base * settings.cut_factor))
-        if cap >= state.cap:
-            return replace(state, cooldown=settings.cooldown, good=0)
-        cut = _moved(state, cap, "cut")
-        return replace(cut, cooldown=settings.cooldown, good=0)
+        if preempting:
+            # Cut from what is in use, not from a cap far above it.
+            base = min(state.cap, max(1, signals.in_flight))
+            cap = settings.bound(math.floor(base * settings.cut_factor))
+        else:  # full but not yet preempting: one step down
+            base = state.cap
+            cap = settings.bound(state.cap - 1)
+        # Remember where it hurt: raises stop below it until `probe_after` quiet scrapes pass.
+        held = replace(
+            state, cooldown=settings.cooldown, good=0, bad=base, memory=settings.probe_after
+        )
+        return _moved(held, cap, "cut") if cap < state.cap else held
+    memory = max(0, state.memory - 1)
+    limit = settings.ceiling if memory == 0 or state.bad is None else state.bad - 1
     room = usage is not None and usage < settings.target_usage - settings.usage_margin
     wanted = signals.queued > 0 and signals.in_flight >= state.cap
-    if not (room and wanted) or state.cap >= settings.ceiling:
-        return replace(state, cooldown=cooldown, good=0)
+    if not (room and wanted) or state.cap >= limit:
+        return replace(state, cooldown=cooldown, good=0, memory=memory)
     good = state.good + 1
     if good < settings.raise_after:
-        return replace(state, cooldown=cooldown, good=good)
+        return replace(state, cooldown=cooldown, good=good, memory=memory)
     raised = _moved(state, state.cap + 1, "raise")
-    return replace(raised, cooldown=cooldown, good=0)
+    return replace(raised, cooldown=cooldown, good=0, memory=memory)
