@@ -22,15 +22,20 @@ request's longest gap between chunks and the requests with a gap over 1 s; throu
 (tokens / s of requests with TTFT <= --slo-ttft and no gap over 1 s); 429s and 503s; the gate's
 queue wait (mean and p99 from its histogram).
 
-Run from the repository root under the end-to-end lock (about 5 minutes, three engine starts)::
+Run from the repository root under the end-to-end lock. All five arms take three engine starts
+(about 8 minutes on a busy 2-core machine); to keep each lock hold short, run them in two::
 
-    flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate --out bench/results/gate.md
+    flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate --out bench/results/gate.md \\
+        --arms no-gate,kvtax-auto,kvtax-adaptive
+    flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate --out bench/results/gate.md \\
+        --arms vllm-max-num-seqs,vllm-max-num-queued-reqs --recommended N --append
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -292,7 +297,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="Use this number instead of kvtax's recommendation.",
     )
-    parser.add_argument("--out", type=Path, default=None, help="Write the Markdown table here.")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="Write the arms as JSON beside this path."
+    )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="Add to the arms already in the JSON (to run the arms under two lock holds).",
+    )
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     gate_common = [
@@ -302,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     results: list[ArmResult] = []
     recommended = args.recommended
-    with VllmEngine() as engine:
+    shared = {"no-gate", "kvtax-auto", "kvtax-adaptive"} & set(arms)
+    with VllmEngine() if shared else contextlib.nullcontext() as engine:
         if "no-gate" in arms:
             result, page = run_arm("no-gate", engine, args)
             results.append(result)
@@ -331,10 +344,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     note=f"--max-num-queued-reqs {recommended}",
                 )[0]
             )
-    text = table(results)
-    print(text)
     if args.out is not None:
-        args.out.with_suffix(".json").write_text(
+        saved = args.out.with_suffix(".json")
+        earlier = []
+        if args.append and saved.exists():
+            earlier = [ArmResult(**a) for a in json.loads(saved.read_text())["arms"]]
+        results = [*earlier, *results]
+        saved.write_text(
             json.dumps(
                 {
                     "recommended": recommended,
@@ -345,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             + "\n"
         )
+    print(table(results))
     return 0
 
 
