@@ -13,7 +13,8 @@ Arms:
 2. ``vllm-max-num-seqs``: vLLM restarted with --max-num-seqs = kvtax's recommendation
    (``kvtax_recommended_max_num_seqs`` after arm 1);
 3. ``vllm-max-num-queued-reqs``: vLLM restarted with --max-num-queued-reqs = the same number;
-4. ``kvtax-auto`` and 5. ``kvtax-adaptive``: the engine of arm 1, the gate on.
+4. ``kvtax-auto`` and 5. ``kvtax-adaptive``: the engine of arm 1, the gate on;
+6. ``kvtax-budget`` (not in the default five): the budget mode, on the same engine.
 
 Per arm: vLLM's preemptions; the tax R / (Pc + G + R) from kvtax's counters over the arm, with
 the measured recompute (kvtax's plugin) when the engine has it; TTFT p50/p99; the p99 of each
@@ -314,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     results: list[ArmResult] = []
     recommended = args.recommended
-    shared = {"no-gate", "kvtax-auto", "kvtax-adaptive"} & set(arms)
+    shared = {"no-gate", "kvtax-auto", "kvtax-adaptive", "kvtax-budget"} & set(arms)
     with VllmEngine() if shared else contextlib.nullcontext() as engine:
         if "no-gate" in arms:
             result, page = run_arm("no-gate", engine, args)
@@ -322,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             found = [v for k, v in page.items() if k.startswith("kvtax_recommended_max_num_seqs")]
             if recommended is None and found:
                 recommended = int(min(found))
-        for mode in ("auto", "adaptive"):
+        for mode in ("auto", "adaptive", "budget"):
             if f"kvtax-{mode}" in arms:
                 gate = [f"--admission.mode={mode}", *gate_common]
                 results.append(run_arm(f"kvtax-{mode}", engine, args, gate)[0])
