@@ -29,7 +29,7 @@ Run from the repository root under the end-to-end lock. All five arms take three
     flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate --out bench/results/gate.md \\
         --arms no-gate,kvtax-auto,kvtax-adaptive
     flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate --out bench/results/gate.md \\
-        --arms vllm-max-num-seqs,vllm-max-num-queued-reqs --recommended N --append
+        --arms vllm-max-num-seqs,vllm-max-num-queued-reqs --append
 """
 
 from __future__ import annotations
@@ -315,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     results: list[ArmResult] = []
     recommended = args.recommended
+    saved = args.out.with_suffix(".json") if args.out is not None else None
+    if recommended is None and args.append and saved is not None and saved.exists():
+        recommended = json.loads(saved.read_text())["recommended"]  # the earlier hold's
     shared = {"no-gate", "kvtax-auto", "kvtax-adaptive", "kvtax-budget"} & set(arms)
     with VllmEngine() if shared else contextlib.nullcontext() as engine:
         if "no-gate" in arms:
