@@ -192,3 +192,12 @@ def test_off_publishes_the_advice_and_holds_nothing() -> None:
 def test_bad_bounds_are_refused() -> None:
     with pytest.raises(ValueError, match="floor"):
         CapSettings(floor=5, ceiling=2)
+
+
+def test_adaptive_never_raises_past_what_the_whole_pool_holds() -> None:
+    # Young requests hold few blocks: usage reads low, but four of 550 tokens overflow 2,048.
+    settings = CapSettings(mode="adaptive", floor=1, ceiling=64, raise_after=1)
+    calm = Signals(POOL, 550.0, kv_usage=0.3, queued=9, in_flight=99)
+    states = _run(settings, [Signals(POOL, 550.0), *[calm] * 10])
+    assert states[0].cap == 3
+    assert {s.cap for s in states} == {3}

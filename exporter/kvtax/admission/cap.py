@@ -16,8 +16,9 @@ Modes:
   preemptions or recompute appear, a multiplicative cut from what is in flight; when KV usage
   passes the target, one step down (either at most once per ``cooldown`` scrapes). +1 after
   ``raise_after`` scrapes in a row with usage below the target less a margin, requests queued
-  and the cap in full use, but not back up to the concurrency of the last cut until
-  ``probe_after`` quiet scrapes have passed: the sawtooth does not keep probing into thrash.
+  and the cap in full use, but never past the requests of p95 length the whole pool holds,
+  and not back up to the concurrency of the last cut until ``probe_after`` quiet scrapes have
+  passed: the sawtooth does not keep probing into thrash.
 - ``off``: the gate does not act; the state still tracks what ``auto`` would set (the advice).
 
 Cold start: before the engine has length statistics, the cap comes from the footprint of the
@@ -179,6 +180,15 @@ def _moved(state: CapState, cap: int, source: str) -> CapState:
     )
 
 
+def _pool_holds(signals: Signals) -> int:
+    """Requests of p95 length the whole pool holds: no raise goes past it, whatever KV usage
+    says (young requests hold few blocks, so usage reads low just after admission)."""
+    length = signals.length_p95 or signals.footprint_p95
+    if signals.capacity_tokens is None or not length:
+        return 1 << 30
+    return max(1, math.floor(signals.capacity_tokens / length))
+
+
 def _aimd(state: CapState, signals: Signals, settings: CapSettings) -> CapState:
     cooldown = max(0, state.cooldown - 1)
     usage = signals.kv_usage
@@ -201,6 +211,7 @@ def _aimd(state: CapState, signals: Signals, settings: CapSettings) -> CapState:
         return _moved(held, cap, "cut") if cap < state.cap else held
     memory = max(0, state.memory - 1)
     limit = settings.ceiling if memory == 0 or state.bad is None else state.bad - 1
+    limit = min(limit, _pool_holds(signals))
     room = usage is not None and usage < settings.target_usage - settings.usage_margin
     wanted = signals.queued > 0 and signals.in_flight >= state.cap
     if not (room and wanted) or state.cap >= limit:
