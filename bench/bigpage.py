@@ -61,7 +61,8 @@ __all__ = ["SCENARIOS", "main"]
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 SCENARIOS = ("capture", "51mb", "bounds", "rotating")
-POD_LIMIT_MIB = 256  # deploy/kubernetes/deployment.yaml, the kvtax container's memory limit
+# The kvtax container's memory limit in deploy/components/kvtax-sidecar and the chart.
+POD_LIMIT_MIB = 256
 CHUNKS, PACING = 100, 0.010
 ROTATING_NAMES, ROTATING_PER_PAGE = 10_000, 2_000
 

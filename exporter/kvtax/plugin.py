@@ -30,6 +30,7 @@ import logging
 import operator
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -304,6 +305,9 @@ def build_stat_logger(registry: CollectorRegistry = REGISTRY) -> type[Any]:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     supported = _vllm_has_preemption_fields()
+    # Which copy of kvtax vLLM loaded: the plugin folder an init container put on PYTHONPATH,
+    # a custom image's site-packages, or a checkout. The chart's e2e test reads this line.
+    log.info("kvtax plugin: loaded from %s", Path(__file__).resolve().parent)
 
     # StatLoggerBase is untyped to mypy (vLLM is not in the sidecar's environment).
     class _KvtaxStatLogger(StatLoggerBase):  # type: ignore[misc]

@@ -51,10 +51,14 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """True when ``GET url`` answers 200; any connection error is just "not yet"."""
+def http_ok(url: str, timeout: float = 2.0, verify: Path | None = None) -> bool:
+    """True when ``GET url`` answers 200; any connection error is just "not yet".
+
+    ``verify``: the CA file an https URL's certificate is checked against.
+    """
+    trust: str | bool = str(verify) if verify is not None else True
     try:
-        return requests.get(url, timeout=timeout).status_code == 200
+        return requests.get(url, timeout=timeout, verify=trust).status_code == 200
     except requests.RequestException:
         return False
 

@@ -146,7 +146,7 @@ def _cases() -> list[tuple[str, str, str, str]]:
 def test_every_panel_query_returns_data(
     overload: Overload, uid: str, title: str, ref: str, expr: str
 ) -> None:
-    for values in ({}, {"model": overload.model}):
+    for values in ({}, {"model_name": overload.model}):
         filled = expand(expr, rate_interval=RATE_INTERVAL, values=values)
         series = overload.api.query(filled, overload.end)
         if not series and _absent_method(overload, expr):
@@ -176,7 +176,7 @@ def test_preview_draws_every_dashboard(
             "--scrape-interval",
             SCRAPE_INTERVAL,
             "--var",
-            f"model={overload.model}",
+            f"model_name={overload.model}",
         ]
     )
     out = capsys.readouterr().out

@@ -101,7 +101,7 @@ def _readyz_status(kvtax: KvtaxProcess) -> int:
 
 
 def _wait_readyz(kvtax: KvtaxProcess, status: int, timeout: float = 30.0) -> None:
-    """Readiness follows the scrapes' ages: wait for it rather than read it once."""
+    """Readiness follows vLLM's /health (with the proxy on): wait for it, not read it once."""
     kvtax.wait_for(lambda m: _readyz_status(kvtax) == status, timeout, f"/readyz {status}")
 
 
@@ -116,6 +116,11 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
     # A stopped engine's port refuses connections: kvtax tells that ("down") from a timeout.
     refused = series_key("kvtax_scrape_errors_total", {"reason": "refused"})
     last_refused = series_key("kvtax_last_scrape_error", {"reason": "refused"})
+    # A second kvtax with its proxy on: traffic flows through it, so its readiness follows
+    # vLLM's /health, while the observe-only one never gates the pod.
+    proxied = KvtaxProcess(vllm_engine.url, proxy=True, scrape_interval="1s", window="60s")
+    proxied.start()
+    _wait_readyz(proxied, 200)
     vllm_engine.stop()
     try:
         down = kvtax.wait_for(
@@ -130,8 +135,8 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
         assert down[gen] >= before[gen]
         later = kvtax.wait_for(_scraped_after(down), timeout=10, what="a scrape while down")
         assert later[gen] == down[gen]
-        # Readiness wants a scrape fresher than three intervals.
-        _wait_readyz(kvtax, 503)
+        _wait_readyz(proxied, 503)
+        assert _readyz_status(kvtax) == 200  # observe-only: vLLM down is not kvtax's outage
     finally:
         vllm_engine.start()
     # Back up: wait for a good scrape (the first ones may time out while the engine warms up).
@@ -143,7 +148,9 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
     )
     assert page[restarts] == before[restarts] + 1
     assert page[last_refused] == 0.0
-    _wait_readyz(kvtax, 200)
+    _wait_readyz(proxied, 200)
+    assert proxied.stop() == 0
+    assert _readyz_status(kvtax) == 200
     # vLLM restarted from zero: kvtax's totals stay monotonic and no rate goes negative.
     for _ in range(3):
         page = kvtax.wait_for(_scraped_after(page), timeout=10, what="another scrape")

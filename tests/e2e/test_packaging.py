@@ -124,6 +124,11 @@ print(json.dumps({"good": parse(good), "bad": parse([*good, "--shutdown-timeoutt
 def test_vllm_container_args_parse_with_vllm_s_own_cli() -> None:
     deployment = yaml.safe_load((ROOT / "deploy/kubernetes/deployment.yaml").read_text())
     containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    # The kvtax container comes from the Component the example base lists.
+    sidecar = yaml.safe_load((ROOT / "deploy/components/kvtax-sidecar/sidecar.yaml").read_text())
+    (containers["kvtax"],) = [
+        c for c in sidecar["spec"]["template"]["spec"]["containers"] if c["name"] == "kvtax"
+    ]
     args = containers["vllm"]["args"]
     python = ensure_vllm_venv() / "bin" / "python"
     result = _run([str(python), "-c", _PARSE_WITH_VLLM, json.dumps(args)])

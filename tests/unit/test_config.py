@@ -40,7 +40,7 @@ def test_runs_with_nothing_set_but_the_vllm_url() -> None:
     assert cfg.window == 300.0
     assert cfg.target_usage == 0.9
     assert cfg.max_num_seqs is None
-    assert cfg.web_listen_address == ("0.0.0.0", 9464)
+    assert cfg.web_listen_address == ("0.0.0.0", 10059)
 
 
 def test_with_nothing_at_all_the_defaults_hold() -> None:
@@ -183,13 +183,13 @@ def test_bad_durations(text: str | bool) -> None:
 
 @pytest.mark.parametrize(
     ("text", "address"),
-    [(":9464", ("0.0.0.0", 9464)), ("127.0.0.1:80", ("127.0.0.1", 80)), ("[::1]:9", ("::1", 9))],
+    [(":10059", ("0.0.0.0", 10059)), ("127.0.0.1:80", ("127.0.0.1", 80)), ("[::1]:9", ("::1", 9))],
 )
 def test_addresses(text: str, address: tuple[str, int]) -> None:
     assert parse_address(text) == address
 
 
-@pytest.mark.parametrize("text", ["9464", "host:", "host:0", "host:70000", "host:http"])
+@pytest.mark.parametrize("text", ["10059", "host:", "host:0", "host:70000", "host:http"])
 def test_bad_addresses(text: str) -> None:
     with pytest.raises(ValueError, match="port"):
         parse_address(text)
@@ -286,3 +286,15 @@ def test_a_field_under_another_options_key_is_refused() -> None:
 def test_an_invalid_default_fails_when_the_table_is_defined() -> None:
     with pytest.raises(ValueError, match="duration"):
         options.option("window", "soon", parse_duration, "Window.")
+
+
+@pytest.mark.parametrize(
+    "path", ["metrics", "/healthz", "/readyz", "/", "/a b", "/api/v1/delivered"]
+)
+def test_a_telemetry_path_that_is_not_a_free_absolute_path_is_refused(path: str) -> None:
+    with pytest.raises(ConfigError, match=r"--web\.telemetry-path"):
+        load_config({"web.telemetry_path": path}, env={}, file=None)
+
+
+def test_the_telemetry_path_defaults_to_metrics() -> None:
+    assert load_config({}, env={}, file=None).web_telemetry_path == "/metrics"

@@ -90,13 +90,14 @@ def test_uids_are_stable_and_tagged() -> None:
     assert all("kvtax" in d["tags"] for d in docs.values())
 
 
-def test_every_dashboard_offers_datasource_namespace_pod_and_model(
+def test_every_dashboard_offers_datasource_namespace_pod_and_model_name(
     committed: dict[str, Any],
 ) -> None:
     variables = {v["name"]: v for v in committed["templating"]["list"]}
-    assert list(variables) == ["datasource", "namespace", "pod", "model"]
+    # model_name, as vLLM's own dashboards call it, so the link below carries the choice.
+    assert list(variables) == ["datasource", "namespace", "pod", "model_name"]
     assert variables["datasource"]["type"] == "datasource"
-    for name in ("namespace", "pod", "model"):
+    for name in ("namespace", "pod", "model_name"):
         # ".*" for All also matches a missing label (a static scrape has no namespace or pod).
         assert variables[name]["allValue"] == ".*"
         assert variables[name]["definition"].startswith("label_values(kvtax_")

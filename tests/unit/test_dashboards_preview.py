@@ -97,7 +97,7 @@ def _fetch_all(doc: dict[str, Any], api: _FakeApi) -> dict[int, list[TargetData]
         end=T0 + 300,
         step=5,
         rate_interval="20s",
-        values={"model": "m"},
+        values={"model_name": "m"},
     )
 
 

@@ -2,8 +2,9 @@
 
 No Docker engine runs here, so the image is never built. CI instead runs the Dockerfile's pip
 steps through that script. These tests parse both files and fail when their install commands
-drift apart, and check the image's contract: pinned slim Python 3.11 base, fixed non-root UID,
-the console script as entrypoint, the default ports and a stdlib-only HEALTHCHECK.
+drift apart, and check the image's contract: slim Python 3.11 base pinned by digest, OCI labels,
+fixed non-root UID, the console script as entrypoint, the plugin folder, the ports (the same
+as the chart's and the kustomize Component's) and a stdlib-only HEALTHCHECK.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
+import kvtax
 from kvtax.serve.config import OPTIONS, parse_address
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +28,15 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 PLUGIN_DOCKERFILE = ROOT / "deploy" / "vllm-image" / "Dockerfile.plugin"
 
 # Absolute paths of the image and the shell variables the script uses for them.
-IMAGE_TO_SCRIPT = {"/opt/kvtax": "$venv", "/wheels": "$wheels", "python": "$python"}
+IMAGE_TO_SCRIPT = {
+    "/opt/kvtax-plugin": "$plugin_dir",
+    "/opt/kvtax": "$venv",
+    "/wheels": "$wheels",
+    "python": "$python",
+}
+PLUGIN_DIR = "/opt/kvtax-plugin"
+CHART_VALUES = ROOT / "deploy" / "helm" / "kvtax" / "values.yaml"
+COMPONENT = ROOT / "deploy" / "components" / "kvtax-sidecar"
 
 Instruction = tuple[str, str]
 
@@ -47,7 +58,8 @@ def stages(path: Path) -> list[list[Instruction]]:
     for keyword, args in instructions(path):
         if keyword == "FROM":
             found.append([])
-        found[-1].append((keyword, args))
+        if found:  # ARGs before the first FROM are global, not part of a stage
+            found[-1].append((keyword, args))
     return found
 
 
@@ -102,25 +114,28 @@ def _mentions_plugin_venv(step: list[str]) -> bool:
 
 def test_script_runs_exactly_the_dockerfile_install_steps() -> None:
     image = dockerfile_install_steps()
-    assert len(image) == 3, "expected: pip wheel (builder), python -m venv, pip install (final)"
+    assert len(image) == 4, "expected: pip wheel, python -m venv, pip install, pip --target"
     sidecar = [s for s in script_install_steps() if not _mentions_plugin_venv(s)]
     assert sidecar == image
 
 
-def test_script_installs_the_plugin_the_way_the_vllm_image_does() -> None:
-    (image_step,) = [
-        shlex.split(args) for kw, args in instructions(PLUGIN_DOCKERFILE) if kw == "RUN"
-    ]
-    assert image_step[:4] == ["python3", "-m", "pip", "install"]
-    package = image_step[-1]
-    assert package.startswith("kvtax==")
-    (script_step,) = [
-        s for s in script_install_steps() if _mentions_plugin_venv(s) and s[-1] == "kvtax"
-    ]
-    # Same pip options; the script's source is the local wheels instead of the index.
-    image_options = {t for t in image_step if t.startswith("--")}
-    assert "--no-deps" in image_options
-    assert image_options <= set(script_step)
+def test_image_carries_the_plugin_folder_as_kvtax_alone() -> None:
+    (step,) = [t for t in dockerfile_install_steps() if "--target" in t]
+    assert step[step.index("--target") + 1] == "$plugin_dir"
+    # No dependencies next to vLLM, and only the wheels built from this repository.
+    assert {"--no-deps", "--no-index"} <= set(step)
+    assert step[-1] == "kvtax"
+
+
+def test_vllm_image_alternative_copies_the_plugin_folder_and_installs_nothing() -> None:
+    steps = instructions(PLUGIN_DOCKERFILE)
+    assert not [args for kw, args in steps if kw == "RUN"], "nothing may come from an index"
+    (copy,) = [args for kw, args in steps if kw == "COPY"]
+    assert copy.split() == ["--from=kvtax", PLUGIN_DIR, PLUGIN_DIR]
+    (env,) = [args for kw, args in steps if kw == "ENV"]
+    assert env == f"PYTHONPATH={PLUGIN_DIR}"
+    args = dict(a.split("=", 1) for kw, a in steps if kw == "ARG")
+    assert args["KVTAX_IMAGE"] == f"kvtax:{kvtax.__version__}"
 
 
 def test_docs_tell_vllm_plugins_users_the_plugin_entry_point_name() -> None:
@@ -143,11 +158,38 @@ def test_builder_step_builds_wheels_and_final_step_installs_them_offline() -> No
     assert not [args for kw, args in final if kw == "COPY"]
 
 
-def test_base_images_are_the_same_pinned_slim_python_3_11() -> None:
+def _arg_defaults(path: Path) -> dict[str, str]:
+    return dict(a.split("=", 1) for kw, a in instructions(path) if kw == "ARG" and "=" in a)
+
+
+def test_base_images_are_the_same_slim_python_3_11_pinned_by_digest() -> None:
     images = [args.split()[0] for kw, args in instructions(DOCKERFILE) if kw == "FROM"]
-    assert len(images) == 2
-    assert len(set(images)) == 1
-    assert re.fullmatch(r"python:3\.11\.\d+-slim-[a-z]+", images[0]), images[0]
+    assert images == ["${PYTHON_IMAGE}", "${PYTHON_IMAGE}"]
+    base = _arg_defaults(DOCKERFILE)["PYTHON_IMAGE"]
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-[a-z]+@sha256:[0-9a-f]{64}", base), base
+
+
+def test_image_has_oci_labels_with_kvtax_version() -> None:
+    final = stages(DOCKERFILE)[-1]
+    (labels,) = [args for kw, args in final if kw == "LABEL"]
+    pairs = (t.partition("=") for t in shlex.split(labels))
+    found = {key: value for key, _, value in pairs}
+    prefix = "org.opencontainers.image."
+    assert {f"{prefix}{k}" for k in ("title", "version", "licenses", "source")} <= found.keys()
+    assert found[f"{prefix}licenses"] == "Apache-2.0"
+    assert found[f"{prefix}version"] == "${KVTAX_VERSION}"
+    assert _arg_defaults(DOCKERFILE)["KVTAX_VERSION"] == kvtax.__version__
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_every_copy_of_the_version_is_kvtax_version() -> None:
+    component = yaml.safe_load((COMPONENT / "kustomization.yaml").read_text())
+    (image,) = component["images"]
+    assert image["newTag"] == kvtax.__version__
+    for doc in ("deploy.md", "plugin.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        tags = set(re.findall(r"kvtax:(\d+\.\d+\.\d+)", text))
+        assert tags <= {kvtax.__version__}, (doc, tags)
 
 
 def test_runs_as_a_fixed_non_root_uid() -> None:
@@ -169,19 +211,37 @@ def _default_port(key: str) -> int:
     return parse_address(option.default)[1]
 
 
+def _image_port() -> int:
+    """The metrics port the image serves on: KVTAX_WEB_LISTEN_ADDRESS, set in its ENV."""
+    final = stages(DOCKERFILE)[-1]
+    env = " ".join(args for kw, args in final if kw == "ENV")
+    (address,) = re.findall(r"KVTAX_WEB_LISTEN_ADDRESS=(\S+)", env)
+    return parse_address(address)[1]
+
+
 def test_exposes_the_metrics_port_and_the_proxy_port() -> None:
     final = dict(stages(DOCKERFILE)[-1])
     exposed = {int(p) for p in final["EXPOSE"].split()}
-    assert exposed == {_default_port("web.listen_address"), _default_port("proxy.listen_address")}
+    assert exposed == {_image_port(), _default_port("proxy.listen_address")}
 
 
-def test_healthcheck_probes_healthz_on_the_default_port_with_the_stdlib_only() -> None:
+def test_image_chart_and_component_use_one_metrics_port() -> None:
+    chart_port = yaml.safe_load(CHART_VALUES.read_text())["kvtax"]["port"]
+    patch = yaml.safe_load((COMPONENT / "sidecar.yaml").read_text())
+    containers = patch["spec"]["template"]["spec"]["containers"]
+    (kvtax_c,) = [c for c in containers if c["name"] == "kvtax"]
+    ports = {p["name"]: p["containerPort"] for p in kvtax_c["ports"]}
+    assert f"--web.listen-address=:{ports['kvtax-metrics']}" in kvtax_c["args"]
+    assert _image_port() == chart_port == ports["kvtax-metrics"]
+
+
+def test_healthcheck_probes_healthz_on_the_image_port_with_the_stdlib_only() -> None:
     final = dict(stages(DOCKERFILE)[-1])
     command = json.loads(final["HEALTHCHECK"].split(" CMD ", 1)[1])
     assert command[:2] == ["python", "-c"]
     code = command[2]
     assert "/healthz" in code
-    assert f"':{_default_port('web.listen_address')}'" in code
+    assert f"':{_image_port()}'" in code
     imported = set(re.findall(r"import ([\w.]+)", code))
     assert imported <= {"os", "urllib.request"}, imported
     assert "curl" not in final["HEALTHCHECK"]

@@ -27,6 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvtax import __version__ as kvtax_version
 from kvtax.cli import build_parser, config_from_args
 from tests.unit.test_dockerfile import DOCKERFILE, stages
 
@@ -128,6 +129,16 @@ def check_jsonschema(kind: str, obj: Obj, tmp_path: Path) -> subprocess.Complete
     return run([dev_tool("check-jsonschema"), "--schemafile", str(schema), str(instance)])
 
 
+def test_crd_schemas_are_the_ones_the_vendored_crds_give() -> None:
+    from kvtax_dev import crdschema
+
+    assert crdschema.main(["--check"]) == 0
+    for source in crdschema.SCHEMAS.values():
+        crd = yaml.safe_load((SCHEMAS / source).read_text())
+        assert crd["kind"] == "CustomResourceDefinition"
+        assert crd["metadata"]["annotations"]["operator.prometheus.io/version"]
+
+
 def test_crd_schemas_are_valid_json_schemas() -> None:
     schemas = [str(SCHEMAS / f"{name}.schema.json") for name in CRD_SCHEMAS.values()]
     result = run([dev_tool("check-jsonschema"), "--check-metaschema", *schemas])
@@ -146,6 +157,10 @@ def _misspelt_endpoint_field(obj: Obj) -> None:
 
 def _bad_duration(obj: Obj) -> None:
     obj["spec"]["podMetricsEndpoints"][0]["interval"] = "15 seconds"
+
+
+def _misspelt_relabeling_action(obj: Obj) -> None:
+    obj["spec"]["podMetricsEndpoints"][0]["relabelings"] = [{"action": "rename"}]
 
 
 def _misspelt_spec_field(obj: Obj) -> None:
@@ -171,6 +186,7 @@ def _bad_for(obj: Obj) -> None:
         ("PodMonitor", _misspelt_endpoint_field),
         ("PodMonitor", _bad_duration),
         ("PodMonitor", _misspelt_spec_field),
+        ("PodMonitor", _misspelt_relabeling_action),
         ("PrometheusRule", _alert_and_record),
         ("PrometheusRule", _rule_without_expr),
         ("PrometheusRule", _bad_for),
@@ -192,9 +208,9 @@ def test_sidecar_flags_parse_with_kvtax_own_cli() -> None:
     config = kvtax_config()
     assert config.vllm_url == f"http://127.0.0.1:{port_number(container('vllm'), 'vllm')}"
     kvtax = container("kvtax")
-    assert config.web_listen_address[1] == port_number(kvtax, "metrics")
+    assert config.web_listen_address[1] == port_number(kvtax, "kvtax-metrics")
     assert config.proxy_listen_address is not None
-    assert config.proxy_listen_address[1] == port_number(kvtax, "proxy")
+    assert config.proxy_listen_address[1] == port_number(kvtax, "kvtax-proxy")
 
 
 def test_sidecar_and_vllm_agree_on_max_num_seqs() -> None:
@@ -221,8 +237,8 @@ def test_termination_grace_covers_kvtax_drain_and_vllm_keeps_serving_it() -> Non
 def test_kvtax_probes_use_healthz_for_liveness_and_readyz_for_readiness() -> None:
     kvtax = container("kvtax")
     liveness, readiness = kvtax["livenessProbe"]["httpGet"], kvtax["readinessProbe"]["httpGet"]
-    assert (liveness["path"], liveness["port"]) == ("/healthz", "metrics")
-    assert (readiness["path"], readiness["port"]) == ("/readyz", "metrics")
+    assert (liveness["path"], liveness["port"]) == ("/healthz", "kvtax-metrics")
+    assert (readiness["path"], readiness["port"]) == ("/readyz", "kvtax-metrics")
 
 
 def test_kvtax_resources() -> None:
@@ -247,7 +263,8 @@ def test_kvtax_image_is_set_by_the_kustomization() -> None:
 
 def test_vllm_container_requests_a_gpu_and_does_not_filter_plugins() -> None:
     vllm = container("vllm")
-    assert vllm["image"].startswith("vllm/vllm-openai:v")
+    # The stock image: the plugin comes from the kvtax image through PYTHONPATH.
+    assert re.fullmatch(r"vllm/vllm-openai:v[\d.]+", vllm["image"])
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
     # VLLM_PLUGINS, when set, must name kvtax's plugin or it is not loaded (docs/deploy.md).
     assert "VLLM_PLUGINS" not in {e["name"] for e in vllm.get("env", [])}
@@ -258,8 +275,8 @@ def test_service_sends_clients_through_the_proxy() -> None:
     pod = one("Deployment")["spec"]["template"]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     (port,) = service["spec"]["ports"]
-    assert port["targetPort"] == "proxy"
-    assert port_number(container("kvtax"), "proxy") == kvtax_config().proxy_listen_address[1]
+    assert port["targetPort"] == "kvtax-proxy"
+    assert port_number(container("kvtax"), "kvtax-proxy") == kvtax_config().proxy_listen_address[1]
 
 
 # -- monitoring ---------------------------------------------------------------------------
@@ -272,7 +289,7 @@ def test_podmonitor_scrapes_kvtax_and_vllm_of_this_pod() -> None:
     assert selector.items() <= pod["metadata"]["labels"].items()
     ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
     declared = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
-    assert ports == {"metrics", "vllm"}
+    assert ports == {"kvtax-metrics", "vllm"}
     assert ports <= declared
 
 
@@ -377,13 +394,29 @@ def test_observe_only_variant_sends_clients_to_vllm_and_turns_the_proxy_off() ->
     (port,) = objects["Service"]["spec"]["ports"]
     assert port["targetPort"] == "vllm"
     pod = objects["Deployment"]["spec"]["template"]["spec"]
-    by_name = {c["name"]: c for c in pod["containers"]}
-    config = config_from_args(build_parser().parse_args(by_name["kvtax"]["args"]), env={})
+    assert [c["name"] for c in pod["containers"]] == ["vllm"]
+    by_name = {c["name"]: c for c in pod["initContainers"]}
+    kvtax = by_name["kvtax"]
+    config = config_from_args(build_parser().parse_args(kvtax["args"]), env={})
     assert config.proxy_listen_address is None
-    # Only those two lines differ from the base.
+    # Only that line differs from the base.
     base_args = container("kvtax")["args"]
-    changed = [(a, b) for a, b in zip(base_args, by_name["kvtax"]["args"], strict=True) if a != b]
+    changed = [(a, b) for a, b in zip(base_args, kvtax["args"], strict=True) if a != b]
     assert changed == [("--proxy.listen-address=:8001", "--proxy.listen-address=off")]
+    assert [p["name"] for p in kvtax["ports"]] == ["kvtax-metrics"]
+
+
+def test_observe_only_kvtax_is_a_native_sidecar_that_never_gates_readiness() -> None:
+    (deployment,) = [o for o in rendered(OBSERVE_ONLY) if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    names = [c["name"] for c in pod["initContainers"]]
+    # The plugin copy runs to completion first; kvtax then starts and keeps running.
+    assert names == ["kvtax-plugin", "kvtax"]
+    kvtax = pod["initContainers"][1]
+    assert kvtax["restartPolicy"] == "Always"
+    assert "readinessProbe" not in kvtax
+    assert "startupProbe" not in kvtax  # it would hold vLLM's start until kvtax answers
+    assert kvtax["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -391,3 +424,89 @@ def test_observe_only_plain_objects_match_the_kubernetes_api_schemas(version: st
     for obj in rendered(OBSERVE_ONLY):
         if obj["kind"] not in CRD_SCHEMAS:
             kubernetes_validate.validate(obj, desired_version=version, strict=True)
+
+
+# -- the Component on a plain vLLM Deployment ----------------------------------------------
+
+COMPONENT = ROOT / "deploy" / "components" / "kvtax-sidecar"
+PLAIN_VLLM = {
+    "apiVersion": "apps/v1",
+    "kind": "Deployment",
+    "metadata": {"name": "llama", "labels": {"app": "llama"}},
+    "spec": {
+        "selector": {"matchLabels": {"app": "llama"}},
+        "template": {
+            "metadata": {"labels": {"app": "llama"}},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "vllm",
+                        "image": "vllm/vllm-openai:v0.32.0",
+                        "args": ["meta-llama/Llama-3.1-8B-Instruct", "--port=8000"],
+                        "env": [{"name": "HF_HOME", "value": "/models"}],
+                    }
+                ]
+            },
+        },
+    },
+}
+
+
+def test_component_adds_kvtax_to_an_existing_deployment(tmp_path: Path) -> None:
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "vllm.yaml").write_text(yaml.safe_dump(PLAIN_VLLM))
+    component = os.path.relpath(COMPONENT, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": ["vllm.yaml"], "components": [component]})
+    )
+    result = run([dev_tool("kubectl"), "kustomize", str(overlay)])
+    assert result.returncode == 0, result.stderr
+    (deployment,) = [o for o in yaml.safe_load_all(result.stdout) if o]
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(deployment, desired_version=version, strict=True)
+    assert deployment["metadata"]["name"] == "llama"
+    pod = deployment["spec"]["template"]["spec"]
+    by_name = {c["name"]: c for c in pod["containers"]}
+    assert sorted(by_name) == ["kvtax", "vllm"]
+    vllm = by_name["vllm"]
+    # The user's env is kept; PYTHONPATH is the folder the init container fills.
+    env = {e["name"]: e["value"] for e in vllm["env"]}
+    assert env == {"HF_HOME": "/models", "PYTHONPATH": "/opt/kvtax-plugin"}
+    mounts = {m["name"]: m for m in vllm["volumeMounts"]}
+    assert mounts["kvtax-plugin"]["mountPath"] == "/opt/kvtax-plugin"
+    assert mounts["kvtax-plugin"]["readOnly"] is True
+    (init,) = pod["initContainers"]
+    assert init["name"] == "kvtax-plugin"
+    assert init["command"][-2:] == ["/opt/kvtax-plugin", "/kvtax-plugin"]
+    assert {m["name"] for m in init["volumeMounts"]} == {"kvtax-plugin"}
+    assert init["image"] == by_name["kvtax"]["image"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes["kvtax-plugin"]
+    for c in (init, by_name["kvtax"]):
+        assert c["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    config = config_from_args(build_parser().parse_args(by_name["kvtax"]["args"]), env={})
+    assert config.web_listen_address[1] == port_number(by_name["kvtax"], "kvtax-metrics")
+
+
+def test_existing_deployment_overlay_in_the_docs_renders_as_they_say(tmp_path: Path) -> None:
+    # Path (b) of docs/deploy.md, as written, over a plain Deployment named as the doc says.
+    blocks = re.findall(r"```yaml\n(.*?)```", DEPLOY_DOC.read_text(), flags=re.DOTALL)
+    (text,) = [b for b in blocks if b.startswith("# my-vllm/kustomization.yaml")]
+    overlay = tmp_path / "my-vllm"
+    overlay.mkdir()
+    deployment = {**PLAIN_VLLM, "metadata": {"name": "vllm", "labels": {"app": "llama"}}}
+    (overlay / "vllm-deployment.yaml").write_text(yaml.safe_dump(deployment))
+    assert "../kvtax/deploy/components/kvtax-sidecar" in text
+    component = os.path.relpath(COMPONENT, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        text.replace("../kvtax/deploy/components/kvtax-sidecar", component)
+    )
+    result = run([dev_tool("kubectl"), "kustomize", str(overlay)])
+    assert result.returncode == 0, result.stderr
+    (rendered_deployment,) = [o for o in yaml.safe_load_all(result.stdout) if o]
+    assert rendered_deployment["metadata"]["namespace"] == "inference"
+    pod = rendered_deployment["spec"]["template"]["spec"]
+    images = {c["name"]: c["image"] for c in [*pod["containers"], *pod["initContainers"]]}
+    assert images["kvtax"] == images["kvtax-plugin"] == f"ghcr.io/acme/kvtax:{kvtax_version}"

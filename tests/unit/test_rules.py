@@ -253,10 +253,18 @@ def test_the_check_catches_the_classic_wrong_vllm_name() -> None:
 def test_series_names_skips_functions_labels_keywords_and_durations() -> None:
     expr = (
         'sum by (pod, le) (rate(a_bucket{job="x", le=~"1|2"}[5m] offset 15m)) > bool 1e3 '
-        'and on (pod) b or {__name__=~"c|d:e", x="y"} unless ignoring (x) group_left (y) f '
+        'and on (pod) b or {__name__=~"c|d:e", x="y"} * ignoring (x) group_left (y) f '
         'or {__name__=~"g.*"}'
     )
     assert series_names(expr) == {"a_bucket", "b", "c", "d:e", "f"}
+
+
+@pytest.mark.parametrize(
+    "expr", ["sum by (pod (rate(a[5m]))", "a unless ignoring (x) group_left b", "rate(a)[5m]"]
+)
+def test_series_names_refuses_what_prometheus_would_refuse(expr: str) -> None:
+    with pytest.raises(ValueError, match=r"."):
+        series_names(expr)
 
 
 # -- the PrometheusRule wrapper and the Alertmanager example -----------------------------------

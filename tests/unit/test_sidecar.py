@@ -34,12 +34,17 @@ class FakeVllm:
     version: str | None = "0.32.0"
     mode: str = "ok"
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    healthy: bool = True
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
+        app.router.add_get("/health", self._health)
         return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.mode == "slow":
@@ -75,13 +80,14 @@ def parser() -> Iterator[ParsePool]:
     pool.close()
 
 
-def make_sidecar(port: int, clock: FakeClock, parser: ParsePool) -> Sidecar:
+def make_sidecar(port: int, clock: FakeClock, parser: ParsePool, **settings: str) -> Sidecar:
     config = load_config(
         {
             "vllm.url": f"http://127.0.0.1:{port}",
             "scrape.interval": "1s",
             "scrape.timeout": "200ms",
             "window": "5m",
+            **settings,
         },
         env={},
         file=None,
@@ -173,6 +179,75 @@ async def test_a_page_without_models_is_no_models(vllm: FakeVllm, sidecar: Sidec
     assert errors(sidecar, "no_models") == 1.0
 
 
+# vLLM with --disable-log-stats, or a release that renamed every metric kvtax reads: the page
+# answers 200 with process series and nothing else.
+STATS_OFF_PAGE = "# TYPE process_open_fds gauge\nprocess_open_fds 12\n"
+
+
+@pytest.mark.parametrize("proxy", [":8001", "off"], ids=["proxy", "observe-only"])
+async def test_a_page_without_vllm_series_keeps_the_pod_ready_and_raises_a_metric(  # noqa: PLR0917 - pytest fixtures
+    proxy: str,
+    vllm: FakeVllm,
+    server: TestServer,
+    clock: FakeClock,
+    parser: ParsePool,
+    aiohttp_client: ClientFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert server.port is not None
+    sc = make_sidecar(server.port, clock, parser, **{"proxy.listen_address": proxy})
+    try:
+        client = await aiohttp_client(sc.web_app())
+        await sc.scrape_once()  # a good page first: then the series vanish
+        assert one(metrics(sc), "kvtax_vllm_metrics_missing") == 0.0
+        vllm.body = STATS_OFF_PAGE
+        for _ in range(5):  # long past the three intervals the old readiness allowed
+            clock.advance(1)
+            await sc.scrape_once()
+            resp = await client.get("/readyz")
+            assert resp.status == 200, await resp.text()
+        assert one(metrics(sc), "kvtax_vllm_metrics_missing") == 1.0
+        warnings = [
+            r.getMessage() for r in caplog.records if "--disable-log-stats" in r.getMessage()
+        ]
+        assert len(warnings) == 1  # one line when it starts, not one per scrape
+        vllm.body = read_fixture("0.32-preempting.prom")
+        await sc.scrape_once()
+        assert one(metrics(sc), "kvtax_vllm_metrics_missing") == 0.0
+    finally:
+        await sc.stop()
+
+
+async def test_observe_only_is_ready_even_with_vllm_down(
+    clock: FakeClock, parser: ParsePool, aiohttp_client: ClientFactory
+) -> None:
+    sc = make_sidecar(unused_port(), clock, parser, **{"proxy.listen_address": "off"})
+    try:
+        client = await aiohttp_client(sc.web_app())
+        await sc.scrape_once()
+        assert one(metrics(sc), "kvtax_vllm_up") == 0.0
+        resp = await client.get("/readyz")
+        assert resp.status == 200
+        assert "observe-only" in await resp.text()
+    finally:
+        await sc.stop()
+
+
+async def test_the_telemetry_path_moves_the_metrics_page(
+    server: TestServer, clock: FakeClock, parser: ParsePool, aiohttp_client: ClientFactory
+) -> None:
+    assert server.port is not None
+    sc = make_sidecar(server.port, clock, parser, **{"web.telemetry_path": "/kvtax/metrics"})
+    try:
+        client = await aiohttp_client(sc.web_app())
+        moved = await client.get("/kvtax/metrics")
+        assert moved.status == 200
+        assert "kvtax_vllm_up" in await moved.text()
+        assert (await client.get("/metrics")).status == 404
+    finally:
+        await sc.stop()
+
+
 async def test_vllm_back_after_a_restart_is_up_within_one_scrape_with_no_negative_rate(
     vllm: FakeVllm,
     server: TestServer,
@@ -218,12 +293,12 @@ async def test_vllm_back_after_a_restart_is_up_within_one_scrape_with_no_negativ
     assert 0.0 <= tax <= 1.0
 
 
-async def test_healthz_is_always_200_and_readyz_follows_the_scrapes(
+async def test_healthz_is_always_200_and_readyz_follows_vllm_health_with_the_proxy_on(
     vllm: FakeVllm,
     sidecar: Sidecar,
-    clock: FakeClock,
     aiohttp_client: ClientFactory,
 ) -> None:
+    assert sidecar.config.proxy_listen_address is not None  # the proxy is on by default
     client = await aiohttp_client(sidecar.web_app())
 
     async def status(path: str) -> int:
@@ -232,26 +307,20 @@ async def test_healthz_is_always_200_and_readyz_follows_the_scrapes(
         return resp.status
 
     assert await status("/healthz") == 200
-    assert await status("/readyz") == 503  # no scrape yet
-
+    # Ready before any scrape: readiness asks vLLM's /health, not kvtax's scrapes.
+    assert await status("/readyz") == 200
     vllm.mode = "status500"
     await sidecar.scrape_once()
-    assert await status("/readyz") == 503  # still no good scrape
+    assert await status("/readyz") == 200  # a failing /metrics page does not gate traffic
+    vllm.healthy = False
+    resp = await client.get("/readyz")
+    assert resp.status == 503
+    assert "cannot reach vLLM: http_status" in await resp.text()
     assert await status("/healthz") == 200
-
-    vllm.mode = "ok"
-    await sidecar.scrape_once()
+    vllm.healthy = True
     assert await status("/readyz") == 200
-
-    # A good scrape goes stale after three intervals of failures.
-    vllm.mode = "status500"
-    clock.advance(2)
-    await sidecar.scrape_once()
-    assert await status("/readyz") == 200
-    clock.advance(2)
-    await sidecar.scrape_once()
+    sidecar.draining = True
     assert await status("/readyz") == 503
-    assert await status("/healthz") == 200
 
     resp = await client.get("/metrics")
     assert resp.status == 200

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtax.checkout import harness_missing, needs_checkout
 from kvtax.generated import add_output_arguments, write_or_check
+from kvtax.rules.cli import add_config_argument, config_of
 
 from .generate import artifacts
 
@@ -38,9 +39,11 @@ def add_dashboards_parser(sub: Any) -> None:
         "generate",
         help="Write dashboards/*.json and the Grafana-sidecar ConfigMap.",
         description="Write each dashboard's JSON and kvtax-dashboards-configmap.yaml "
-        '(labelled grafana_dashboard: "1") from exporter/kvtax/dashboards/.',
+        '(labelled grafana_dashboard: "1") from exporter/kvtax/dashboards/, with the '
+        "thresholds, runbook links and cluster label of --config.",
     )
     add_output_arguments(gen, Path("dashboards"))
+    add_config_argument(gen)
     _add_preview_parser(actions)
 
 
@@ -78,7 +81,7 @@ def _add_preview_parser(actions: Any) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="Set a template variable, e.g. --var model=tiny-llama (default: All, i.e. .*).",
+        help="Set a template variable, e.g. --var model_name=tiny-llama (default: All, i.e. .*).",
     )
     pre.add_argument(
         "--dashboard",
@@ -90,8 +93,11 @@ def _add_preview_parser(actions: Any) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    config = config_of(args, "kvtax dashboards generate")
+    if config is None:
+        return 2
     return write_or_check(
-        artifacts(),
+        artifacts(config),
         args.out,
         check=args.check,
         command="kvtax dashboards",

@@ -58,10 +58,14 @@ THRASH_THRESHOLDS = (
 )
 # Every tax panel links the one definition (docs/tax.md) instead of restating it.
 TAX_DEFINITION = f"[The tax's definition]({RULES.docs_url('tax.md', 'the-one-definition')})."
-TAX_THRESHOLDS = (Threshold(RULES.tax_warning, "orange"), Threshold(RULES.tax_critical, "red"))
+# Each names its RulesConfig field, so `kvtax dashboards generate --config` moves the line too.
+TAX_THRESHOLDS = (
+    Threshold(RULES.tax_warning, "orange", "tax_warning"),
+    Threshold(RULES.tax_critical, "red", "tax_critical"),
+)
 KV_THRESHOLDS = (
-    Threshold(RULES.kv_near_full_usage, "orange"),
-    Threshold(RULES.thrash_usage, "red"),
+    Threshold(RULES.kv_near_full_usage, "orange", "kv_near_full_usage"),
+    Threshold(RULES.thrash_usage, "red", "thrash_usage"),
 )
 
 

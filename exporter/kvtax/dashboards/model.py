@@ -2,9 +2,12 @@
 
 A :class:`Board` is rows of :class:`Panel` values; :func:`render` lays the panels out on
 Grafana's 24-column grid, numbers them, attaches the ``datasource`` variable to every panel and
-every target, and writes the namespace/pod/model variables, the shared tag and a uid derived
-from the title. Only this module knows the shape of Grafana's JSON; the board definitions say
-what to show, not how Grafana stores it. Pure: no I/O.
+every target, and writes the namespace/pod/model_name variables (model_name as in vLLM's own
+dashboards, so a link carries the choice across), the shared tag and a uid derived from the
+title. With a cluster label it adds a ``cluster`` variable and narrows and groups every query by
+it (:func:`with_cluster`); threshold steps tied to a rules setting take the configured value.
+Only this module knows the shape of Grafana's JSON; the board definitions say what to show, not
+how Grafana stores it. Pure: no I/O.
 
 Example::
 
@@ -33,6 +36,7 @@ __all__ = [
     "ValueText",
     "render",
     "uid_for",
+    "with_cluster",
 ]
 
 JSON = dict[str, Any]
@@ -59,8 +63,11 @@ class Target:
 
 @dataclass(frozen=True, slots=True)
 class Threshold:
+    """A colour step. ``setting`` names the RulesConfig field it mirrors (empty: fixed)."""
+
     value: float
     color: str
+    setting: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +113,32 @@ class Board:
     rows: tuple[Row, ...]
     tags: tuple[str, ...] = ()
     # Variables the board offers; the datasource variable is always there.
-    variables: tuple[Literal["namespace", "pod", "model"], ...] = ("namespace", "pod", "model")
+    variables: tuple[Literal["namespace", "pod", "model_name"], ...] = (
+        "namespace",
+        "pod",
+        "model_name",
+    )
+
+
+Setting = Callable[[str], float]
+# vLLM's official Grafana dashboards carry the tag "vllm" and a model_name variable.
+VLLM_DASHBOARDS_TAG = "vllm"
+_SELECTOR = re.compile(r'\{(?=[^{}]*model_name=~"\$model_name")')
+_GROUPING = re.compile(r"\b(by|on)\s*\(\s*(\))?")
+
+
+def with_cluster(expr: str, label: str) -> str:
+    """``expr`` narrowed to ``$cluster`` and grouped by ``label`` wherever it groups.
+
+    Every selector that takes the model_name variable gains ``label=~"$cluster"``, and every
+    ``by (...)`` and ``on (...)`` starts with ``label``: pods of one name in two clusters stay
+    two series, as in the rules.
+    """
+    narrowed = _SELECTOR.sub("{" + f'{label}=~"$cluster", ', expr)
+    return _GROUPING.sub(
+        lambda m: f"{m.group(1)} ({label})" if m.group(2) else f"{m.group(1)} ({label}, ",
+        narrowed,
+    )
 
 
 def uid_for(title: str) -> str:
@@ -114,7 +146,7 @@ def uid_for(title: str) -> str:
     return "kvtax-" + re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
 
-def _variables(board: Board, anchor_metric: str) -> list[JSON]:
+def _variables(board: Board, anchor_metric: str, cluster_label: str) -> list[JSON]:
     out: list[JSON] = [
         {
             "name": "datasource",
@@ -134,9 +166,18 @@ def _variables(board: Board, anchor_metric: str) -> list[JSON]:
     scopes = {
         "namespace": ("namespace", "Namespace", ""),
         "pod": ("pod", "Pod", 'namespace=~"$namespace"'),
-        "model": ("model_name", "Model", 'namespace=~"$namespace", pod=~"$pod"'),
+        "model_name": ("model_name", "Model", 'namespace=~"$namespace", pod=~"$pod"'),
     }
-    for name in board.variables:
+    names: list[str] = list(board.variables)
+    if cluster_label:
+        # The cluster comes first and narrows all the others.
+        names.insert(0, "cluster")
+        scopes = {
+            k: (label, title, ", ".join(filter(None, [f'{cluster_label}=~"$cluster"', scope])))
+            for k, (label, title, scope) in scopes.items()
+        }
+        scopes["cluster"] = (cluster_label, "Cluster", "")
+    for name in names:
         label, title, scope = scopes[name]
         query = f"label_values({anchor_metric}{{{scope}}}, {label})"
         out.append(
@@ -162,9 +203,12 @@ def _variables(board: Board, anchor_metric: str) -> list[JSON]:
     return out
 
 
-def _field_config(panel: Panel) -> JSON:
+def _field_config(panel: Panel, setting: Setting | None) -> JSON:
+    def value(t: Threshold) -> float:
+        return setting(t.setting) if setting is not None and t.setting else t.value
+
     steps: list[JSON] = [{"color": panel.base_color, "value": None}]
-    steps += [{"color": t.color, "value": t.value} for t in panel.thresholds]
+    steps += [{"color": t.color, "value": value(t)} for t in panel.thresholds]
     defaults: JSON = {
         "unit": panel.unit,
         "thresholds": {"mode": "absolute", "steps": steps},
@@ -246,7 +290,15 @@ def _ref_ids(panel: Panel) -> list[str]:
     return [chr(ord("A") + i) for i in range(len(panel.targets))]
 
 
-def _panel(panel: Panel, pid: int, pos: JSON, runbook_url: Callable[[str], str]) -> JSON:
+def _panel(
+    panel: Panel,
+    pid: int,
+    pos: JSON,
+    runbook_url: Callable[[str], str],
+    *,
+    setting: Setting | None,
+    query: Callable[[str], str],
+) -> JSON:
     link = runbook_url(panel.runbook)
     return {
         "id": pid,
@@ -255,14 +307,14 @@ def _panel(panel: Panel, pid: int, pos: JSON, runbook_url: Callable[[str], str])
         "description": f"{panel.description} [Runbook]({link})",
         "datasource": dict(DATASOURCE),
         "gridPos": pos,
-        "fieldConfig": _field_config(panel),
+        "fieldConfig": _field_config(panel, setting),
         "options": _options(panel),
         "links": [{"title": "Runbook", "url": link, "targetBlank": True}],
         "targets": [
             {
                 "refId": ref,
                 "datasource": dict(DATASOURCE),
-                "expr": t.expr,
+                "expr": query(t.expr),
                 "legendFormat": t.legend or "__auto",
                 "range": not (t.instant or panel.kind != "timeseries"),
                 "instant": t.instant or panel.kind != "timeseries",
@@ -273,8 +325,23 @@ def _panel(panel: Panel, pid: int, pos: JSON, runbook_url: Callable[[str], str])
     }
 
 
-def render(board: Board, *, runbook_url: Callable[[str], str], anchor_metric: str) -> JSON:
-    """Grafana dashboard JSON for ``board``; ``anchor_metric`` feeds the variables' label_values."""
+def render(
+    board: Board,
+    *,
+    runbook_url: Callable[[str], str],
+    anchor_metric: str,
+    setting: Setting | None = None,
+    cluster_label: str = "",
+) -> JSON:
+    """Grafana dashboard JSON for ``board``; ``anchor_metric`` feeds the variables' label_values.
+
+    ``setting`` gives a threshold's configured value by its RulesConfig field name;
+    ``cluster_label`` adds the cluster variable and grouping.
+    """
+
+    def query(expr: str) -> str:
+        return with_cluster(expr, cluster_label) if cluster_label else expr
+
     panels: list[JSON] = []
     pid = 0
     y = 0
@@ -297,7 +364,7 @@ def render(board: Board, *, runbook_url: Callable[[str], str], anchor_metric: st
                 x, y, line_height = 0, y + line_height, 0
             pid += 1
             pos = {"x": x, "y": y, "w": panel.width, "h": panel.height}
-            panels.append(_panel(panel, pid, pos, runbook_url))
+            panels.append(_panel(panel, pid, pos, runbook_url, setting=setting, query=query))
             x += panel.width
             line_height = max(line_height, panel.height)
         y += line_height
@@ -322,8 +389,17 @@ def render(board: Board, *, runbook_url: Callable[[str], str], anchor_metric: st
                 "asDropdown": True,
                 "includeVars": True,
                 "keepTime": True,
-            }
+            },
+            {
+                # vLLM's own dashboards: the model_name variable carries over.
+                "title": "vLLM dashboards",
+                "type": "dashboards",
+                "tags": [VLLM_DASHBOARDS_TAG],
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+            },
         ],
-        "templating": {"list": _variables(board, anchor_metric)},
+        "templating": {"list": _variables(board, anchor_metric, cluster_label)},
         "panels": panels,
     }

@@ -11,7 +11,7 @@ Example::
 
     >>> rate(kvtax("kvtax_engine_preemptions_total"))
     'rate(kvtax_engine_preemptions_total{namespace=~"$namespace", pod=~"$pod", \
-model_name=~"$model"}[$__rate_interval])'
+model_name=~"$model_name"}[$__rate_interval])'
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ __all__ = [
 RATE_INTERVAL = "$__rate_interval"
 # With "All" the variables expand to ".*", which also matches an absent label: the same
 # queries work on a Kubernetes Prometheus (namespace and pod labels) and on a static scrape.
-SELECTOR = 'namespace=~"$namespace", pod=~"$pod", model_name=~"$model"'
+SELECTOR = 'namespace=~"$namespace", pod=~"$pod", model_name=~"$model_name"'
 
 
 def _matchers(extra: Iterable[tuple[str, str]]) -> str:
@@ -82,7 +82,7 @@ def recorded(metric: str, operation: str, *, level: str = "pod") -> str:
         raise ValueError(f"no recording rule {name}")
     if level == "pod":
         return f"{name}{{{SELECTOR}}}"
-    return f'{name}{{model_name=~"$model"}}'
+    return f'{name}{{model_name=~"$model_name"}}'
 
 
 def rate(selector: str) -> str:

@@ -371,6 +371,16 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         (M,),
         "join",
     ),
+    # -- vLLM answers, but publishes nothing kvtax can read -----------------------------------
+    _S(
+        "kvtax_vllm_metrics_missing",
+        "gauge",
+        "1 while vLLM answers /metrics with no vllm: series that carry model_name (stats "
+        "logging off with --disable-log-stats, or metrics renamed by a newer vLLM), else 0. "
+        "kvtax keeps serving and never fails readiness for it; the scrapes count as no_models.",
+        (),
+        "sidecar",
+    ),
     # -- the admission gate (docs/admission.md) ----------------------------------------------
     _S(
         "kvtax_gate_advised_cap",

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvtax.engine.vocabulary import CONCEPTS
 
-from .config import DEFAULT, POD, RulesConfig
+from .config import DEFAULT, RulesConfig
 from .recording import per_pod
 
 __all__ = ["AlertRule", "alert_names", "alert_rules", "groups"]
@@ -88,7 +88,8 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
     """Every alert rule, in file order, with its runbook URL filled in."""
     c = config
     w = c.rate_window
-    pod = ", ".join(POD)
+    pod = ", ".join(c.pod_labels)
+    target = ", ".join(c.target_labels)
     k = c.kvtax_selector
     preemptions = f"sum by ({pod}) (rate({_vllm(c, 'preemptions')}[{w}]))"
     usage_avg = f"max by ({pod}) ({_over_time(c, 'avg_over_time', 'kv_usage', w)})"
@@ -266,8 +267,8 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
     add(
         "kvtax-health",
         "KvtaxVllmMetricsAbsent",
-        f"max by (namespace, pod) ({c.selector('kvtax_vllm_up', k)} == 1)"
-        f" unless on (namespace, pod) max by (namespace, pod) ({_vllm(c, 'kv_usage')})",
+        f"max by ({target}) ({c.selector('kvtax_vllm_up', k)} == 1)"
+        f" unless on ({target}) max by ({target}) ({_vllm(c, 'kv_usage')})",
         c.vllm_absent_for,
         "warning",
         "Prometheus holds no vLLM KV-cache metrics for a pod kvtax watches.",

@@ -4,19 +4,50 @@ Registered by :mod:`kvtax.cli` (``add_rules_parser`` + ``command("rules")(run_ru
 module does not import it back, so ``python -m kvtax.cli rules`` works too. ``--check`` exits 1
 naming every file that differs from the generator's output, the same test CI runs
 (:func:`kvtax.generated.write_or_check`, shared with ``kvtax docs`` and ``kvtax dashboards``).
+``--config FILE.yaml`` sets any :class:`~kvtax.rules.config.RulesConfig` field
+(:mod:`kvtax.rules.configfile`); a bad file exits 2 with one line naming the key.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
 from kvtax.generated import add_output_arguments, write_or_check
 
+from .config import DEFAULT, RulesConfig
+from .configfile import RulesConfigError, read
 from .render import render_files
 
-__all__ = ["add_rules_parser", "run_rules"]
+__all__ = ["add_config_argument", "add_rules_parser", "config_of", "run_rules"]
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE.yaml``: RulesConfig's settings, shared by ``rules`` and ``dashboards``."""
+    parser.add_argument(
+        "--config",
+        dest="rules_config",
+        type=Path,
+        metavar="FILE.yaml",
+        help="YAML file setting any rules setting (thresholds, for: durations, windows, "
+        "selectors, cluster_label, runbook_url_base, release_label, severity_overrides); "
+        "see docs/rules.md. Default: the built-in settings.",
+    )
+
+
+def config_of(args: argparse.Namespace, command: str) -> RulesConfig | None:
+    """The RulesConfig ``--config`` names (the defaults without it); None after printing
+    a one-line error for a bad file."""
+    path: Path | None = getattr(args, "rules_config", None)
+    if path is None:
+        return DEFAULT
+    try:
+        return read(path)
+    except RulesConfigError as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return None
 
 
 def add_rules_parser(sub: Any) -> None:
@@ -25,10 +56,15 @@ def add_rules_parser(sub: Any) -> None:
         "rules",
         help="Write the generated Prometheus rules and Alertmanager example.",
         description="Generate alerts/: alert and recording rules, their PrometheusRule "
-        "wrapper and an example Alertmanager config, from exporter/kvtax/rules/config.py.",
+        "wrapper and an example Alertmanager config, from exporter/kvtax/rules/config.py "
+        "or the settings of --config.",
     )
     add_output_arguments(rules, Path("alerts"))
+    add_config_argument(rules)
 
 
 def run_rules(args: argparse.Namespace) -> int:
-    return write_or_check(render_files(), args.out, check=args.check, command="kvtax rules")
+    config = config_of(args, "kvtax rules")
+    if config is None:
+        return 2
+    return write_or_check(render_files(config), args.out, check=args.check, command="kvtax rules")

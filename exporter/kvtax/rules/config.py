@@ -43,6 +43,13 @@ class RulesConfig:
     # container label the Prometheus Operator attaches; with static scrape configs use the
     # job instead, e.g. 'job="kvtax"'.
     kvtax_job_selector: str = 'container="kvtax"'
+    # The label that names the cluster under Thanos, Mimir or any global view (often
+    # "cluster"); empty for a single Prometheus. When set it leads every aggregation's
+    # by (...) and on (...), so pods of the same namespace/name in two clusters never merge.
+    # Record names stay the same (as the kubernetes mixin does), so queries need not change.
+    cluster_label: str = ""
+    # kube-prometheus-stack only loads PrometheusRule objects labelled release: <its release>.
+    release_label: str = "kube-prometheus-stack"
 
     # -- windows -------------------------------------------------------------------------------
     # Range of every rate() in recording rules and alerts. 5m holds enough scrapes at 30s.
@@ -101,6 +108,24 @@ class RulesConfig:
     # -- severities ----------------------------------------------------------------------------
     # Alert name -> severity for the single-severity alerts; pairs carry both severities.
     severity_overrides: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def pod_labels(self) -> tuple[str, ...]:
+        """The per-pod aggregation labels, the cluster label first when one is set."""
+        return self._with_cluster(POD)
+
+    @property
+    def fleet_labels(self) -> tuple[str, ...]:
+        """The fleet-wide per-model aggregation labels, the cluster label first when set."""
+        return self._with_cluster(FLEET)
+
+    @property
+    def target_labels(self) -> tuple[str, ...]:
+        """Labels that name one scrape target's pod: namespace and pod, plus the cluster."""
+        return self._with_cluster(("namespace", "pod"))
+
+    def _with_cluster(self, labels: tuple[str, ...]) -> tuple[str, ...]:
+        return (self.cluster_label, *labels) if self.cluster_label else labels
 
     def selector(self, metric: str, *matchers: str) -> str:
         """``metric{a,b}`` from non-empty matcher strings, or the bare name."""

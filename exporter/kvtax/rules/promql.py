@@ -1,12 +1,17 @@
 """Which series a PromQL expression names, and whether kvtax knows every one of them.
 
-A deliberately crude reader, not a parser: it takes metric names from ``__name__`` matchers,
-drops strings, label matchers, ranges and label lists (``by (...)``, ``on (...)``), then keeps
-every identifier that is not a keyword, a function call or part of a number or duration.
-That is enough to catch the failure that matters: a rule or dashboard querying a name that
-no longer exists (a renamed catalog entry, ``vllm:num_preemptions`` without ``_total``).
-Known names come from kvtax's catalog, the vLLM vocabulary, the recording rules and the few
-series Prometheus makes itself. Pure: no I/O.
+The expression is parsed with ``promql-parser`` (the Rust port of Prometheus' own parser), and
+the names are read off its vector selectors: the metric name, or the plain alternatives of a
+``__name__`` matcher (a wildcard such as ``"vllm:.*"`` names nothing). Parsing also refuses
+PromQL that Prometheus would refuse, which a text scan never could. Grafana's template variables
+(``$__rate_interval``, ``$model_name``) are filled with placeholders first, so dashboard queries
+read as they are committed. That catches the failure that matters: a rule or dashboard querying
+a name that no longer exists (a renamed catalog entry, ``vllm:num_preemptions`` without
+``_total``). Known names come from kvtax's catalog, the vLLM vocabulary, the recording rules
+and the few series Prometheus makes itself. Pure: no I/O.
+
+``promql-parser`` is a development dependency (the lint and the tests use this reader; the pod
+never does), imported when a query is first read.
 
 Example::
 
@@ -32,31 +37,38 @@ PROMETHEUS_SERIES: frozenset[str] = frozenset(
     {"up", "scrape_duration_seconds", "scrape_samples_scraped", "ALERTS", "ALERTS_FOR_STATE"}
 )
 _HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
-_KEYWORDS = frozenset(
-    {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right"}
-    | {"offset", "bool", "inf", "nan", "atan2"}
-)
-_NAME_MATCHER = re.compile(r'__name__\s*=~?\s*"([^"]*)"')
 _PLAIN_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACES = re.compile(r"\{[^}]*\}")
-_RANGE = re.compile(r"\[[^\]]*\]")
-_LABEL_LIST = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-# An identifier not glued to a digit or dot (so "15m" and "1e3" are not names) and not a call.
-_IDENT = re.compile(r"(?<![\w.:])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:])(?!\s*\()")
+# A Grafana variable: $name or ${name}. In a range it must become a duration to parse.
+_RANGE_VARIABLE = re.compile(r"\[\$\{?\w+\}?")
+_VARIABLE = re.compile(r"\$\{?(\w+)\}?")
+
+
+def _without_variables(expr: str) -> str:
+    """``expr`` with Grafana's variables replaced by text that parses the same way."""
+    return _VARIABLE.sub(r"\1", _RANGE_VARIABLE.sub("[1m", expr))
 
 
 def series_names(expr: str) -> set[str]:
-    """Every metric name ``expr`` selects."""
+    """Every metric name ``expr`` selects; ValueError when it is not valid PromQL."""
+    import promql_parser as pp  # a development dependency: see the module docstring
+
     names: set[str] = set()
-    for pattern in _NAME_MATCHER.findall(expr):
-        # Alternatives of plain names count; a wildcard such as "vllm:.*" names nothing.
-        names.update(part for part in pattern.split("|") if _PLAIN_NAME.fullmatch(part))
-    text = _STRING.sub('""', expr)
-    text = _BRACES.sub(" ", text)
-    text = _RANGE.sub(" ", text)
-    text = _LABEL_LIST.sub(" ", text)
-    names.update(t for t in _IDENT.findall(text) if t.lower() not in _KEYWORDS)
+
+    def visit(node: object) -> None:
+        if not isinstance(node, pp.VectorSelector):
+            return
+        if node.name:
+            names.add(node.name)
+        for matcher in node.matchers.matchers:
+            if matcher.name != "__name__":
+                continue
+            if matcher.op == pp.MatchOp.Equal:
+                names.add(matcher.value)
+            elif matcher.op == pp.MatchOp.Re:
+                # Alternatives of plain names count; a wildcard names nothing.
+                names.update(p for p in matcher.value.split("|") if _PLAIN_NAME.fullmatch(p))
+
+    pp.walk(pp.parse(_without_variables(expr)), visit)
     return names
 
 

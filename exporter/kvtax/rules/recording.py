@@ -75,7 +75,8 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
     w = config.rate_window
     rate = f"rate{w}"
     ratio = f"ratio_rate{w}"
-    pod = _by(POD)
+    pod = _by(config.pod_labels)
+    model = _by(config.fleet_labels)
     k = config.kvtax_selector
 
     def kvtax_rate(counter: str, *matchers: str) -> str:
@@ -162,7 +163,7 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
     def fleet_sum(metric: str, operation: str, fleet_op: str | None = None) -> None:
         add(
             fleet(metric, fleet_op or operation),
-            f"sum by ({_by(FLEET)}) ({per_pod(metric, operation)})",
+            f"sum by ({model}) ({per_pod(metric, operation)})",
             f"Fleet-wide sum of {per_pod(metric, operation)}.",
         )
 
@@ -191,12 +192,12 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
     pod_usage = per_pod("vllm_kv_cache_usage", "max")
     add(
         fleet("vllm_kv_cache_usage", "avg"),
-        f"avg by ({_by(FLEET)}) ({pod_usage})",
+        f"avg by ({model}) ({pod_usage})",
         "Mean KV-cache usage across the model's pods, 0-1.",
     )
     add(
         fleet("vllm_kv_cache_usage", "max"),
-        f"max by ({_by(FLEET)}) ({pod_usage})",
+        f"max by ({model}) ({pod_usage})",
         "KV-cache usage of the model's fullest pod, 0-1.",
     )
     fleet_sum("kvtax_kv_capacity_tokens", "max", "sum")

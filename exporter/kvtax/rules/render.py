@@ -103,7 +103,7 @@ def _prometheus_rule(config: RulesConfig) -> str:
         "kind": "PrometheusRule",
         "metadata": {
             "name": "kvtax",
-            "labels": {"app.kubernetes.io/name": "kvtax", "release": "kube-prometheus-stack"},
+            "labels": {"app.kubernetes.io/name": "kvtax", "release": config.release_label},
         },
         "spec": {"groups": recording_groups(config) + _alert_groups(config)},
     }

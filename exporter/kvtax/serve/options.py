@@ -1,7 +1,7 @@
 """The options table: every kvtax setting, written once, as the fields of :class:`Config`.
 
 Each field of :class:`Config` is declared with :func:`option`, which holds the setting's dotted
-key, its default as a user would write it (``"8MiB"``, ``":9464"``), its parser, help and
+key, its default as a user would write it (``"8MiB"``, ``":10059"``), its parser, help and
 metavar. The field's default is that text parsed, so ``Config()``, the ``kvtax serve`` flags and
 their ``--help``, the ``KVTAX_*`` environment variables, the YAML keys and
 ``docs/configuration.md`` all come from this one table and cannot disagree.
@@ -135,10 +135,28 @@ class Config:
     )
     web_listen_address: tuple[str, int] = option(
         "web.listen_address",
-        ":9464",
+        ":10059",
         v.parse_address,
         "Where kvtax serves /metrics, /healthz and /readyz.",
         "HOST:PORT",
+    )
+    web_telemetry_path: str = option(
+        "web.telemetry_path",
+        "/metrics",
+        v.telemetry_path,
+        "The path of kvtax's metrics page on the web port.",
+        "PATH",
+    )
+    # option() returns a dataclasses.Field, which ruff cannot see; Path | None is immutable.
+    web_config_file: Path | None = option(  # noqa: RUF009
+        "web.config.file",
+        None,
+        v.optional_path,
+        "Prometheus exporter-toolkit web config (YAML) for TLS and basic auth on the web port: "
+        "tls_server_config (cert_file, key_file, client_ca_file, client_auth_type, "
+        "min_version, max_version) and basic_auth_users (bcrypt hashes). Basic auth guards "
+        "the metrics page, not /healthz, /readyz or the push route (which has its own token).",
+        "PATH",
     )
     window: float = option(
         "window", 300.0, v.positive_duration, "Window of the rate and ratio gauges.", "DURATION"
@@ -276,6 +294,13 @@ class Config:
         v.log_level,
         "Log level: debug, info, warning or error.",
         "LEVEL",
+    )
+    log_format: str = option(
+        "log.format",
+        "logfmt",
+        v.log_format,
+        "Log line format: logfmt (key=value pairs) or json (one object per line).",
+        "FORMAT",
     )
 
     # -- admission gate (docs/admission.md) -----------------------------------------------------

@@ -125,6 +125,10 @@ class Scraper:
     async def fetch_metrics(self) -> str:
         return await self._get("/metrics")
 
+    async def fetch_health(self) -> None:
+        """GET /health: returns when vLLM answers 200, else raises :class:`ScrapeError`."""
+        await self._get("/health")
+
     async def fetch_version(self) -> str | None:
         """vLLM's version from GET /version, or None if the server does not say."""
         try:

@@ -45,6 +45,7 @@ from kvtax.figures.window import Window, candidates
 from kvtax.serve.config import Config
 from kvtax.serve.parsepool import ParsePool
 from kvtax.serve.scraper import REASONS, ScrapeError, Scraper
+from kvtax.serve.webconfig import WebSecurity
 
 __all__ = ["LedgerFeed", "Route", "ScrapeHealth", "Sidecar"]
 
@@ -84,6 +85,8 @@ class ScrapeHealth:
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     version: str | None = None
     engine: str | None = None
+    # vLLM answered, but its page held no vllm: series with model_name (stats off, renamed).
+    metrics_missing: bool = False
 
 
 class Sidecar:
@@ -99,8 +102,11 @@ class Sidecar:
         routes: Sequence[Route] = (),
         clock: Callable[[], float] = time.time,
         parser: ParsePool | None = None,
+        security: WebSecurity | None = None,
     ) -> None:
         self.config = config
+        # TLS and basic auth of the web port (--web.config.file); plain HTTP without.
+        self.security = security or WebSecurity()
         self.clock = clock
         self.window = window or Window(config.window, max_models=config.scrape_max_models)
         self.feed = feed
@@ -176,6 +182,7 @@ class Sidecar:
                 )
                 del text  # the page can be megabytes: do not hold it while folding
                 snap = self._fold(parsed)
+                self._note_metrics_missing(not snap.models)
                 if not snap.models:
                     raise ScrapeError("no_models", "no vllm: series with a model_name label")
             except ScrapeError as exc:
@@ -196,6 +203,19 @@ class Sidecar:
                 self.health.engine = "v0" if snap.is_v0 else "v1"
             finally:
                 self.health.last_duration = time.perf_counter() - started
+
+    def _note_metrics_missing(self, missing: bool) -> None:
+        """Log the moment vLLM's page loses (or regains) every series kvtax reads."""
+        if missing and not self.health.metrics_missing:
+            log.warning(
+                "vLLM at %s answers /metrics without vllm: series carrying model_name: its "
+                "stats logging is off (--disable-log-stats) or its metrics were renamed; kvtax "
+                "keeps serving (kvtax_vllm_metrics_missing 1) and does not fail readiness",
+                self.config.vllm_url,
+            )
+        elif not missing and self.health.metrics_missing:
+            log.info("vLLM at %s publishes its vllm: series again", self.config.vllm_url)
+        self.health.metrics_missing = missing
 
     def _failed(self, reason: str, detail: str) -> None:
         if self.health.up or self.health.last_error is None:
@@ -223,20 +243,27 @@ class Sidecar:
         if h.last_success is not None:
             yield Sample("kvtax_last_scrape_success_timestamp_seconds", (), h.last_success)
         yield Sample("kvtax_vllm_restarts_total", (), float(self.window.restarts))
+        yield Sample("kvtax_vllm_metrics_missing", (), float(h.metrics_missing))
         if h.engine is not None:
             yield Sample("kvtax_vllm_info", (h.version or "unknown", h.engine), 1.0)
         yield from model_samples(self.figures, self.config.max_num_seqs)
 
     # -- HTTP --------------------------------------------------------------------------------
-    def is_ready(self) -> tuple[bool, str]:
+    async def readiness(self) -> tuple[bool, str]:
+        """Whether the pod may take traffic, and why.
+
+        With the proxy on, traffic flows through kvtax to vLLM: ready means the proxy reaches
+        vLLM's /health now. Observe-only, kvtax is beside the traffic and never gates it.
+        Neither depends on vLLM's metrics: a vLLM with its stats off serves fine.
+        """
         if self.draining:
             return False, "shutting down"
-        last = self.health.last_success
-        if last is None:
-            return False, f"no successful scrape yet ({self.health.last_error or 'starting'})"
-        age = self.clock() - last
-        if age > 3 * self.config.scrape_interval:
-            return False, f"last successful scrape {age:.0f}s ago ({self.health.last_error})"
+        if self.config.proxy_listen_address is None:
+            return True, "ok (observe-only: kvtax does not gate readiness)"
+        try:
+            await self.scraper.fetch_health()
+        except ScrapeError as exc:
+            return False, f"the proxy cannot reach vLLM: {exc.reason}: {exc.detail}"
         return True, "ok"
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -247,12 +274,32 @@ class Sidecar:
         return web.Response(text="ok\n")
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        ready, why = self.is_ready()
+        ready, why = await self.readiness()
         return web.Response(text=why + "\n", status=200 if ready else 503)
 
+    def _open_paths(self) -> frozenset[str]:
+        """Paths basic auth leaves alone: the probes, and the extra routes (the push route),
+        which carry their own bearer token in the same Authorization header."""
+        return frozenset({"/healthz", "/readyz", *(path for _, path, _ in self._routes)})
+
     def web_app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
+        security, open_paths = self.security, self._open_paths()
+
+        @web.middleware
+        async def basic_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.path in open_paths or security.authorized(
+                request.headers.get("Authorization")
+            ):
+                return await handler(request)
+            return web.Response(
+                status=401,
+                text="Unauthorized\n",
+                headers={"WWW-Authenticate": 'Basic realm="kvtax"'},
+            )
+
+        middlewares = [basic_auth] if security.basic_auth is not None else []
+        app = web.Application(middlewares=middlewares)
+        app.router.add_get(self.config.web_telemetry_path, self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         for method, path, handler in self._routes:
@@ -264,11 +311,15 @@ class Sidecar:
         host, port = self.config.web_listen_address
         self._runner = web.AppRunner(self.web_app(), access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.security.ssl_context)
+        await site.start()
         log.info(
-            "serving /metrics on %s:%d, scraping %s every %.1fs",
+            "serving %s on %s://%s:%d%s, scraping %s every %.1fs",
+            self.config.web_telemetry_path,
+            self.security.scheme,
             host,
             port,
+            " with basic auth" if self.security.basic_auth is not None else "",
             self.config.vllm_url,
             self.config.scrape_interval,
         )

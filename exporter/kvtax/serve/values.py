@@ -8,7 +8,7 @@ source and the bad value, and raises :class:`ConfigError`.
 Example::
 
     parse_duration("500ms")  # 0.5
-    parse_address(":9464")   # ("0.0.0.0", 9464)
+    parse_address(":10059")   # ("0.0.0.0", 10059)
 """
 
 from __future__ import annotations
@@ -207,6 +207,32 @@ def log_level(value: Any) -> str:
     if level not in _LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(_LOG_LEVELS)}")
     return level
+
+
+_LOG_FORMATS = ("logfmt", "json")
+
+
+def log_format(value: Any) -> str:
+    fmt = str(value).lower()
+    if fmt not in _LOG_FORMATS:
+        raise ValueError(f"expected one of {', '.join(_LOG_FORMATS)}")
+    return fmt
+
+
+# Paths of the web port that the telemetry path may not take over.
+RESERVED_PATHS = ("/healthz", "/readyz", "/api/v1/delivered")
+
+
+def telemetry_path(value: Any) -> str:
+    """An absolute URL path such as ``/metrics``; not one of kvtax's other routes."""
+    path = str(value).strip()
+    if not path.startswith("/") or any(c in path for c in "?#% \t") or "//" in path:
+        raise ValueError("expected an absolute URL path such as /metrics")
+    if path.rstrip("/") in RESERVED_PATHS or path == "/":
+        raise ValueError(
+            f"{path} is taken; choose a path other than /, {', '.join(RESERVED_PATHS)}"
+        )
+    return path
 
 
 def one_of(*choices: str) -> Callable[[Any], str]:

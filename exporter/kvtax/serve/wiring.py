@@ -50,6 +50,7 @@ from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.selfwatch import LoopWatch
 from kvtax.serve.sidecar import LedgerFeed, Sidecar
 from kvtax.serve.sources import PUSH_PATH, GatewayPoller, push_handler
+from kvtax.serve.webconfig import load as load_web_config
 
 __all__ = ["Stack", "build", "gate_settings", "run"]
 
@@ -157,7 +158,12 @@ def build(
     clock: Callable[[], float] = time.time,
     parser: ParsePool | None = None,
 ) -> Stack:
-    """Build and connect every part of ``kvtax serve``; nothing starts until ``Stack.start``."""
+    """Build and connect every part of ``kvtax serve``; nothing starts until ``Stack.start``.
+
+    Reads ``--web.config.file`` (and the certificates it names) first: a bad file raises
+    ConfigError before anything is built.
+    """
+    security = load_web_config(config.web_config_file)
     names = ModelNames()
     ledger = DeliveryLedger(names)
     window = Window(config.window, max_models=config.scrape_max_models)
@@ -180,6 +186,7 @@ def build(
         routes=[("POST", PUSH_PATH, push)],
         clock=clock,
         parser=parser,
+        security=security,
     )
     # Four checks a scrape interval: the gate acts on a scrape's figures soon after it.
     follower = Follower(gate, sidecar, config.scrape_interval / 4)

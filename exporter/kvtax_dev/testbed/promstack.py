@@ -65,18 +65,26 @@ def prometheus_config(
     *,
     interval: str = "1s",
     alertmanager_url: str | None = None,
+    job_settings: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> str:
     """A prometheus.yml scraping ``jobs`` (job name -> ``host:port`` targets) every ``interval``.
 
     Rules are evaluated at the same interval; alerts go to ``alertmanager_url`` when given.
-    Values are written as JSON, which YAML reads as flow collections.
+    ``job_settings`` adds scrape-config keys per job name, e.g. ``scheme``, ``tls_config``,
+    ``basic_auth`` or ``metrics_path``. Values are written as JSON, which YAML reads as flow
+    collections.
     """
+    settings = job_settings or {}
     lines = [
         "global: " + json.dumps({"scrape_interval": interval, "evaluation_interval": interval}),
         "scrape_configs: "
         + json.dumps(
             [
-                {"job_name": job, "static_configs": [{"targets": list(targets)}]}
+                {
+                    "job_name": job,
+                    "static_configs": [{"targets": list(targets)}],
+                    **settings.get(job, {}),
+                }
                 for job, targets in jobs.items()
             ]
         ),

@@ -48,11 +48,15 @@ class KvtaxProcess:
         extra_args: Sequence[str] = (),
         log_path: Path | None = None,
         env: dict[str, str] | None = None,
+        tls_ca: Path | None = None,
     ) -> None:
         self.port = free_port()
         self.proxy_port = free_port() if proxy else None
-        self.metrics_url = f"http://127.0.0.1:{self.port}/metrics"
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        # With a --web.config.file that turns TLS on, pass the CA that signed its certificate.
+        self.tls_ca = tls_ca
+        scheme = "https" if tls_ca is not None else "http"
+        self.metrics_url = f"{scheme}://127.0.0.1:{self.port}/metrics"
+        self.base_url = f"{scheme}://127.0.0.1:{self.port}"
         self.proxy_url = f"http://127.0.0.1:{self.proxy_port}" if self.proxy_port else None
         self.args = [
             sys.executable,
@@ -93,7 +97,7 @@ class KvtaxProcess:
             "kvtax",
             self.args,
             log_path=self.log_path,
-            ready=lambda: http_ok(f"{self.base_url}/healthz"),
+            ready=lambda: http_ok(f"{self.base_url}/healthz", verify=self.tls_ca),
             env=self.env,
         )
         child.start(timeout)

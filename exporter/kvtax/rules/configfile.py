@@ -1,0 +1,124 @@
+"""``--config FILE.yaml`` of ``kvtax rules`` and ``kvtax dashboards``: RulesConfig without Python.
+
+The file is a flat YAML mapping whose keys are :class:`~kvtax.rules.config.RulesConfig`'s fields;
+every field may be set, none must be. Values are checked against the field's type (a number for
+thresholds, a Prometheus duration for windows and ``*_for``, a label name for
+``cluster_label``, a mapping of alert name to severity for ``severity_overrides``), and an error
+names the file and the key. The same file drives the rules and the dashboards, so a threshold
+line on a panel and its alert cannot disagree::
+
+    cluster_label: cluster
+    kvtax_selector: 'job="kvtax"'
+    runbook_url_base: https://wiki.example.com/kvtax/runbooks.md
+    tax_warning: 0.1
+    tax_for: 30m
+    severity_overrides: {KvtaxQueueGrowing: info}
+
+:func:`from_mapping` is pure; :func:`read` reads the file.
+
+Example::
+
+    config = read(Path("rules.yaml"))
+    render_files(config)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from .config import DEFAULT, RulesConfig
+
+__all__ = ["RulesConfigError", "from_mapping", "read"]
+
+SEVERITIES = ("critical", "warning", "info")
+_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+# Fields holding a Prometheus duration: every rate window and every for:.
+_DURATIONS = frozenset(f.name for f in fields(RulesConfig) if f.name.endswith(("_for", "_window")))
+
+
+class RulesConfigError(ValueError):
+    """A bad rules config file; the message names the file and the key."""
+
+
+def _float(raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise ValueError("expected a number")
+    return float(raw)
+
+
+def _text(name: str, raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError("expected text")
+    if name in _DURATIONS and not _DURATION.fullmatch(raw):
+        raise ValueError("expected a Prometheus duration such as 30s, 5m or 1h30m")
+    if name == "cluster_label" and raw and not _LABEL.fullmatch(raw):
+        raise ValueError("expected a Prometheus label name such as cluster")
+    if name == "runbook_url_base" and not raw.startswith(("http://", "https://")):
+        raise ValueError("expected an http:// or https:// URL")
+    return raw
+
+
+def _severities(raw: Any) -> Mapping[str, str]:
+    from .alerts import alert_names  # alerts read this module's config: import late
+
+    if not isinstance(raw, Mapping):
+        raise ValueError("expected a mapping of alert name to severity")
+    known = alert_names()
+    for alert, severity in raw.items():
+        if alert not in known:
+            raise ValueError(f"{alert!r} is not one of kvtax's alerts ({', '.join(known)})")
+        if severity not in SEVERITIES:
+            raise ValueError(f"{alert}: {severity!r} is not one of {', '.join(SEVERITIES)}")
+    return MappingProxyType({str(k): str(v) for k, v in raw.items()})
+
+
+def _value(name: str, kind: Any, raw: Any) -> Any:
+    if name == "severity_overrides":
+        return _severities(raw)
+    if kind in (float, "float"):
+        return _float(raw)
+    return _text(name, raw)
+
+
+def from_mapping(
+    document: Mapping[str, Any], *, source: str = "config", base: RulesConfig = DEFAULT
+) -> RulesConfig:
+    """``base`` with the document's keys set; RulesConfigError names ``source`` and the key."""
+    types = {f.name: f.type for f in fields(RulesConfig)}
+    changes: dict[str, Any] = {}
+    for key, raw in document.items():
+        if key not in types:
+            raise RulesConfigError(f"{source}: {key}: not a rules setting (see docs/rules.md)")
+        try:
+            changes[key] = _value(key, types[key], raw)
+        except ValueError as exc:
+            raise RulesConfigError(f"{source}: {key}: {exc}") from None
+    config = replace(base, **changes)
+    if config.tax_critical < config.tax_warning:
+        raise RulesConfigError(f"{source}: tax_critical: must not be below tax_warning")
+    if config.yield_critical > config.yield_warning:
+        raise RulesConfigError(f"{source}: yield_critical: must not be above yield_warning")
+    return config
+
+
+def read(path: Path) -> RulesConfig:
+    """The RulesConfig of a YAML file (an empty file gives the defaults)."""
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RulesConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise RulesConfigError(f"{path}: not YAML: {exc}") from None
+    if document is None:
+        return DEFAULT
+    if not isinstance(document, Mapping):
+        raise RulesConfigError(f"{path}: expected a mapping of settings")
+    return from_mapping(document, source=str(path))

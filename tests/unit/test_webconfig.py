@@ -1,0 +1,254 @@
+"""``--web.config.file``: the exporter-toolkit format read, checked and applied to the web port.
+
+The file's errors name the key; a real TLS handshake (server certificate, client certificates
+required or not) and basic auth are checked against the sidecar's own web app on loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import bcrypt
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvtax.serve.config import ConfigError, load_config
+from kvtax.serve.sidecar import Sidecar
+from kvtax.serve.webconfig import BasicAuth, load, parse
+from kvtax_dev.testbed.tlscerts import Certs, make_certs
+
+HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "web.yml"
+    path.write_text(text)
+    return path
+
+
+# -- the file -------------------------------------------------------------------------------
+
+
+def test_no_file_means_plain_http_without_auth() -> None:
+    security = load(None)
+    assert security.ssl_context is None
+    assert security.scheme == "http"
+    assert security.authorized(None)
+
+
+def test_an_empty_file_changes_nothing(tmp_path: Path) -> None:
+    security = load(write(tmp_path, ""))
+    assert security.ssl_context is None
+    assert security.basic_auth is None
+
+
+def test_relative_paths_are_relative_to_the_file() -> None:
+    file = Path("/etc/kvtax/web.yml")
+    settings = parse(
+        {"tls_server_config": {"cert_file": "tls.crt", "key_file": "/abs/tls.key"}}, file
+    )
+    assert settings.tls is not None
+    assert settings.tls.cert_file == Path("/etc/kvtax/tls.crt")
+    assert settings.tls.key_file == Path("/abs/tls.key")
+    assert settings.tls.min_version == ssl.TLSVersion.TLSv1_2  # exporter-toolkit's default
+
+
+def test_a_client_ca_without_a_type_requires_verified_client_certs() -> None:
+    settings = parse(
+        {"tls_server_config": {"cert_file": "a", "key_file": "b", "client_ca_file": "ca"}},
+        Path("/x/web.yml"),
+    )
+    assert settings.tls is not None
+    assert settings.tls.client_auth == ssl.CERT_REQUIRED
+
+
+@pytest.mark.parametrize(
+    ("document", "named"),
+    [
+        ({"tls_config": {}}, "tls_config: not supported"),
+        ({"tls_server_config": {"cert_file": "a"}}, "tls_server_config.key_file: is required"),
+        (
+            {"tls_server_config": {"cert_file": "a", "key_file": "b", "cipher_suites": []}},
+            "tls_server_config.cipher_suites: not supported",
+        ),
+        (
+            {"tls_server_config": {"cert_file": "a", "key_file": "b", "min_version": "TLS9"}},
+            "tls_server_config.min_version: 'TLS9' is not one of",
+        ),
+        (
+            {
+                "tls_server_config": {
+                    "cert_file": "a",
+                    "key_file": "b",
+                    "client_auth_type": "RequireAndVerifyClientCert",
+                }
+            },
+            "tls_server_config.client_ca_file: is required",
+        ),
+        (
+            {
+                "tls_server_config": {
+                    "cert_file": "a",
+                    "key_file": "b",
+                    "client_auth_type": "RequestClientCert",
+                }
+            },
+            "RequestClientCert is not supported",
+        ),
+        ({"basic_auth_users": {"prometheus": "plain"}}, "basic_auth_users.prometheus: must be"),
+        ({"basic_auth_users": ["prometheus"]}, "basic_auth_users: must be a mapping"),
+    ],
+)
+def test_a_bad_file_names_the_key(document: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=r"--web.config.file='/x/web.yml'") as caught:
+        parse(document, Path("/x/web.yml"))
+    assert named in str(caught.value)
+
+
+def test_a_missing_certificate_names_the_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "tls_server_config: {cert_file: nope.crt, key_file: nope.key}\n")
+    with pytest.raises(ConfigError, match="cert_file/key_file"):
+        load(path)
+
+
+def test_a_missing_file_and_bad_yaml_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="No such file"):
+        load(tmp_path / "absent.yml")
+    with pytest.raises(ConfigError, match="is not YAML"):
+        load(write(tmp_path, "basic_auth_users: [unclosed\n"))
+
+
+def test_the_flag_and_the_variable_set_it(tmp_path: Path) -> None:
+    path = write(tmp_path, "")
+    config = load_config({"web.config.file": str(path)}, env={}, file=None)
+    assert config.web_config_file == path
+    config = load_config({}, env={"KVTAX_WEB_CONFIG_FILE": str(path)}, file=None)
+    assert config.web_config_file == path
+
+
+# -- basic auth -----------------------------------------------------------------------------
+
+
+def test_basic_auth_checks_the_bcrypt_hash() -> None:
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    assert auth.check(basic("prometheus", "s3cret"))
+    assert not auth.check(basic("prometheus", "wrong"))
+    assert not auth.check(basic("someone", "s3cret"))
+    assert not auth.check(None)
+    assert not auth.check("Bearer s3cret")
+    assert not auth.check("Basic !!!not-base64")
+
+
+# -- on the wire ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def web_file(tmp_path: Path, certs: Certs) -> Iterator[Path]:
+    return write(
+        tmp_path,
+        f"tls_server_config:\n"
+        f"  cert_file: {certs.server_cert}\n"
+        f"  key_file: {certs.server_key}\n"
+        f"  client_ca_file: {certs.ca}\n"
+        f"  client_auth_type: VerifyClientCertIfGiven\n"
+        f"basic_auth_users:\n"
+        f"  prometheus: '{HASH}'\n",
+    )
+
+
+async def push(request: web.Request) -> web.Response:
+    return web.Response(text="pushed\n")
+
+
+async def serve(web_file: Path) -> TestServer:
+    config = load_config({"vllm.url": "http://127.0.0.1:9"}, env={}, file=None)
+    security = load(web_file)
+    sidecar = Sidecar(config, security=security, routes=[("POST", "/api/v1/delivered", push)])
+    server = TestServer(sidecar.web_app(), host="127.0.0.1")
+    await server.start_server(ssl=security.ssl_context)
+    return server
+
+
+async def test_tls_and_basic_auth_guard_the_metrics_page_only(web_file: Path, certs: Certs) -> None:
+    server = await serve(web_file)
+    url = f"https://127.0.0.1:{server.port}"
+    trust = ssl.create_default_context(cafile=str(certs.ca))
+    try:
+        async with aiohttp.ClientSession() as session:
+            ok = {"Authorization": basic("prometheus", "s3cret")}
+            async with session.get(url + "/metrics", ssl=trust, headers=ok) as resp:
+                assert resp.status == 200
+                assert "kvtax_vllm_up" in await resp.text()
+            async with session.get(url + "/metrics", ssl=trust) as resp:
+                assert resp.status == 401
+                assert resp.headers["WWW-Authenticate"].startswith("Basic")
+            bad = {"Authorization": basic("prometheus", "guess")}
+            async with session.get(url + "/metrics", ssl=trust, headers=bad) as resp:
+                assert resp.status == 401
+            # Probes and the push route (its own bearer token) pass without basic auth.
+            async with session.get(url + "/healthz", ssl=trust) as resp:
+                assert resp.status == 200
+            async with session.post(url + "/api/v1/delivered", ssl=trust) as resp:
+                assert resp.status == 200
+            # Plain HTTP on the TLS port gets no page.
+            with pytest.raises(aiohttp.ClientError):
+                async with session.get(f"http://127.0.0.1:{server.port}/healthz") as resp:
+                    await resp.read()
+    finally:
+        await server.close()
+
+
+async def test_required_client_certificates_refuse_a_client_without_one(
+    tmp_path: Path, certs: Certs
+) -> None:
+    path = write(
+        tmp_path,
+        f"tls_server_config:\n  cert_file: {certs.server_cert}\n  key_file: {certs.server_key}\n"
+        f"  client_ca_file: {certs.ca}\n",
+    )
+    server = await serve(path)
+    url = f"https://127.0.0.1:{server.port}/healthz"
+    with_cert = ssl.create_default_context(cafile=str(certs.ca))
+    with_cert.load_cert_chain(certs.client_cert, certs.client_key)
+    without = ssl.create_default_context(cafile=str(certs.ca))
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url, ssl=with_cert) as resp:
+                assert resp.status == 200
+            with pytest.raises(aiohttp.ClientError):
+                async with session.get(url, ssl=without) as resp:
+                    await resp.read()
+    finally:
+        await server.close()
+
+
+def test_serve_refuses_a_bad_file_in_one_line_before_listening(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtax.cli import main
+    from kvtax.serve import logformat
+
+    # Leave the test runner's logging as it is.
+    monkeypatch.setattr(logformat, "install", lambda level, name: None)
+
+    path = write(tmp_path, "tls_server_config: {cert_file: x.crt}\n")
+    args = ["serve", f"--web.config.file={path}", "--proxy.listen-address=off"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "tls_server_config.key_file: is required" in err
