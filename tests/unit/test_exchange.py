@@ -86,6 +86,7 @@ def test_every_outcome_decided_is_one_the_ledger_knows() -> None:
         finished(),
         finished(wrote_all=False, upstream_broke=True),
         finished(wrote_all=False),
+        finished(status=None, shed="queue_full"),
     ]
     decided = {outcome_of(ex, phase) for ex in cases for phase in PHASES}
     assert decided == set(OUTCOMES)

@@ -146,6 +146,7 @@ REQUIRED_ALERTS = {
     "KvtaxVllmScrapeFailing",
     "KvtaxVllmMetricsAbsent",
     "KvtaxSidecarDown",
+    "KvtaxGateShedding",
 }
 
 
@@ -166,7 +167,12 @@ def test_alert_follows_mixin_conventions(rule: Any) -> None:
 
 def test_descriptions_name_model_pod_and_value_where_there_is_one() -> None:
     # The health alerts are about a pod or a target, not a model, and their value is a flag.
-    no_model = {"KvtaxVllmScrapeFailing", "KvtaxVllmMetricsAbsent", "KvtaxSidecarDown"}
+    no_model = {
+        "KvtaxVllmScrapeFailing",
+        "KvtaxVllmMetricsAbsent",
+        "KvtaxSidecarDown",
+        "KvtaxGateShedding",  # one gate per proxy, in front of every model
+    }
     for rule in alert_rules():
         assert "$labels.pod" in rule.description, rule.alert
         if rule.alert not in no_model:

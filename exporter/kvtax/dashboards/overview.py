@@ -29,6 +29,7 @@ from .costs import (
     TAX_OVER_TIME,
     WASTE_NOW,
 )
+from .gate import GATE_ROW
 from .model import Board, Panel, Row, Target, Threshold
 from .promql import by, histogram_quantile, kvtax, rate, vllm
 
@@ -273,6 +274,7 @@ OVERVIEW = Board(
             ),
         ),
         Row("Sizing and admission", (_recommended_vs_configured, _rejections, _coverage)),
+        GATE_ROW,
     ),
     tags=("vllm", "overview"),
 )

@@ -49,6 +49,7 @@ OUTCOMES = (
     "upstream_4xx",
     "too_large",
     "shutdown",
+    "shed",
 )
 SOURCES = ("proxy", "push", "gateway")
 

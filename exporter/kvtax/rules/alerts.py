@@ -287,6 +287,21 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         "kvtax's alerts are blind there.",
     )
 
+    # -- the proxy's admission gate (docs/admission.md) -----------------------------------------
+    shed = c.selector("kvtax_gate_rejections_total", k, 'reason=~"queue_full|wait_expired"')
+    shed_rate = f"sum by ({pod}) (rate({shed}[{w}]))"
+    admitted_rate = f"sum by ({pod}) (rate({c.selector('kvtax_gate_admitted_total', k)}[{w}]))"
+    add(
+        "kvtax-clients",
+        "KvtaxGateShedding",
+        f"{shed_rate} / ({shed_rate} + {admitted_rate}) > {c.gate_shed_ratio:g}",
+        c.gate_shed_for,
+        "warning",
+        "The admission gate in the kvtax proxy is answering many requests with 429.",
+        f"The admission gate{ON_POD} has shed {{{{ $value | humanizePercentage }}}} of "
+        f"requests (queue full or wait expired) over {w}, for {c.gate_shed_for}.",
+    )
+
     # The final pass, as mixins do it: every alert gets its runbook section.
     return tuple(
         AlertRule(

@@ -97,6 +97,9 @@ class RulesConfig:
     # Any sustained shedding means capacity is short, so the default threshold is 0.
     shed_per_second: float = 0.0
     shed_for: str = "15m"
+    # The proxy's admission gate: share of requests it sheds (429) over the rate window.
+    gate_shed_ratio: float = 0.05
+    gate_shed_for: str = "10m"
     # Scrape health: shorter than 15m because every other alert is blind meanwhile.
     vllm_scrape_for: str = "5m"
     vllm_absent_for: str = "15m"

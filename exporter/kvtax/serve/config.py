@@ -106,6 +106,11 @@ def _check_together(config: Config) -> None:
             f"--window={config.window} is invalid: must be at least two scrape intervals "
             f"({2 * config.scrape_interval}s)"
         )
+    if config.admission_floor > config.admission_ceiling:
+        raise ConfigError(
+            f"--admission.floor={config.admission_floor} is invalid: must not exceed "
+            f"--admission.ceiling={config.admission_ceiling}"
+        )
 
 
 def _with_token_file(config: Config) -> Config:

@@ -7,7 +7,8 @@ It is the one place an outcome is decided; nothing else sets or guesses one.
 :func:`record_of` then turns the exchange into the one :class:`RequestRecord` the ledger settles.
 Both are pure: the caller takes the last reading of the client's acknowledgements first.
 
-The outcomes (the ledger's ``OUTCOMES``): ``too_large`` is the proxy's own 413;
+The outcomes (the ledger's ``OUTCOMES``): ``too_large`` is the proxy's own 413; ``shed`` is the
+admission gate's 429 or 400 (the request never reached vLLM);
 ``upstream_4xx`` and ``upstream_error`` are vLLM's 4xx and 5xx, or a vLLM that never answered
 or broke off; ``completed`` means every byte reached the client; ``shutdown`` that kvtax's
 shutdown grace period ended the request first; ``client_disconnected`` that the client left.
@@ -60,6 +61,8 @@ class Exchange:
     credited: int = 0  # delivered tokens the ledger already counted mid-stream
     finished_at: float | None = None
     sent: bool = False  # vLLM got the request even if it never answered
+    shed: str | None = None  # the admission gate answered instead of vLLM, and why
+    prompt_bytes: int = 0  # the gate's measure of the prompt, corrected from vLLM's usage
 
     @property
     def reached_client(self) -> bool:
@@ -75,6 +78,8 @@ def outcome_of(ex: Exchange, phase: Phase) -> str:
     """The one place a request's outcome is decided, from its facts and the proxy's phase."""
     if ex.too_large:
         return "too_large"
+    if ex.shed is not None:
+        return "shed"
     if ex.status is None:
         return "upstream_error"
     if ex.status >= 500:

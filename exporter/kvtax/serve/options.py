@@ -322,6 +322,90 @@ class Config:
         "FORMAT",
     )
 
+    # -- admission gate (docs/admission.md) -----------------------------------------------------
+    admission_mode: str = option(
+        "admission.mode",
+        "off",
+        v.one_of("off", "static", "budget", "auto", "adaptive"),
+        "The proxy's admission gate: off (relay as is), static (cap requests in flight at "
+        "--admission.static-cap), budget (admit by worst-case KV blocks against capacity x "
+        "--target-usage), auto (cap at the recommended max_num_seqs, live) or adaptive (AIMD "
+        "from preemptions and KV usage between --admission.floor and --admission.ceiling).",
+        "MODE",
+    )
+    admission_static_cap: int = option(
+        "admission.static_cap",
+        16,
+        v.positive(int),
+        "Requests in flight the static mode allows.",
+        "N",
+    )
+    admission_floor: int = option(
+        "admission.floor",
+        2,
+        v.positive(int),
+        "Lowest cap of the budget, auto and adaptive modes, and their cap before any figures.",
+        "N",
+    )
+    admission_ceiling: int = option(
+        "admission.ceiling",
+        256,
+        v.positive(int),
+        "Highest cap of the auto and adaptive modes (and the count cap of the budget mode).",
+        "N",
+    )
+    admission_max_queue: int = option(
+        "admission.max_queue",
+        256,
+        v.positive(int),
+        "Requests that may wait in front of the cap; more get 429 with Retry-After.",
+        "N",
+    )
+    admission_max_wait: float = option(
+        "admission.max_wait",
+        30.0,
+        v.positive_duration,
+        "Longest wait in the admission queue; past it the request gets 429 with Retry-After.",
+        "DURATION",
+    )
+    admission_order: str = option(
+        "admission.order",
+        "fifo",
+        v.one_of("fifo", "shortest"),
+        "Queue order: fifo, or shortest (smallest prompt + max_tokens first).",
+        "ORDER",
+    )
+    admission_token_budget: int | None = option(
+        "admission.token_budget",
+        None,
+        v.optional_positive_int,
+        "Most prompt + max_tokens one request may ask for, with the gate on; see "
+        "--admission.over-budget.",
+        "TOKENS",
+    )
+    admission_over_budget: str = option(
+        "admission.over_budget",
+        "reject",
+        v.one_of("reject", "clamp"),
+        "A request over --admission.token-budget: reject (400) or clamp its max_tokens.",
+        "ACTION",
+    )
+    admission_max_model_len: int | None = option(
+        "admission.max_model_len",
+        None,
+        v.optional_positive_int,
+        "The model's max length (vLLM --max-model-len): the worst case of a request that "
+        "states no max_tokens. Unset: the whole KV pool.",
+        "TOKENS",
+    )
+    admission_block_size: int = option(
+        "admission.block_size",
+        16,
+        v.positive(int),
+        "vLLM's KV block size in tokens (--block-size), to count footprints in whole blocks.",
+        "TOKENS",
+    )
+
     @property
     def effective_timeout(self) -> float:
         return (

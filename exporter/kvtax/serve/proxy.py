@@ -15,6 +15,11 @@ ends, however it ends, :func:`~kvtax.serve.exchange.outcome_of` decides its outc
 facts and the proxy's one shutdown state (:attr:`Proxy.state`), and the ledger settles one
 record.
 
+With an admission gate (:mod:`kvtax.serve.gate`, ``--admission.mode`` other than ``off``) an
+accounted request passes the gate after its body is read and before vLLM sees it: it may wait
+in the gate's queue, be shed with a 429 and ``Retry-After``, or be refused (400) or clamped by
+the per-request token budget. Without one, nothing of this runs and the relay is unchanged.
+
 Errors the proxy itself produces (vLLM unreachable, timed out, body too large) are OpenAI-style
 JSON (:mod:`kvtax.serve.errors`); vLLM's own statuses, headers and error bodies pass through
 unchanged. Nothing of a prompt, a completion or a header value is ever logged.
@@ -37,14 +42,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
+from kvtax.admission.footprint import check_budget, shape_of, with_max_tokens
 from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.sse import HoldBudget, UsageWish
 from kvtax.delivery.timing import SloTargets
 from kvtax.serve.bodies import BodyTooLarge, read_bounded
-from kvtax.serve.errors import too_large, upstream_failure
+from kvtax.serve.errors import over_budget, shed, too_large, upstream_failure
 from kvtax.serve.exchange import Exchange, Phase, outcome_of, record_of
+from kvtax.serve.gate import Gate, Ticket
 from kvtax.serve.relay import Relay, pass_through
 from kvtax.serve.upstream import (
     NO_AUTO,
@@ -90,8 +98,11 @@ class Proxy:
         ledger: DeliveryLedger,
         *,
         clock: Callable[[], float] = time.monotonic,
+        gate: Gate | None = None,
     ) -> None:
         self.settings = settings
+        # None: no admission gate, the plain relay.
+        self.gate = gate
         self.ledger = ledger
         self.clock = clock
         self.in_flight = 0
@@ -242,7 +253,10 @@ class Proxy:
             acks.refresh()  # a last reading: the client may have acknowledged since
             acks.close()
         outcome = outcome_of(ex, self.state)
-        self.ledger.settle(record_of(ex, outcome, ended=self.clock(), slo=self.settings.slo))
+        record = record_of(ex, outcome, ended=self.clock(), slo=self.settings.slo)
+        self.ledger.settle(record)
+        if self.gate is not None and ex.prompt_bytes and record.prompt_tokens:
+            self.gate.learn(ex.prompt_bytes, record.prompt_tokens)
 
     async def _handle(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
         try:
@@ -251,6 +265,51 @@ class Proxy:
             ex.too_large = True
             return too_large(self.settings.max_body)
         ex.model, wish, body = prepare(body)
+        if self.gate is None:
+            return await self._forward(request, ex, wish, body)
+        gate = self.gate
+        entry = await self._admit(gate, body, ex)
+        if isinstance(entry, web.StreamResponse):
+            return entry
+        ticket, body = entry
+        try:
+            return await self._forward(request, ex, wish, body)
+        finally:
+            gate.leave(ticket)
+
+    async def _admit(
+        self, gate: Gate, body: bytes, ex: Exchange
+    ) -> tuple[Ticket, bytes] | web.StreamResponse:
+        """Pass ``gate``: the ticket and the body to send (its max_tokens perhaps clamped), or
+        the gate's own answer (400 over the token budget, 429 shed)."""
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            payload = None  # vLLM answers its 400; the gate sizes it as empty
+        shape = shape_of(payload)
+        ex.prompt_bytes = shape.prompt_bytes
+        budget, over = gate.settings.token_budget, gate.settings.over_budget
+        prompt = gate.estimator.estimate(shape.prompt_bytes)
+        verdict = check_budget(prompt, shape.max_tokens, budget, over)
+        limit = shape.max_tokens
+        if verdict.action == "reject":
+            ex.shed = "over_budget"
+            gate.rejections["over_budget"] += 1
+            return over_budget(verdict.message)
+        if verdict.action == "clamp" and isinstance(payload, dict) and verdict.max_tokens:
+            limit = verdict.max_tokens
+            body = orjson.dumps(with_max_tokens(payload, limit))
+        ticket = gate.ticket(shape, limit)
+        reason = await gate.enter(ticket)
+        if reason is not None:
+            ex.shed = reason
+            return shed(reason, gate.retry_after())
+        return ticket, body
+
+    async def _forward(
+        self, request: web.Request, ex: Exchange, wish: UsageWish | None, body: bytes
+    ) -> web.StreamResponse:
+        """Send the request to vLLM and relay its answer."""
         try:
             upstream = await self.session.post(
                 self.settings.upstream + request.rel_url.raw_path_qs,

@@ -233,3 +233,15 @@ def telemetry_path(value: Any) -> str:
             f"{path} is taken; choose a path other than /, {', '.join(RESERVED_PATHS)}"
         )
     return path
+
+
+def one_of(*choices: str) -> Callable[[Any], str]:
+    """A parser accepting exactly one of ``choices``."""
+
+    def check(value: Any) -> str:
+        chosen = str(value).strip().lower()
+        if chosen not in choices:
+            raise ValueError("must be one of " + ", ".join(choices))
+        return chosen
+
+    return check

@@ -10,6 +10,10 @@
 - the report behind ``/metrics``: the sidecar's health and figures, the ledger's counters, the
   proxy's gauges and the self-watch, read and never written.
 
+The admission gate (:mod:`kvtax.serve.gate`) follows the sidecar's figures after each scrape;
+the proxy holds it only when ``--admission.mode`` is not ``off``, and ``/metrics`` shows its
+advice either way.
+
 The proxy starts when ``--proxy.listen_address`` is set, the gateway poller when
 ``--gateway.url`` is set; the push endpoint is always on the web port (and refuses pushes until a
 token is configured).
@@ -32,11 +36,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvtax.admission.cap import CapSettings, Mode
+from kvtax.admission.footprint import OverBudget
+from kvtax.admission.order import Order
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import adapter_samples, ledger_samples, proxy_samples
 from kvtax.expose.report import HistogramSample, Sample
 from kvtax.figures.window import Window
 from kvtax.serve.config import Config
+from kvtax.serve.gate import Follower, Gate, GateSettings
 from kvtax.serve.models import ModelsPoller
 from kvtax.serve.parsepool import ParsePool
 from kvtax.serve.proxy import Proxy, ProxySettings
@@ -45,7 +53,7 @@ from kvtax.serve.sidecar import LedgerFeed, Sidecar
 from kvtax.serve.sources import PUSH_PATH, GatewayPoller, push_handler
 from kvtax.serve.webconfig import load as load_web_config
 
-__all__ = ["Stack", "build", "run"]
+__all__ = ["Stack", "build", "gate_settings", "run"]
 
 log = logging.getLogger("kvtax.serve.wiring")
 
@@ -62,6 +70,8 @@ class Stack:
     gateway: GatewayPoller | None
     loopwatch: LoopWatch
     sidecar: Sidecar
+    gate: Gate
+    follower: Follower
     models: ModelsPoller | None = None
 
     def report(self) -> Iterator[Sample | HistogramSample]:
@@ -70,11 +80,13 @@ class Stack:
         yield from ledger_samples(self.ledger.counts())
         yield from adapter_samples(self.ledger.adapter_counts())
         yield from proxy_samples(self.proxy.in_flight, self.proxy.streams_open)
+        yield from self.gate.samples()
         yield from self.loopwatch.samples()
 
     async def start(self) -> None:
         await self.sidecar.start()
         self.loopwatch.start()
+        self.follower.start()
         if self.config.proxy_listen_address is not None:
             await self.proxy.start(*self.config.proxy_listen_address)
         if self.gateway is not None:
@@ -93,6 +105,7 @@ class Stack:
             await self.models.stop()
 
     async def stop(self) -> None:
+        await self.follower.stop()
         await self.sidecar.stop()
         await self.loopwatch.stop()
 
@@ -106,6 +119,29 @@ def _proxy_settings(config: Config) -> ProxySettings:
         stall_min=config.proxy_stall_min,
         slo_ttft=config.slo_ttft,
         slo_itl=config.slo_itl,
+    )
+
+
+def gate_settings(config: Config) -> GateSettings:
+    """The admission gate's settings, from the ``admission.*`` options."""
+    mode: Mode = config.admission_mode  # type: ignore[assignment]  # checked by the option
+    order: Order = config.admission_order  # type: ignore[assignment]
+    over: OverBudget = config.admission_over_budget  # type: ignore[assignment]
+    return GateSettings(
+        cap=CapSettings(
+            mode=mode,
+            static_cap=config.admission_static_cap,
+            floor=config.admission_floor,
+            ceiling=config.admission_ceiling,
+            target_usage=config.target_usage,
+            block_size=config.admission_block_size,
+        ),
+        max_queue=config.admission_max_queue,
+        max_wait=config.admission_max_wait,
+        order=order,
+        token_budget=config.admission_token_budget,
+        over_budget=over,
+        max_model_len=config.admission_max_model_len,
     )
 
 
@@ -151,7 +187,8 @@ def build(
     names = ModelNames()
     ledger = DeliveryLedger(names)
     window = Window(config.window, max_models=config.scrape_max_models)
-    proxy = Proxy(_proxy_settings(config), ledger)
+    gate = Gate(gate_settings(config))
+    proxy = Proxy(_proxy_settings(config), ledger, gate=gate if gate.settings.on else None)
     push = push_handler(
         ledger, config.push_token, allow_unauthenticated=config.push_allow_unauthenticated
     )
@@ -171,6 +208,8 @@ def build(
         parser=parser,
         security=security,
     )
+    # Four checks a scrape interval: the gate acts on a scrape's figures soon after it.
+    follower = Follower(gate, sidecar, config.scrape_interval / 4)
     stack = Stack(
         config,
         names,
@@ -180,6 +219,8 @@ def build(
         _gateway(config, ledger),
         LoopWatch(),
         sidecar,
+        gate,
+        follower,
         _models(config, names),
     )
     return stack

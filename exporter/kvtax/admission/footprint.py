@@ -1,0 +1,122 @@
+"""A request's size for admission: prompt tokens, worst-case footprint, KV blocks, token budget.
+
+The prompt is counted without a tokenizer: its bytes times a tokens-per-byte ratio that starts
+conservative and is corrected from the prompt tokens vLLM reports in usage
+(:class:`TokenEstimator`). The worst case a request can hold in KV is its prompt plus its
+``max_tokens`` (the model's length when it states none); counted in whole blocks it is what
+the budget mode admits against.
+
+Example::
+
+    shape = shape_of(body)                      # Shape(prompt_bytes=812, max_tokens=256)
+    tokens = TokenEstimator().estimate(shape.prompt_bytes)
+    blocks_of(tokens + 256, block_size=16)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "BudgetVerdict",
+    "Shape",
+    "TokenEstimator",
+    "blocks_of",
+    "check_budget",
+    "shape_of",
+    "with_max_tokens",
+]
+
+OverBudget = Literal["reject", "clamp"]
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What admission reads of a request body: the prompt's size and the completion's limit."""
+
+    prompt_bytes: int
+    max_tokens: int | None
+
+
+def shape_of(payload: Any) -> Shape:
+    """The shape of a parsed completion or chat body; a body that is not an object has size 0
+    and no limit (vLLM answers its 400)."""
+    if not isinstance(payload, dict):
+        return Shape(0, None)
+    prompt = payload.get("messages", payload.get("prompt", ""))
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    valid = isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
+    return Shape(len(text.encode()), limit if valid else None)
+
+
+def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The body with its completion limit set to ``limit``, under the key it used."""
+    key = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
+    return {**payload, key: limit}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEstimator:
+    """Prompt tokens from prompt bytes. The ratio starts at 0.35 tokens a byte (above what
+    English text needs, so it over-counts) and moves toward what vLLM reports."""
+
+    tokens_per_byte: float = 0.35
+    weight: float = 0.2
+
+    def estimate(self, prompt_bytes: int) -> int:
+        return max(1, math.ceil(prompt_bytes * self.tokens_per_byte))
+
+    def learned(self, prompt_bytes: int, prompt_tokens: int) -> TokenEstimator:
+        """Corrected by one request whose prompt vLLM counted."""
+        if prompt_bytes < 16 or prompt_tokens <= 0:
+            return self  # too short to say anything about the ratio
+        seen = prompt_tokens / prompt_bytes
+        ratio = (1 - self.weight) * self.tokens_per_byte + self.weight * seen
+        return TokenEstimator(ratio, self.weight)
+
+
+def blocks_of(tokens: int, block_size: int) -> int:
+    """Whole KV blocks ``tokens`` occupy."""
+    return max(1, math.ceil(tokens / block_size))
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetVerdict:
+    """``ok``; ``clamp`` to ``max_tokens``; or ``reject`` with a message naming the budget."""
+
+    action: Literal["ok", "clamp", "reject"]
+    max_tokens: int | None = None
+    message: str = ""
+
+
+def check_budget(
+    prompt_tokens: int, max_tokens: int | None, budget: int | None, over: OverBudget
+) -> BudgetVerdict:
+    """Whether prompt + max_tokens fits the per-request ``budget`` of tokens (None: no budget).
+
+    A request without ``max_tokens`` is clamped to what the budget leaves (or rejected, in
+    ``reject``). A prompt that leaves no room is always rejected.
+    """
+    if budget is None:
+        return BudgetVerdict("ok")
+    room = budget - prompt_tokens
+    if room < 1:
+        return BudgetVerdict(
+            "reject",
+            message=f"the prompt (about {prompt_tokens} tokens) leaves no room in the "
+            f"per-request budget of {budget} tokens (--admission.token-budget)",
+        )
+    if max_tokens is not None and max_tokens <= room:
+        return BudgetVerdict("ok")
+    if over == "clamp":
+        return BudgetVerdict("clamp", room)
+    stated = "no max_tokens" if max_tokens is None else f"max_tokens={max_tokens}"
+    return BudgetVerdict(
+        "reject",
+        message=f"prompt (about {prompt_tokens} tokens) plus {stated} exceeds the per-request "
+        f"budget of {budget} tokens (--admission.token-budget); ask for at most {room}",
+    )

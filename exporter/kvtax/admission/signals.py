@@ -1,0 +1,63 @@
+"""One scrape's :class:`~kvtax.admission.cap.Signals`, from the figures every model has.
+
+A vLLM server usually serves one model; with several, the gate in front of it sees the pool as
+one: the largest capacity and KV usage, the longest p95 length, and the preemptions and
+recompute of all models together. Counts are increases of reset-corrected totals since the
+previous call, so the caller keeps the totals this returns and hands them back next time.
+
+Example::
+
+    signals, totals = signals_of(sidecar.figures, previous_totals, queued=3, in_flight=8)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvtax.admission.cap import Signals
+from kvtax.figures.derive import ModelFigures
+
+__all__ = ["Totals", "signals_of"]
+
+# (preemptions, recomputed tokens) per model, as of the last call.
+Totals = Mapping[str, tuple[float, float]]
+
+
+def _recomputed(totals: Mapping[str, float]) -> float:
+    """The largest recompute total of any method (a method the engine lacks is absent)."""
+    values = [v for k, v in totals.items() if k.startswith("recomputed_")]
+    return max(values, default=0.0)
+
+
+def signals_of(
+    figures: Mapping[str, ModelFigures],
+    before: Totals,
+    *,
+    queued: int,
+    in_flight: int,
+    footprint_p95: float | None,
+) -> tuple[Signals, dict[str, tuple[float, float]]]:
+    """The signals of this scrape and the totals to pass to the next call."""
+    engine = {m: f for m, f in figures.items() if f.engine}
+    totals = {
+        m: (f.totals.get("preemptions", 0.0), _recomputed(f.totals)) for m, f in engine.items()
+    }
+    preempted = recomputed = 0.0
+    for model, (p, r) in totals.items():
+        p0, r0 = before.get(model, (p, r))  # a model seen for the first time adds nothing
+        preempted += max(0.0, p - p0)
+        recomputed += max(0.0, r - r0)
+    capacities = [f.kv_capacity_tokens for f in engine.values() if f.kv_capacity_tokens]
+    lengths = [f.length_p95 for f in engine.values() if f.length_p95]
+    usages = [f.kv_usage for f in engine.values() if f.kv_usage is not None]
+    signals = Signals(
+        capacity_tokens=max(capacities, default=None),
+        length_p95=max(lengths, default=None),
+        footprint_p95=footprint_p95,
+        kv_usage=max(usages, default=None),
+        preemptions=preempted,
+        recomputed=recomputed,
+        queued=queued,
+        in_flight=in_flight,
+    )
+    return signals, totals

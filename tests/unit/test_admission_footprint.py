@@ -1,0 +1,80 @@
+"""Request footprint, token budget, queue order and Retry-After of the admission gate."""
+
+from __future__ import annotations
+
+from kvtax.admission.footprint import (
+    TokenEstimator,
+    blocks_of,
+    check_budget,
+    shape_of,
+    with_max_tokens,
+)
+from kvtax.admission.order import queue_key, retry_after
+
+
+def test_shape_reads_prompt_or_messages_and_the_limit() -> None:
+    assert shape_of({"prompt": "héllo", "max_tokens": 5}).prompt_bytes == 6
+    chat = shape_of({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9})
+    assert chat.max_tokens == 9
+    assert chat.prompt_bytes > 2
+    assert shape_of({"prompt": "x", "max_tokens": True}).max_tokens is None
+    assert shape_of({"prompt": "x", "max_tokens": -3}).max_tokens is None
+    assert shape_of(["not", "an", "object"]).prompt_bytes == 0
+
+
+def test_with_max_tokens_keeps_the_key_the_client_used() -> None:
+    assert with_max_tokens({"max_completion_tokens": 900}, 10) == {"max_completion_tokens": 10}
+    assert with_max_tokens({"prompt": "x"}, 10) == {"prompt": "x", "max_tokens": 10}
+
+
+def test_estimator_over_counts_then_learns_from_usage() -> None:
+    est = TokenEstimator()
+    assert est.estimate(400) == 140
+    for _ in range(30):
+        est = est.learned(400, 100)
+    assert 100 <= est.estimate(400) <= 105
+    assert est.learned(4, 100) is est  # too short to learn from
+
+
+def test_blocks_round_up() -> None:
+    assert blocks_of(1, 16) == 1
+    assert blocks_of(16, 16) == 1
+    assert blocks_of(17, 16) == 2
+
+
+def test_budget_passes_what_fits() -> None:
+    assert check_budget(100, 200, 512, "reject").action == "ok"
+    assert check_budget(100, 200, None, "reject").action == "ok"
+
+
+def test_budget_rejects_with_a_clear_message() -> None:
+    verdict = check_budget(100, 600, 512, "reject")
+    assert verdict.action == "reject"
+    assert "--admission.token-budget" in verdict.message
+    assert "at most 412" in verdict.message
+    assert check_budget(100, None, 512, "reject").action == "reject"
+
+
+def test_budget_clamps_max_tokens_to_the_room_left() -> None:
+    assert check_budget(100, 600, 512, "clamp").max_tokens == 412
+    assert check_budget(100, None, 512, "clamp").max_tokens == 412
+
+
+def test_a_prompt_over_the_budget_is_rejected_even_when_clamping() -> None:
+    assert check_budget(600, 10, 512, "clamp").action == "reject"
+
+
+def test_queue_orders() -> None:
+    fifo = sorted([queue_key("fifo", seq=2, footprint=1), queue_key("fifo", seq=1, footprint=9)])
+    assert fifo[0] == (1, 1)
+    short = sorted(
+        [queue_key("shortest", seq=1, footprint=900), queue_key("shortest", seq=2, footprint=50)]
+    )
+    assert short[0] == (50, 2)
+
+
+def test_retry_after_from_the_completion_rate() -> None:
+    assert retry_after(ahead=9, completions=20, span=10.0, limit=60) == 5
+    assert retry_after(ahead=0, completions=100, span=1.0, limit=60) == 1
+    assert retry_after(ahead=1000, completions=1, span=60.0, limit=30) == 30
+    assert retry_after(ahead=3, completions=0, span=60.0, limit=30) == 30

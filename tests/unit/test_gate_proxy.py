@@ -1,0 +1,350 @@
+"""The admission gate in the proxy, in process: a held fake vLLM, the gate's queue and answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvtax.admission.cap import CapSettings
+from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.serve.config import Config
+from kvtax.serve.gate import Gate, GateSettings
+from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax.serve.wiring import build
+from kvtax_dev.testbed.engine import free_port
+
+
+@dataclass
+class HeldVllm:
+    """A vLLM that answers a completion only when the test releases it, one per release."""
+
+    hold: bool = True
+    bodies: list[bytes] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    gone: int = 0
+
+    def __post_init__(self) -> None:
+        self.slots = asyncio.Semaphore(0)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.bodies.append(raw)
+        self.headers.append(
+            {k: v for k, v in request.headers.items() if k.lower() not in ("host",)}
+        )
+        try:
+            if self.hold:
+                await self.slots.acquire()
+        except asyncio.CancelledError:
+            self.gone += 1
+            raise
+        payload = json.loads(raw)
+        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+        if payload.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            chunk = {"choices": [{"index": 0, "text": "ok"}], "usage": usage}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        return web.json_response({"choices": [{"index": 0, "text": "ok"}], "usage": usage})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+
+@pytest.fixture
+async def vllm() -> AsyncIterator[tuple[HeldVllm, str]]:
+    fake = HeldVllm()
+    runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield fake, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+Started = list[Proxy]
+
+
+@pytest.fixture
+async def proxies() -> AsyncIterator[Started]:
+    started: Started = []
+    yield started
+    for proxy in started:
+        await proxy.stop()
+
+
+async def _start(started: Started, upstream: str, gate: Gate | None) -> str:
+    names = ModelNames()
+    names.update(["m"])
+    proxy = Proxy(ProxySettings(upstream=upstream), DeliveryLedger(names), gate=gate)
+    port = free_port()
+    await proxy.start("127.0.0.1", port)
+    started.append(proxy)
+    return f"http://127.0.0.1:{port}"
+
+
+def _gate(**settings: Any) -> Gate:
+    cap = settings.pop("cap", CapSettings(mode="static", static_cap=1))
+    return Gate(GateSettings(cap=cap, **settings))
+
+
+async def _until(condition: Callable[[], bool], limit: float = 30.0) -> None:
+    """Wait for a condition that must become true; the limit only guards against hangs."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not condition() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert condition()
+
+
+BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16}
+
+
+async def _post(client: aiohttp.ClientSession, url: str, body: Any = None) -> tuple[int, Any, Any]:
+    async with client.post(url + "/v1/completions", json=body or BODY) as resp:
+        return resp.status, resp.headers, await resp.json()
+
+
+async def test_a_full_queue_answers_429_with_retry_after_and_an_openai_error(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    gate = _gate(max_queue=1)
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        first = asyncio.ensure_future(_post(client, url))
+        await _until(lambda: len(fake.bodies) == 1)
+        second = asyncio.ensure_future(_post(client, url))
+        await _until(lambda: gate.queued == 1)
+        status, headers, body = await _post(client, url)
+        assert status == 429
+        assert int(headers["Retry-After"]) >= 1
+        assert body["error"]["type"] == "rate_limit_exceeded"
+        assert body["error"]["code"] == 429
+        assert "--admission.max-queue" in body["error"]["message"]
+        fake.slots.release()
+        fake.slots.release()
+        assert (await first)[0] == 200
+        assert (await second)[0] == 200
+    assert gate.rejections["queue_full"] == 1
+    assert gate.in_flight == 0
+    assert len(fake.bodies) == 2  # the shed request never reached vLLM
+    outcomes = proxies[0].ledger.counts()
+    assert sum(b.outcomes["shed"] for b in outcomes.values()) == 1
+
+
+async def test_a_wait_past_max_wait_answers_429_with_retry_after(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    gate = _gate(max_wait=0.05)
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        first = asyncio.ensure_future(_post(client, url))
+        await _until(lambda: len(fake.bodies) == 1)
+        status, headers, body = await _post(client, url)
+        assert status == 429
+        assert "Retry-After" in headers
+        assert "--admission.max-wait" in body["error"]["message"]
+        fake.slots.release()
+        await first
+    assert gate.rejections["wait_expired"] == 1
+    assert gate.queued == 0
+
+
+async def test_retry_after_follows_the_completion_rate(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(max_wait=600.0)
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        for _ in range(5):
+            assert (await _post(client, url))[0] == 200
+    # Five completions in well under a minute: the next slot is seconds away, not max-wait.
+    assert gate.retry_after() < 600
+
+
+async def test_a_queued_client_that_leaves_frees_its_place_at_once(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    gate = _gate(max_queue=1)
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        first = asyncio.ensure_future(_post(client, url))
+        await _until(lambda: len(fake.bodies) == 1)
+        async with aiohttp.ClientSession() as leaving:
+            queued = asyncio.ensure_future(_post(leaving, url))
+            await _until(lambda: gate.queued == 1)
+            queued.cancel()
+        # The client closed its connection: the gate dropped it from the queue...
+        await _until(lambda: gate.queued == 0)
+        # ... so another request gets that place instead of a 429 queue_full.
+        third = asyncio.ensure_future(_post(client, url))
+        await _until(lambda: gate.queued == 1)
+        fake.slots.release()
+        fake.slots.release()
+        assert (await first)[0] == 200
+        assert (await third)[0] == 200
+    assert gate.rejections["queue_full"] == 0
+    assert len(fake.bodies) == 2
+    assert gate.in_flight == 0
+
+
+async def test_a_client_leaving_while_vllm_answers_frees_its_slot(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    gate = _gate()
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as leaving:
+        running = asyncio.ensure_future(_post(leaving, url))
+        await _until(lambda: gate.in_flight == 1)
+        running.cancel()
+    await _until(lambda: gate.in_flight == 0)
+    await _until(lambda: fake.gone == 1)
+
+
+@pytest.mark.parametrize(("order", "first_admitted"), [("fifo", 4000), ("shortest", 8)])
+async def test_queue_order(
+    vllm: tuple[HeldVllm, str], proxies: Started, order: str, first_admitted: int
+) -> None:
+    fake, upstream = vllm
+    gate = _gate(order=order)
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        tasks = [asyncio.ensure_future(_post(client, url, {**BODY, "max_tokens": 1}))]
+        await _until(lambda: len(fake.bodies) == 1)
+        for n in (4000, 8):
+            tasks.append(asyncio.ensure_future(_post(client, url, {**BODY, "max_tokens": n})))
+            await _until(lambda: gate.queued == len(tasks) - 1)
+        fake.slots.release()
+        await _until(lambda: len(fake.bodies) == 2)
+        fake.slots.release()
+        fake.slots.release()
+        await asyncio.gather(*tasks)
+    assert json.loads(fake.bodies[1])["max_tokens"] == first_admitted
+
+
+async def test_token_budget_rejects_with_a_400(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), token_budget=100)
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        status, _, body = await _post(client, url, {**BODY, "max_tokens": 500})
+        assert status == 400
+        assert body["error"]["type"] == "invalid_request_error"
+        assert "--admission.token-budget" in body["error"]["message"]
+        assert (await _post(client, url, {**BODY, "max_tokens": 50}))[0] == 200
+    assert gate.rejections["over_budget"] == 1
+    assert len(fake.bodies) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_token_budget_clamps_max_tokens(
+    vllm: tuple[HeldVllm, str], proxies: Started, stream: bool
+) -> None:
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(
+        cap=CapSettings(mode="static", static_cap=8), token_budget=100, over_budget="clamp"
+    )
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        body = {**BODY, "max_tokens": 500, "stream": stream}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+        no_limit = {"model": "m", "prompt": "hello there"}
+        async with client.post(url + "/v1/completions", json=no_limit) as resp:
+            assert resp.status == 200
+    prompt = gate.estimator.estimate(len(b"hello there"))
+    assert json.loads(fake.bodies[0])["max_tokens"] == 100 - prompt
+    assert json.loads(fake.bodies[1])["max_tokens"] == 100 - prompt
+
+
+def _exchange_bytes(fake: HeldVllm) -> list[tuple[bytes, dict[str, str]]]:
+    return list(zip(fake.bodies, fake.headers, strict=True))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_mode_off_is_byte_for_byte_the_plain_proxy(
+    vllm: tuple[HeldVllm, str], proxies: Started, stream: bool
+) -> None:
+    """The proxy `kvtax serve` builds with the gate off, against the proxy without a gate:
+    the same bytes reach vLLM and the same bytes reach the client."""
+    fake, upstream = vllm
+    fake.hold = False
+    stack = build(Config(vllm_url=upstream))
+    assert stack.proxy.gate is None
+    assert stack.gate.settings.on is False
+    port = free_port()
+    await stack.proxy.start("127.0.0.1", port)
+    proxies.append(stack.proxy)
+    plain = await _start(proxies, upstream, None)
+    body = json.dumps({**BODY, "stream": stream}).encode()
+    seen: list[tuple[int, bytes]] = []
+    async with aiohttp.ClientSession() as client:
+        for url in (plain, f"http://127.0.0.1:{port}"):
+            async with client.post(
+                url + "/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json", "X-Trace": "1"},
+            ) as resp:
+                seen.append((resp.status, await resp.read()))
+    assert seen[0] == seen[1]
+    to_vllm = _exchange_bytes(fake)
+    assert to_vllm[0] == to_vllm[1]
+
+
+async def test_a_gate_with_room_sends_vllm_the_same_bytes(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    fake.hold = False
+    plain = await _start(proxies, upstream, None)
+    gated = await _start(proxies, upstream, _gate(cap=CapSettings(mode="static", static_cap=8)))
+    body = json.dumps({**BODY, "stream": True}).encode()
+    replies = []
+    async with aiohttp.ClientSession() as client:
+        for url in (plain, gated):
+            async with client.post(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
+                replies.append(await resp.read())
+    assert replies[0] == replies[1]
+    assert fake.bodies[0] == fake.bodies[1]
+
+
+async def test_cold_start_holds_the_engine_to_the_floor(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    gate = _gate(cap=CapSettings(mode="adaptive", floor=2, ceiling=64))
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        tasks = [asyncio.ensure_future(_post(client, url)) for _ in range(5)]
+        await _until(lambda: gate.queued == 3)
+        await _until(lambda: len(fake.bodies) == 2)
+        assert gate.in_flight == 2  # no figures yet: the floor, not unlimited
+        for _ in range(5):
+            fake.slots.release()
+        await asyncio.gather(*tasks)
+    assert gate.admitted == 5
