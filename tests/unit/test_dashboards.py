@@ -111,6 +111,26 @@ def test_every_panel_and_target_uses_the_datasource_variable(committed: dict[str
         assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
 
 
+_KVTAX_SELECTOR = re.compile(r"\b(kvtax_[a-z_]+?)(?:_bucket|_sum|_count)?\{([^{}]*)\}")
+
+
+def test_a_kvtax_series_without_model_name_ignores_the_model_variable(
+    committed: dict[str, Any],
+) -> None:
+    # A chosen model's regex never matches an absent label: such a panel would go empty
+    # whenever one model is picked (the gate's series are one per pod, not per model).
+    checked = 0
+    for panel, target in queries(committed):
+        for name, matchers in _KVTAX_SELECTOR.findall(target["expr"]):
+            spec = METRICS.get(name) or METRICS.get(name + "_total")
+            if spec is None:
+                continue
+            checked += 1
+            takes_model = 'model_name=~"$model_name"' in matchers
+            assert takes_model == ("model_name" in spec.labels), (panel["title"], name)
+    assert checked
+
+
 def test_every_rate_uses_rate_interval(committed: dict[str, Any]) -> None:
     exprs = [t["expr"] for _, t in queries(committed)]
     rates = [e for e in exprs if "rate(" in e or "increase(" in e]

@@ -1,7 +1,8 @@
 """The Overview's "Admission gate" row: the proxy's cap, its queue and what it sheds.
 
 The gate's series carry no ``model_name`` (one gate stands in front of every model of a pod),
-so these panels show data when the model variable is "All". Pure: no I/O.
+so their selectors take the namespace and pod variables only, and the panels keep their data
+whichever model is chosen. Pure: no I/O.
 """
 
 from __future__ import annotations

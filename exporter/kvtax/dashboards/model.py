@@ -123,14 +123,14 @@ class Board:
 Setting = Callable[[str], float]
 # vLLM's official Grafana dashboards carry the tag "vllm" and a model_name variable.
 VLLM_DASHBOARDS_TAG = "vllm"
-_SELECTOR = re.compile(r'\{(?=[^{}]*model_name=~"\$model_name")')
+_SELECTOR = re.compile(r'\{(?=[^{}]*(?:model_name=~"\$model_name"|pod=~"\$pod"))')
 _GROUPING = re.compile(r"\b(by|on)\s*\(\s*(\))?")
 
 
 def with_cluster(expr: str, label: str) -> str:
     """``expr`` narrowed to ``$cluster`` and grouped by ``label`` wherever it groups.
 
-    Every selector that takes the model_name variable gains ``label=~"$cluster"``, and every
+    Every selector that takes the model_name or pod variable gains ``label=~"$cluster"``, and every
     ``by (...)`` and ``on (...)`` starts with ``label``: pods of one name in two clusters stay
     two series, as in the rules.
     """

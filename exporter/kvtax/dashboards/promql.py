@@ -40,6 +40,9 @@ RATE_INTERVAL = "$__rate_interval"
 # With "All" the variables expand to ".*", which also matches an absent label: the same
 # queries work on a Kubernetes Prometheus (namespace and pod labels) and on a static scrape.
 SELECTOR = 'namespace=~"$namespace", pod=~"$pod", model_name=~"$model_name"'
+# A kvtax series without model_name (the proxy's and the gate's, one per pod) must not take the
+# model variable: a chosen model's regex does not match an absent label, so the panel would empty.
+POD_SELECTOR = 'namespace=~"$namespace", pod=~"$pod"'
 
 
 def _matchers(extra: Iterable[tuple[str, str]]) -> str:
@@ -51,7 +54,8 @@ def kvtax(name: str, *, part: str = "", where: Iterable[tuple[str, str]] = ()) -
     spec = METRICS[name]
     if (spec.type == "histogram") != bool(part):
         raise ValueError(f"{name} is a {spec.type}: part {part!r} does not fit")
-    return f"{name}{part}{{{SELECTOR}{_matchers(where)}}}"
+    selector = SELECTOR if "model_name" in spec.labels else POD_SELECTOR
+    return f"{name}{part}{{{selector}{_matchers(where)}}}"
 
 
 def vllm(concept: str, *, part: str = "", where: Iterable[tuple[str, str]] = ()) -> str:
