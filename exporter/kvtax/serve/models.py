@@ -20,8 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 
@@ -30,7 +28,7 @@ import aiohttp
 from kvtax.delivery.adapters import AdapterError, adapters_from_models, merge_adapters
 from kvtax.delivery.ledger import ModelNames
 from kvtax.serve.bodies import read_bounded
-from kvtax.serve.logsafe import redact_url
+from kvtax.serve.poller import Poller
 
 __all__ = ["MAX_MODELS_BODY", "MODELS_PATH", "ModelsPoller"]
 
@@ -41,8 +39,10 @@ MODELS_PATH = "/v1/models"
 MAX_MODELS_BODY = 4 * 1024 * 1024
 
 
-class ModelsPoller:
+class ModelsPoller(Poller):
     """Keeps ``names``' adapter map in step with vLLM's ``/v1/models`` and the config."""
+
+    what = "vLLM's model list"
 
     def __init__(
         self,
@@ -53,15 +53,12 @@ class ModelsPoller:
         interval: float,
         timeout: float,
     ) -> None:
+        super().__init__(
+            url=url.rstrip("/") + MODELS_PATH, interval=interval, timeout=timeout, log=log
+        )
         self.names = names
-        self.url = url.rstrip("/") + MODELS_PATH
         self.configured = configured
-        self.interval = interval
-        self.timeout = timeout
-        self.errors = 0
         self._discovered: dict[str, str] = {}
-        self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
         # The configured map holds from the start, before vLLM has answered at all.
         names.set_adapters(merge_adapters(configured, {}))
 
@@ -74,43 +71,18 @@ class ModelsPoller:
         self._discovered = adapters_from_models(document)
         self.names.set_adapters(merge_adapters(self.configured, self._discovered))
 
-    async def _fetch(self, session: aiohttp.ClientSession) -> bytes:
+    async def read(self, session: aiohttp.ClientSession) -> None:
         async with session.get(
             self.url, timeout=aiohttp.ClientTimeout(total=self.timeout), allow_redirects=False
         ) as resp:
             if resp.status != 200:
                 raise AdapterError(f"it answered {resp.status}")
-            return await read_bounded(resp.content, MAX_MODELS_BODY, resp.content_length)
+            body = await read_bounded(resp.content, MAX_MODELS_BODY, resp.content_length)
+        self.fold(body)
 
-    async def poll_once(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        try:
-            self.fold(await self._fetch(self._session))
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            if self.errors == 0:
-                log.warning("reading vLLM's model list at %s failed: %s", redact_url(self.url), exc)
-            self.errors += 1
-        else:
-            if self.errors:
-                log.info("read vLLM's model list again: %d adapters", len(self._discovered))
-            self.errors = 0
+    def recovered(self) -> None:
+        log.info("read vLLM's model list again: %d adapters", len(self._discovered))
 
-    async def _loop(self) -> None:
-        while True:
-            await self.poll_once()
-            # After a failure retry sooner (vLLM is often still starting), backing off.
-            await asyncio.sleep(min(self.interval, 5.0 * self.errors) or self.interval)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+    def delay(self) -> float:
+        # After a failure retry sooner (vLLM is often still starting), backing off.
+        return min(self.interval, 5.0 * self.errors) or self.interval

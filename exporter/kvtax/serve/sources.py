@@ -16,8 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -31,6 +29,7 @@ from kvtax.engine.counters import CounterTracker
 from kvtax.serve.bodies import BodyTooLarge, read_bounded
 from kvtax.serve.errors import openai_error
 from kvtax.serve.logsafe import redact_url
+from kvtax.serve.poller import Poller
 
 __all__ = [
     "MAX_GATEWAY_PAGE",
@@ -134,8 +133,10 @@ class Redirected(GatewayError):
         )
 
 
-class GatewayPoller:
+class GatewayPoller(Poller):
     """Polls a gateway's /metrics and adds its delivered-token increases to the ledger."""
+
+    what = "the gateway's counter"
 
     def __init__(
         self,
@@ -148,17 +149,12 @@ class GatewayPoller:
         interval: float,
         timeout: float,
     ) -> None:
+        super().__init__(url=url, interval=interval, timeout=timeout, log=log)
         self.ledger = ledger
-        self.url = url
         self.metric = metric
         self.model_label = model_label
         self.selector = selector
-        self.interval = interval
-        self.timeout = timeout
-        self.errors = 0
         self._tracker = CounterTracker()
-        self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
 
     def fold(self, text: str) -> None:
         """Turn one gateway scrape into ledger increments (pure apart from the ledger)."""
@@ -184,34 +180,5 @@ class GatewayPoller:
             page = await read_bounded(resp.content, MAX_GATEWAY_PAGE, resp.content_length)
         return page.decode("utf-8", "replace")
 
-    async def poll_once(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        try:
-            self.fold(await self._fetch(self._session))
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            if self.errors == 0:
-                log.warning(
-                    "reading the gateway's counter at %s failed: %s", redact_url(self.url), exc
-                )
-            self.errors += 1
-        else:
-            self.errors = 0
-
-    async def _loop(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.interval)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+    async def read(self, session: aiohttp.ClientSession) -> None:
+        self.fold(await self._fetch(session))

@@ -1,0 +1,81 @@
+"""The lifecycle every periodic HTTP reader in kvtax shares: poll, count failures, stop cleanly.
+
+A subclass says what one poll reads and folds (:meth:`Poller.read`) and what a failure is
+called in the log (:attr:`Poller.what`); this class owns the aiohttp session, the loop task,
+the run of consecutive failures (logged once, at its start, so a vLLM that is down for an hour
+writes one line, not one a poll) and a clean stop. Used by the gateway poller
+(:mod:`kvtax.serve.sources`) and the model-list reader (:mod:`kvtax.serve.models`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from kvtax.serve.logsafe import redact_url
+
+__all__ = ["Poller"]
+
+
+class Poller:
+    """Calls :meth:`read` every ``interval`` seconds in the running loop until stopped."""
+
+    what = "a page"
+    """What is read, for the log line: "reading <what> at <url> failed"."""
+
+    def __init__(self, *, url: str, interval: float, timeout: float, log: logging.Logger) -> None:
+        self.url = url
+        self.interval = interval
+        self.timeout = timeout
+        self.errors = 0
+        self._log = log
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def read(self, session: aiohttp.ClientSession) -> None:
+        """Read once and fold what was read; raise ClientError, TimeoutError or ValueError."""
+        raise NotImplementedError
+
+    def recovered(self) -> None:
+        """Called on the first success after a run of failures."""
+
+    def delay(self) -> float:
+        """Seconds until the next poll."""
+        return self.interval
+
+    async def poll_once(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            await self.read(self._session)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if self.errors == 0:
+                self._log.warning(
+                    "reading %s at %s failed: %s", self.what, redact_url(self.url), exc
+                )
+            self.errors += 1
+        else:
+            if self.errors:
+                self.recovered()
+            self.errors = 0
+
+    async def _loop(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.delay())
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
