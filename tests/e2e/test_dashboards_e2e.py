@@ -130,6 +130,21 @@ def _absent_method(overload: Overload, expr: str) -> bool:
     return not overload.api.query(counters.pop(), overload.end)
 
 
+# Published with the gate off too (the advice for vLLM's own caps); every other gate series
+# exists only while the proxy's admission gate is on, and this run leaves it off.
+_GATE_ADVICE = "kvtax_gate_advised_cap"
+
+
+def _gate_off(overload: Overload, expr: str) -> bool:
+    """True when ``expr`` reads only the admission gate's own series and Prometheus holds none
+    of them: the gate is opt-in, and the overload here runs without it (tests/e2e/test_gate_e2e.py
+    drives it). The advice is published either way, so a query of it is never excused."""
+    gate = {n for n in series_names(expr) if n.startswith("kvtax_gate_")}
+    if not gate or _GATE_ADVICE in gate:
+        return False
+    return not any(overload.api.query(name, overload.end) for name in gate)
+
+
 def _cases() -> list[tuple[str, str, str, str]]:
     return [
         (doc["uid"], panel["title"], target["refId"], target["expr"])
@@ -151,6 +166,8 @@ def test_every_panel_query_returns_data(
         series = overload.api.query(filled, overload.end)
         if not series and _absent_method(overload, expr):
             # A method's line is absent exactly when kvtax publishes no counter for it.
+            continue
+        if not series and _gate_off(overload, expr):
             continue
         assert series, f"{uid} / {title} / {ref}: no series for\n{filled}"
         # A series of NaN (a quantile of empty buckets) would prove nothing.
