@@ -34,7 +34,7 @@ from kvtax.serve.acks import AckTracker
 from kvtax.serve.exchange import Exchange, Phase
 from kvtax.serve.upstream import response_headers
 
-__all__ = ["Relay", "break_client", "pass_through"]
+__all__ = ["Relay", "UpstreamFailed", "break_client", "pass_through", "upstream_chunks"]
 
 
 def break_client(request: web.Request) -> None:
@@ -42,6 +42,33 @@ def break_client(request: web.Request) -> None:
     transport = request.transport
     if transport is not None:
         transport.close()
+
+
+class UpstreamFailed(Exception):
+    """vLLM's side of an exchange broke: its connection failed or its read timed out."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+async def upstream_chunks(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """vLLM's body as it arrives, with its failures raised as :class:`UpstreamFailed`.
+
+    The server's own writes fail with ``aiohttp.ClientConnectionResetError`` when the client has
+    left, and that is an ``aiohttp.ClientError`` too: a relay loop that caught ClientError
+    around both its read and its write would take a client that hung up for a vLLM that broke
+    off. Read failures come out of here as UpstreamFailed; a write's error stays the client's.
+    """
+    chunks = content.iter_any().__aiter__()
+    while True:
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            return
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamFailed(exc) from exc
+        yield chunk
 
 
 async def pass_through(
@@ -58,9 +85,9 @@ async def pass_through(
             response.content_length = upstream.content_length
         await response.prepare(request)
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream_chunks(upstream.content):
                 await response.write(chunk)
-        except (aiohttp.ClientError, TimeoutError):
+        except UpstreamFailed:
             break_client(request)
             upstream.close()
             return response
@@ -103,12 +130,12 @@ class Relay:
         await response.prepare(request)
         acks = ex.acks = AckTracker(request.transport)
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream_chunks(upstream.content):
                 if scanner is not None:
                     scanner.feed(chunk)
                 await response.write(chunk)
                 acks.wrote(len(chunk), 0)
-        except (aiohttp.ClientError, TimeoutError):
+        except UpstreamFailed:
             ex.upstream_broke = True
             break_client(request)
             return
@@ -132,7 +159,7 @@ class Relay:
         await response.prepare(request)
         ex.acks = AckTracker(request.transport)
         try:
-            failure = await self._events(response, upstream.content.iter_any(), ex)
+            failure = await self._events(response, upstream_chunks(upstream.content), ex)
             # Shutdown closes vLLM's side, which can look like a clean end before [DONE].
             cut_short = self.phase() == "cutting" and not rewriter.done
             if failure is None and not cut_short:
@@ -170,8 +197,8 @@ class Relay:
                     await self._write(response, out.payload, out.completion_tokens, ex)
                     if rewriter.done:
                         ex.wrote_all = True  # [DONE] is with the client's kernel
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return exc
+        except UpstreamFailed as failed:
+            return failed.cause
         return None
 
     async def _write(
