@@ -118,7 +118,8 @@ def test_sigterm_drains_then_ends_streams_cleanly(vllm_engine: VllmEngine) -> No
     assert len(completed) >= STREAMS // 2  # the short ones fit in the grace period
     assert cut, "no long stream outlived the grace period; the test proves nothing"
     # The ledger settled every request before the process exited.
-    settled = re.findall(r"requests settled by outcome: (.*)", kvtax.log_tail(80))
+    # The line is logfmt (the default --log.format), so the message ends at its closing quote.
+    settled = re.findall(r'requests settled by outcome: ([^"\n]*)', kvtax.log_tail(80))
     assert settled, kvtax.log_tail()
     counts = {name: float(n) for name, n in (part.split() for part in settled[-1].split(", "))}
     assert counts["completed"] == len(completed)
