@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from abc import ABC, abstractmethod
 
 import aiohttp
 
@@ -20,7 +21,7 @@ from kvtax.serve.logsafe import redact_url
 __all__ = ["Poller"]
 
 
-class Poller:
+class Poller(ABC):
     """Calls :meth:`read` every ``interval`` seconds in the running loop until stopped."""
 
     what = "a page"
@@ -35,12 +36,13 @@ class Poller:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
 
+    @abstractmethod
     async def read(self, session: aiohttp.ClientSession) -> None:
         """Read once and fold what was read; raise ClientError, TimeoutError or ValueError."""
-        raise NotImplementedError
 
     def recovered(self) -> None:
-        """Called on the first success after a run of failures."""
+        """Called on the first success after a run of failures: the log's matching line."""
+        self._log.info("reading %s at %s works again", self.what, redact_url(self.url))
 
     def delay(self) -> float:
         """Seconds until the next poll."""
