@@ -210,8 +210,12 @@ async def drive(
     total = concurrency if requests is None else requests
     endpoint = url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     gate = asyncio.Semaphore(concurrency)
-    # No connection cap beyond ours: aiohttp's default of 100 would silently throttle.
-    connector = aiohttp.TCPConnector(limit=0)
+    # No connection cap beyond ours: aiohttp's default of 100 would silently throttle. And a
+    # fresh connection per request: a pooled keep-alive connection that the server closes just
+    # as it is reused fails with ServerDisconnectedError before the request reaches the server
+    # (seen in CI against vLLM's uvicorn mid-overload: 13 of 192 requests). A load generator must
+    # not invent failures; loopback connects cost microseconds.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
