@@ -47,7 +47,7 @@ SCRAPE_INTERVAL = "3s"
 # Well above 4 x the scrape interval, as Grafana's $__rate_interval would be, and long enough
 # to span the whole overload.
 RATE_INTERVAL = "1m"
-ROUNDS = 2
+ROUNDS = 1
 # The query's recording rule that settles last (it reads other records).
 LAST_RECORD = "model_name:kvtax_waste:ratio_rate5m"
 

@@ -18,8 +18,8 @@ ALERTS = Path(__file__).resolve().parents[2] / "alerts" / "kvtax-alerts.yaml"
 # Alertmanager's smallest valid config: everything to one receiver that notifies no one.
 SILENT_AM = 'route: {receiver: "null"}\nreceivers: [{name: "null"}]\n'
 
-OVERLOAD_REQUESTS = 64
-OVERLOAD_MAX_TOKENS = 500
+OVERLOAD_REQUESTS = 32
+OVERLOAD_MAX_TOKENS = 300
 
 
 def _preemptions(engine: VllmEngine) -> float:
@@ -46,7 +46,7 @@ def test_cache_config_reports_the_small_pool(vllm_engine: VllmEngine) -> None:
 
 
 def test_overload_preempts(vllm_engine: VllmEngine) -> None:
-    # 64 x (41 + 500) tokens want ~34,600 KV tokens from a 2,048-token pool.
+    # 32 x (41 + 300) tokens want ~10,900 KV tokens from a 2,048-token pool.
     before = _preemptions(vllm_engine)
     results = asyncio.run(
         drive(
