@@ -1,7 +1,10 @@
 """End to end: two real vLLM replicas, one overloaded and one calm, seen as one fleet.
 
 Each replica is a real vLLM CPU engine (the session's, and a second one started here) with its
-own ``kvtax serve`` in front (proxy on, as in a pod). One real Prometheus scrapes all four
+own ``kvtax serve`` in front (proxy on, as in a pod). The second one is a stock vLLM that loads
+kvtax's plugin the way a pod does by default: from a folder on ``PYTHONPATH`` made from this
+checkout's wheel, as the image makes it (docs/plugin.md). The last tests here check that folder
+and that vLLM loaded the plugin from it. One real Prometheus scrapes all four
 targets every second, with the labels a PodMonitor would attach (``namespace`` and ``pod``, the
 same on a pod's vLLM and kvtax), and evaluates kvtax's rules three times over:
 
@@ -21,7 +24,11 @@ requests name the adapter. Then:
 - every query of the Fleet dashboard returns one series per replica (or one per model for the
   fleet panels), with the hot replica's tax above the calm one's;
 - the adapter's tokens count under the base model, whose engine generated them (the calm pod
-  delivered exactly what its engine generated), and once more by adapter.
+  delivered exactly what its engine generated), and once more by adapter;
+- the plugin folder holds kvtax alone; the calm engine loaded the plugin from it (not from the
+  engine venv's editable install: ``PYTHONPATH`` entries come before site-packages, and
+  ``importlib.metadata`` yields the first distribution of a name on ``sys.path``), served its
+  counters, and under an overload of its own kvtax publishes the measured tax.
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvtax import plugin
 from kvtax.dashboards.generate import dashboards
 from kvtax.dashboards.lint import queries
 from kvtax.dashboards.promql import expand
@@ -44,14 +53,15 @@ from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.rules import DEFAULT, TEST_PROFILE, RulesConfig, fleet, per_pod
 from kvtax.rules.render import alerts_yaml, dump, recording_groups
 from kvtax_dev import repo_root
-from kvtax_dev.exposition import read_samples
+from kvtax_dev.exposition import read_samples, read_series
+from kvtax_dev.plugindir import build_plugin_dir
 from kvtax_dev.promapi import PrometheusApi
 from kvtax_dev.testbed import EngineStartError, VllmEngine
 from kvtax_dev.testbed.engine import cache_dir, ensure_vllm_venv
 from kvtax_dev.testbed.load import RequestResult, drive
 from kvtax_dev.testbed.lora import RANK, ensure_adapter
 from kvtax_dev.testbed.promstack import PrometheusProcess
-from kvtax_dev.testbed.sidecar import KvtaxProcess
+from kvtax_dev.testbed.sidecar import KvtaxProcess, series_key
 
 pytestmark = pytest.mark.e2e
 
@@ -210,16 +220,25 @@ def _fired_for(alerts: list[dict[str, Any]], pod: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
+def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_plugin_dir(tmp_path_factory.mktemp("plugin-build"))
+
+
+@pytest.fixture(scope="module")
 def second_engine(
-    vllm_engine: VllmEngine, tmp_path_factory: pytest.TempPathFactory
+    vllm_engine: VllmEngine, plugin_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmEngine]:
-    """The calm replica: the same model and pool as the session's engine, plus a LoRA adapter."""
+    """The calm replica: the same model and pool as the session's engine, plus a LoRA adapter,
+    with kvtax's plugin from the folder alone."""
     tmp = tmp_path_factory.mktemp("vllm-b")
     try:
         # The session's engine has built the tiny model, which the adapter is shaped after.
         adapter = ensure_adapter(ensure_vllm_venv(), cache_dir() / "tiny-llama", tmp / ADAPTER)
         engine = VllmEngine(
             log_path=tmp / "engine.log",
+            # PYTHONPATH is the folder alone, as in the pod: not the checkout's exporter/ that
+            # the testbed puts there for its own child processes.
+            extra_env={"PYTHONPATH": str(plugin_dir)},
             extra_args=[
                 "--enable-lora",
                 "--lora-modules",
@@ -463,3 +482,60 @@ def test_adapter_tokens_join_the_base_models_engine(run: FleetRun) -> None:
     record = per_pod("kvtax_delivery_yield", "ratio_rate15m")
     yields = {s.labels["pod"]: s.points[0][1] for s in run.api.query(record, run.end)}
     assert yields[CALM] == pytest.approx(1.0, abs=0.005)
+
+
+# -- the plugin folder: a stock vLLM measures the tax with no rebuild ---------------------------
+def test_plugin_folder_holds_kvtax_alone_with_its_entry_point(plugin_dir: Path) -> None:
+    top = sorted(p.name for p in plugin_dir.iterdir() if p.name != "bin")
+    # kvtax and its dist-info only: vLLM already ships prometheus-client, and nothing of
+    # kvtax's other dependencies (aiohttp, apscheduler, ...) may land next to vLLM.
+    assert [n for n in top if not n.startswith("kvtax")] == []
+    (dist_info,) = plugin_dir.glob("kvtax-*.dist-info")
+    entry_points = (dist_info / "entry_points.txt").read_text()
+    assert f"{plugin.ENTRY_POINT_NAME} = kvtax.plugin:KvtaxStatLogger" in entry_points
+    assert not (plugin_dir / "kvtax_dev").exists()
+
+
+def test_vllm_loads_the_plugin_from_the_folder_and_kvtax_publishes_the_measured_tax(
+    run: FleetRun, second_engine: VllmEngine, plugin_dir: Path, tmp_path: Path
+) -> None:
+    # After the fleet's own tests (``run`` is set up), so this overload of the calm replica
+    # cannot disturb what they read.
+    log = second_engine.log_path.read_text(errors="replace")
+    loaded_from = [ln for ln in log.splitlines() if "kvtax plugin: loaded from" in ln]
+    assert loaded_from, f"the plugin logged no load line:\n{second_engine.log_tail()}"
+    # The folder's copy, not the engine venv's editable install of the main checkout.
+    assert all(ln.rstrip().endswith(str(plugin_dir / "kvtax")) for ln in loaded_from), loaded_from
+    print(loaded_from[0])  # shown with -s: the evidence of which copy vLLM loaded
+    assert "kvtax plugin: publishing exact recompute counters" in log
+    page = read_series(second_engine.metrics_text())
+    for concept in plugin.PLUGIN_CONCEPTS:
+        name = plugin.family_name(concept) + "_total"
+        assert series_key(name, {"model_name": run.model, "engine": "0"}) in page, name
+
+    measured = series_key(
+        "kvtax_preemption_tax_ratio", {"model_name": run.model, "method": "measured"}
+    )
+    recomputed = series_key("kvtax_recomputed_tokens_measured_total", {"model_name": run.model})
+    with KvtaxProcess(
+        second_engine.url,
+        proxy=True,
+        scrape_interval="0.5s",
+        window="1h",
+        log_path=tmp_path / "kvtax.log",
+    ) as kvtax:
+        assert kvtax.proxy_url is not None
+        kvtax.wait_for(lambda m: recomputed in m, what="the plugin's counter read by kvtax")
+        # An overload of the 2,048-token pool: 32 streams of 300 tokens preempt.
+        results = asyncio.run(
+            drive(kvtax.proxy_url, run.model, concurrency=32, max_tokens=300, stream=True)
+        )
+        assert [r.error for r in results if not r.ok] == []
+        page_after = kvtax.wait_for(
+            lambda m: m.get(recomputed, 0.0) > 0 and m.get(measured, 0.0) > 0,
+            timeout=120.0,
+            what="a measured tax above zero",
+        )
+    assert 0.0 < page_after[measured] < 1.0
+    tax, tokens = page_after[measured], page_after[recomputed]
+    print(f"measured tax {tax:.3f}, recomputed {tokens:.0f} tokens")
