@@ -97,8 +97,8 @@ CHANGES_0_2: tuple[Change, ...] = (
     ),
     Change(
         "`kvtax_admission_in_flight`, `kvtax_admission_limit`, `kvtax_admission_queued`",
-        "removed: nothing produced them; kvtax has no admission gate yet",
-        "none",
+        "removed: nothing produced them",
+        "the admission gate's own series, `kvtax_gate_*` ([admission.md](admission.md))",
         ("kvtax_admission_in_flight", "kvtax_admission_limit", "kvtax_admission_queued"),
     ),
     Change(
