@@ -8,8 +8,8 @@
 #                      there (deploy/helm/kvtax, deploy/components/kvtax-sidecar, docs/plugin.md).
 # No vLLM, no torch: the sidecar only talks HTTP to the vLLM container next to it.
 #
-# Build:  docker build -t kvtax:0.1.0 .
-# Run:    docker run --rm -p 10059:10059 kvtax:0.1.0 serve --vllm.url=http://vllm:8000
+# Build:  docker build -t kvtax:0.2.0 .
+# Run:    docker run --rm -p 10059:10059 kvtax:0.2.0 serve --vllm.url=http://vllm:8000
 #
 # scripts/check-dockerfile-install.sh runs the same pip steps without Docker (CI has no Docker
 # engine), and tests/unit/test_dockerfile.py fails if the two drift apart.
@@ -28,7 +28,7 @@ RUN python -m pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}
 # kvtax's version (exporter/kvtax/__init__.py); tests/unit/test_dockerfile.py keeps them equal.
-ARG KVTAX_VERSION=0.1.0
+ARG KVTAX_VERSION=0.2.0
 LABEL org.opencontainers.image.title="kvtax" \
       org.opencontainers.image.description="vLLM sidecar and stat-logger plugin that measure what KV-cache preemption costs" \
       org.opencontainers.image.version="${KVTAX_VERSION}" \

@@ -3,10 +3,10 @@
 # them back with the kvtax sidecar (sidecar.yaml) added to every engine Deployment
 # (*-deployment-vllm). Nothing else changes. Needs kubectl (its built-in kustomize).
 #   helm upgrade --install vllm vllm/vllm-stack ... --post-renderer deploy/production-stack/kvtax-post-renderer.sh
-# Env: KVTAX_IMAGE (default registry.example.com/kvtax:0.1.0), KUBECTL (default kubectl).
+# Env: KVTAX_IMAGE (default registry.example.com/kvtax:0.2.0), KUBECTL (default kubectl).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-image=${KVTAX_IMAGE:-registry.example.com/kvtax:0.1.0}
+image=${KVTAX_IMAGE:-registry.example.com/kvtax:0.2.0}
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvtax-post-render.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 cat >"$work/rendered.yaml"

@@ -375,7 +375,7 @@ def test_quick_start_overlay_renders_as_the_docs_say(tmp_path: Path) -> None:
         assert objects[kind]["metadata"]["labels"]["release"] == "monitoring"
     pod = objects["Deployment"]["spec"]["template"]["spec"]
     by_name = {c["name"]: c for c in pod["containers"]}
-    assert by_name["kvtax"]["image"] == "ghcr.io/acme/kvtax:0.1.0"
+    assert by_name["kvtax"]["image"] == "ghcr.io/acme/kvtax:0.2.0"
     # The patched args keep the two containers in agreement, and kvtax's CLI accepts them.
     config = config_from_args(build_parser().parse_args(by_name["kvtax"]["args"]), env={})
     vllm_seqs = [a for a in by_name["vllm"]["args"] if a.startswith("--max-num-seqs=")]
