@@ -11,7 +11,7 @@ from typing import Any
 
 from .modelcfg import KvShape
 from .profile import LengthProfile
-from .simulate import Result
+from .simtypes import Result
 from .sizing import GIB, Flags, Sizing
 
 __all__ = ["best_under", "plan_dict", "render_table", "what_if_rows"]
