@@ -19,7 +19,8 @@ from kvtax.rules.config import DEFAULT as RULES
 from kvtax.rules.config import RulesConfig
 
 from .boards import BOARDS
-from .model import JSON, Board, render, uid_for
+from .model import JSON, Board
+from .render import render, uid_for
 
 __all__ = ["CONFIGMAP_FILE", "CONFIGMAP_NAME", "artifacts", "dashboard", "dashboards", "file_name"]
 

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtax.figures.derive import EngineSettings
 from kvtax.figures.window import Point
@@ -21,6 +21,9 @@ from kvtax.loadtest.measure import StepResult, engine_step
 from kvtax.loadtest.output import write_report
 from kvtax.loadtest.plan import MODES, LoadPlan, check_plan, parse_levels
 from kvtax.loadtest.report import loadtest_json, loadtest_table
+
+if TYPE_CHECKING:  # the driver imports aiohttp: loaded at run time only by run_loadtest
+    from kvtax.loadtest.driver import Target
 
 __all__ = ["add_annotate_parser", "add_loadtest_parser", "run_annotate", "run_loadtest"]
 
@@ -187,7 +190,23 @@ def run_loadtest(args: argparse.Namespace) -> int:
         interrupted=interrupted,
     )
     table = loadtest_table(plan.mode, steps)
-    rec = report["recommendations"]
+    intro = _intro(target, plan, report["recommendations"], args.max_num_seqs, interrupted)
+    write_report(args.out, "report", report, title="kvtax load test", intro=intro, table=table)
+    problem = _too_short(plan, steps)
+    if problem:
+        _err(problem)
+        return 2
+    return 130 if interrupted else 0
+
+
+def _intro(
+    target: Target,
+    plan: LoadPlan,
+    rec: dict[str, Any],
+    max_num_seqs: int | None,
+    interrupted: bool,
+) -> list[str]:
+    """The report's opening lines: what ran, what is recommended, and the server's setting."""
     intro = [
         f"{target.model} at {target.url}; {plan.mode} steps of {plan.step_seconds:g} s; "
         f"prompts {plan.prompt_tokens.describe()}, outputs {plan.output_tokens.describe()}.",
@@ -196,25 +215,31 @@ def run_loadtest(args: argparse.Namespace) -> int:
         f"request length, as on the dashboard); gate cap {rec['gate_cap'] or '-'} requests in "
         "flight (the last level before preemption, at most the throughput knee's).",
     ]
-    if args.max_num_seqs and rec["max_num_seqs"]:
-        ratio = args.max_num_seqs / rec["max_num_seqs"]
+    if max_num_seqs and rec["max_num_seqs"]:
+        ratio = max_num_seqs / rec["max_num_seqs"]
         intro.append(
-            f"\nThe server runs max_num_seqs {args.max_num_seqs}: {ratio:.1f} x the "
+            f"\nThe server runs max_num_seqs {max_num_seqs}: {ratio:.1f} x the "
             "recommendation (over-admission above 1)."
         )
     if interrupted:
         intro.append("\nStopped by Ctrl-C: the steps after the last one shown were not run.")
-    write_report(args.out, "report", report, title="kvtax load test", intro=intro, table=table)
+    return intro
+
+
+def _too_short(plan: LoadPlan, steps: list[StepResult]) -> str | None:
+    """The error for the first step too short to measure, or None when every step measured.
+
+    A step needs a finished request and two scrapes: its counters are differences.
+    """
     bad = [s for s in steps if s.ok == 0 or s.engine.scrapes < 2]
-    if bad:
-        s = bad[0]
-        _err(
-            f"kvtax: --step-duration: step {s.index} ({plan.mode} {s.level:g}) is too short "
-            f"to measure: {s.ok} request(s) finished, {s.engine.scrapes} scrape(s) in "
-            f"{s.span:.1f} s" + (f" ({s.errors[0]})" if s.errors else "")
-        )
-        return 2
-    return 130 if interrupted else 0
+    if not bad:
+        return None
+    s = bad[0]
+    return (
+        f"kvtax: --step-duration: step {s.index} ({plan.mode} {s.level:g}) is too short "
+        f"to measure: {s.ok} request(s) finished, {s.engine.scrapes} scrape(s) in "
+        f"{s.span:.1f} s" + (f" ({s.errors[0]})" if s.errors else "")
+    )
 
 
 def add_annotate_parser(sub: Any) -> None:

@@ -182,17 +182,7 @@ async def _run_step(
     await engine.scrape()
     deadline = time.monotonic() + plan.step_seconds
     scraper = asyncio.create_task(_scrape_every(engine, plan.scrape_interval))
-
-    async def tick() -> None:
-        began = time.monotonic()
-        while True:
-            await asyncio.sleep(_TICK_SECONDS)
-            progress(
-                f"  ... {time.monotonic() - began:.0f} s: {len(records)} done, "
-                f"{len(tasks)} in flight"
-            )
-
-    ticker = asyncio.create_task(tick())
+    ticker = asyncio.create_task(_tick(records, tasks, progress))
 
     def launch() -> None:
         prompt = plan.prompt_tokens.sample(rng)
@@ -211,23 +201,48 @@ async def _run_step(
             await _open_loop(
                 level, deadline, launch, tasks, rng=rng, max_in_flight=plan.max_in_flight
             )
-        if tasks:
-            _, late = await asyncio.wait(set(tasks), timeout=plan.drain_seconds)
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.wait(late)
+        await _drain(tasks, plan.drain_seconds)
     finally:
-        for helper in (scraper, ticker):
-            helper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await helper
-        for task in tasks:
-            task.cancel()
+        await _stop((scraper, ticker), tasks)
     await engine.scrape()
     end = time.time()
     measured = engine_step(engine.points(start, end), settings)
     return measure_step(index, level, start=start, end=end, records=records, engine=measured)
+
+
+async def _tick(
+    records: list[RequestRecord], tasks: set[asyncio.Task[None]], progress: Progress
+) -> None:
+    """A progress line every few seconds of a step, so a long step shows it is alive."""
+    began = time.monotonic()
+    while True:
+        await asyncio.sleep(_TICK_SECONDS)
+        progress(
+            f"  ... {time.monotonic() - began:.0f} s: {len(records)} done, {len(tasks)} in flight"
+        )
+
+
+async def _drain(tasks: set[asyncio.Task[None]], timeout: float) -> None:
+    """Wait up to ``timeout`` for the requests in flight, then cancel the late ones.
+
+    The late ones are awaited after the cancel, so none of them runs into the next step.
+    """
+    if tasks:
+        _, late = await asyncio.wait(set(tasks), timeout=timeout)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
+
+
+async def _stop(helpers: tuple[asyncio.Task[None], ...], tasks: set[asyncio.Task[None]]) -> None:
+    """Stop the step's scraper and ticker, and cancel any request still in flight."""
+    for helper in helpers:
+        helper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await helper
+    for task in tasks:
+        task.cancel()
 
 
 async def _closed_loop(

@@ -4,6 +4,9 @@ The package reads from the bottom up: :mod:`.errors` (the one exception), :mod:`
 model's KV shape from config.json or flags), :mod:`.weights` (weight bytes from safetensors
 headers), :mod:`.sizing` (pool, tokens and concurrency: arithmetic only), :mod:`.profile`
 (request lengths from flags or histograms), :mod:`.simulate` (vLLM V1's scheduler, step by
-step), :mod:`.report` (the table and the JSON), then :mod:`.fetch` (the only module here that
-touches the network) and :mod:`.cli`.
+step: its value types in :mod:`.simtypes`, its step machinery in :mod:`.scheduler` over the
+block pool of :mod:`.blockpool`), :mod:`.report` (the table and the JSON), then :mod:`.fetch`
+(the only module here that touches the network), :mod:`.inputs` (the flags, files and pages
+read into a shape, a pool and a length profile), :mod:`.build` (the plan made of them) and
+:mod:`.cli` (the flags and the output).
 """

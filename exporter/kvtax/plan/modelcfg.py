@@ -154,12 +154,7 @@ def _layer_types(cfg: Mapping[str, Any], layers: int, source: str) -> list[str] 
 def shape_from_config(config: Mapping[str, Any], *, source: str = "config.json") -> KvShape:
     """The KV shape of a ``config.json`` already parsed; errors name ``source`` and the key."""
     model_type = str(config.get("model_type", ""))
-    if model_type in _STATE_SPACE_MODELS:
-        raise PlanError(
-            source,
-            f"model_type {model_type!r} has no attention layers (state-space model): "
-            "its per-sequence state is not sized by kvtax plan",
-        )
+    _refuse_state_space(model_type, source)
     # Multimodal wrappers keep the language model's settings under text_config.
     text = config.get("text_config")
     cfg: Mapping[str, Any] = text if isinstance(text, Mapping) else config
@@ -167,35 +162,64 @@ def shape_from_config(config: Mapping[str, Any], *, source: str = "config.json")
     heads = _int(cfg, "num_attention_heads", source)
     types = _layer_types(cfg, layers, source)
     if types is not None:
-        other = sorted({t for t in types if t not in _ATTENTION_TYPES})
-        if other:
-            count = sum(t not in _ATTENTION_TYPES for t in types)
-            raise PlanError(
-                source,
-                f"hybrid model: {count} of {layers} layers are {', '.join(map(repr, other))}, "
-                "not attention; kvtax plan does not size their per-sequence state (unsupported)",
-            )
+        _refuse_hybrid(types, layers, source)
     sliding = 0 if types is None else sum(t in _SLIDING_TYPES for t in types)
     window = _opt_int(cfg, "sliding_window", source) if sliding else None
     dtype = str(
         cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
     )
     dtype_bytes(dtype, f"{source}: torch_dtype")
+    kv = _heads(cfg, heads, source)
+    return KvShape(
+        name=model_type or ("mla" if kv.mla else "model"),
+        full_layers=layers - sliding,
+        sliding_layers=sliding,
+        sliding_window=window,
+        per_layer=kv.per_layer,
+        kv_heads=kv.kv_heads,
+        head_dim=kv.head_dim,
+        mla=kv.mla,
+        dtype=dtype,
+    )
 
+
+def _refuse_state_space(model_type: str, source: str) -> None:
+    if model_type in _STATE_SPACE_MODELS:
+        raise PlanError(
+            source,
+            f"model_type {model_type!r} has no attention layers (state-space model): "
+            "its per-sequence state is not sized by kvtax plan",
+        )
+
+
+def _refuse_hybrid(types: list[str], layers: int, source: str) -> None:
+    # A number that leaves out the Mamba or linear-attention state would look right and be wrong.
+    other = sorted({t for t in types if t not in _ATTENTION_TYPES})
+    if other:
+        count = sum(t not in _ATTENTION_TYPES for t in types)
+        raise PlanError(
+            source,
+            f"hybrid model: {count} of {layers} layers are {', '.join(map(repr, other))}, "
+            "not attention; kvtax plan does not size their per-sequence state (unsupported)",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Heads:
+    """What one token costs in one attention layer, and the heads it splits into."""
+
+    per_layer: int
+    kv_heads: int
+    head_dim: int
+    mla: bool
+
+
+def _heads(cfg: Mapping[str, Any], heads: int, source: str) -> _Heads:
+    """MLA's shared latent when the config has ``kv_lora_rank``, else K and V per KV head."""
     if cfg.get("kv_lora_rank"):
         rank = _int(cfg, "kv_lora_rank", source)
         rope = _int(cfg, "qk_rope_head_dim", source)
-        return KvShape(
-            name=model_type or "mla",
-            full_layers=layers - sliding,
-            sliding_layers=sliding,
-            sliding_window=window,
-            per_layer=rank + rope,
-            kv_heads=1,
-            head_dim=rank + rope,
-            mla=True,
-            dtype=dtype,
-        )
+        return _Heads(per_layer=rank + rope, kv_heads=1, head_dim=rank + rope, mla=True)
     kv_heads = _opt_int(cfg, "num_key_value_heads", source)
     if kv_heads is None:
         # Falcon's multi_query flag means one KV head; otherwise no key means plain MHA.
@@ -204,16 +228,8 @@ def shape_from_config(config: Mapping[str, Any], *, source: str = "config.json")
     if head_dim is None:
         hidden = _int(cfg, "hidden_size", source)
         head_dim = hidden // heads
-    return KvShape(
-        name=model_type or "model",
-        full_layers=layers - sliding,
-        sliding_layers=sliding,
-        sliding_window=window,
-        per_layer=2 * kv_heads * head_dim,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        mla=False,
-        dtype=dtype,
+    return _Heads(
+        per_layer=2 * kv_heads * head_dim, kv_heads=kv_heads, head_dim=head_dim, mla=False
     )
 
 

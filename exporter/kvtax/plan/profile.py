@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtax.engine.snapshot import Histogram
 
 from .errors import PlanError
-from .simulate import Request
+from .simtypes import Request
 
 __all__ = [
     "KVTAX_LENGTH_P50",

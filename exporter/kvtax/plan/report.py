@@ -11,7 +11,7 @@ from typing import Any
 
 from .modelcfg import KvShape
 from .profile import LengthProfile
-from .simulate import Result
+from .simtypes import Result
 from .sizing import GIB, Flags, Sizing
 
 __all__ = ["best_under", "plan_dict", "render_table", "what_if_rows"]
@@ -128,64 +128,98 @@ def _kib(n: float) -> str:
 
 
 def render_table(plan: dict[str, Any]) -> str:
+    """The plan as the text table ``kvtax plan`` prints: one section per key the plan holds."""
+    lines = [
+        *_model_lines(plan),
+        *_sizing_lines(plan),
+        *_profile_lines(plan),
+        *_flags_lines(plan),
+        *_what_if_lines(plan),
+    ]
+    lines += [f"note: {note}" for note in plan.get("notes", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _row(label: str, value: object) -> str:
+    return f"  {label:<34} {value}"
+
+
+def _model_lines(plan: dict[str, Any]) -> list[str]:
+    if "model" not in plan:
+        return []
+    m = plan["model"]
+    layers = f"{m['full_layers']} full"
+    if m["sliding_layers"]:
+        layers += f" + {m['sliding_layers']} sliding (window {m['sliding_window']})"
+    return [
+        f"model: {m['name']} ({m['attention']}, {m['dtype']})",
+        _row("attention layers", layers),
+    ]
+
+
+def _sizing_lines(plan: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-
-    def row(label: str, value: object) -> None:
-        lines.append(f"  {label:<34} {value}")
-
-    if "model" in plan:
-        m = plan["model"]
-        lines.append(f"model: {m['name']} ({m['attention']}, {m['dtype']})")
-        layers = f"{m['full_layers']} full"
-        if m["sliding_layers"]:
-            layers += f" + {m['sliding_layers']} sliding (window {m['sliding_window']})"
-        row("attention layers", layers)
     for key, title in (("sizing", "KV cache"), ("fp8_kv_cache", "with --kv-cache-dtype fp8")):
         if key not in plan:
             continue
         s = plan[key]
         lines.append(f"{title}:")
-        row(
-            "KV bytes per token", f"{_kib(s['kv_bytes_per_token'])} ({s['kv_bytes_per_token']:,} B)"
-        )
-        row("pool per GPU", _gib(s["pool_bytes_per_gpu"]))
-        row("tokens held", f"{s['kv_tokens']:,} ({s['num_blocks']:,} blocks of {s['block_size']})")
+        per_token = s["kv_bytes_per_token"]
+        lines.append(_row("KV bytes per token", f"{_kib(per_token)} ({per_token:,} B)"))
+        lines.append(_row("pool per GPU", _gib(s["pool_bytes_per_gpu"])))
+        held = f"{s['kv_tokens']:,} ({s['num_blocks']:,} blocks of {s['block_size']})"
+        lines.append(_row("tokens held", held))
         if "concurrency_at_p95" in s:
             p95 = plan["profile"]["p95_length"]
-            row(f"concurrent requests at p95 ({p95:,})", f"{s['concurrency_at_p95']:,}")
-    if "profile" in plan:
-        p = plan["profile"]
-        lines.append(f"request lengths ({p['source']}):")
-        row("prompt p50 / p95", f"{p['prompt_p50']:,.0f} / {p['prompt_p95']:,.0f}")
-        row("output p50 / p95", f"{p['output_p50']:,.0f} / {p['output_p95']:,.0f}")
-    if "recommended_flags" in plan:
-        f = plan["recommended_flags"]
-        lines.append("recommended vllm serve flags:")
-        lines.append(
-            f"  --max-num-seqs {f['--max-num-seqs']} --max-model-len {f['--max-model-len']} "
-            f"--max-num-queued-reqs {f['--max-num-queued-reqs']}"
-        )
-        for flag, why in f["reasons"].items():
-            lines.append(f"    {flag}: {why}")
-    if "what_if" in plan:
-        w = plan["what_if"]
-        lines.append(
-            f"what if ({w['requests']:,} requests, {w['num_blocks']:,} blocks of "
-            f"{w['block_size']}, {w['max_num_batched_tokens']:,} tokens per step):"
-        )
-        lines.append("  max_num_seqs  preemptions/req  recomputed       tax  rel. throughput")
-        for c in w["candidates"]:
             lines.append(
-                f"  {c['max_num_seqs']:>12}  {c['preemptions_per_request']:>15.2f}  "
-                f"{c['recomputed_tokens']:>10,}  {c['tax']:>7.1%}  "
-                f"{c['relative_throughput']:>15.2f}"
+                _row(f"concurrent requests at p95 ({p95:,})", f"{s['concurrency_at_p95']:,}")
             )
-        rec = w["recommended_max_num_seqs"]
-        target = f"{w['tax_target']:.0%}"
-        lines.append(
-            f"  largest setting with a predicted tax under {target}: "
-            + (f"--max-num-seqs {rec}" if rec is not None else "none of these")
-        )
-    for note in plan.get("notes", []):
-        lines.append(f"note: {note}")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _profile_lines(plan: dict[str, Any]) -> list[str]:
+    if "profile" not in plan:
+        return []
+    p = plan["profile"]
+    return [
+        f"request lengths ({p['source']}):",
+        _row("prompt p50 / p95", f"{p['prompt_p50']:,.0f} / {p['prompt_p95']:,.0f}"),
+        _row("output p50 / p95", f"{p['output_p50']:,.0f} / {p['output_p95']:,.0f}"),
+    ]
+
+
+def _flags_lines(plan: dict[str, Any]) -> list[str]:
+    if "recommended_flags" not in plan:
+        return []
+    f = plan["recommended_flags"]
+    lines = [
+        "recommended vllm serve flags:",
+        f"  --max-num-seqs {f['--max-num-seqs']} --max-model-len {f['--max-model-len']} "
+        f"--max-num-queued-reqs {f['--max-num-queued-reqs']}",
+    ]
+    lines += [f"    {flag}: {why}" for flag, why in f["reasons"].items()]
+    return lines
+
+
+def _what_if_lines(plan: dict[str, Any]) -> list[str]:
+    if "what_if" not in plan:
+        return []
+    w = plan["what_if"]
+    lines = [
+        f"what if ({w['requests']:,} requests, {w['num_blocks']:,} blocks of "
+        f"{w['block_size']}, {w['max_num_batched_tokens']:,} tokens per step):",
+        "  max_num_seqs  preemptions/req  recomputed       tax  rel. throughput",
+    ]
+    lines += [
+        f"  {c['max_num_seqs']:>12}  {c['preemptions_per_request']:>15.2f}  "
+        f"{c['recomputed_tokens']:>10,}  {c['tax']:>7.1%}  "
+        f"{c['relative_throughput']:>15.2f}"
+        for c in w["candidates"]
+    ]
+    rec = w["recommended_max_num_seqs"]
+    target = f"{w['tax_target']:.0%}"
+    lines.append(
+        f"  largest setting with a predicted tax under {target}: "
+        + (f"--max-num-seqs {rec}" if rec is not None else "none of these")
+    )
+    return lines

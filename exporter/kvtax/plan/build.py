@@ -1,0 +1,197 @@
+"""``kvtax plan``'s result: the sizing, the recommended flags and the what-if runs, as one dict.
+
+:func:`build_plan` reads the inputs (:mod:`.inputs`), sizes the pool (:mod:`.sizing`), runs
+the scheduler simulation for each ``--what-if`` candidate (:mod:`.simulate`) and hands all of
+it to :func:`.report.plan_dict`. Bad input raises :class:`PlanError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from kvtax.figures.derive import kv_capacity_tokens
+
+from .errors import PlanError
+from .inputs import read_pool, read_profile, read_shape
+from .modelcfg import KvShape, dtype_bytes
+from .profile import LengthProfile, arrivals, trace
+from .report import plan_dict
+from .simtypes import Result, Settings
+from .simulate import simulate
+from .sizing import Flags, Sizing, recommend, size
+
+__all__ = ["build_plan"]
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``plan`` prints, as a dict. Raises :class:`PlanError` on bad input."""
+    _check_ranges(args)
+    # Read in this order: a bad flag fails on the first input that reads it.
+    shape, config = read_shape(args)
+    pool = read_pool(args)
+    page: dict[str, Any] = {}
+    profile = read_profile(args, page)
+    notes: list[str] = []
+    sized = _Sized()
+    if shape is not None:
+        sized = _size(args, shape, pool, profile, config)
+        notes += _shape_notes(args, shape, pool)
+    what_if = _what_if(args, sized.sizing, profile, page) if args.what_if else []
+    if what_if:
+        notes.append(
+            "what-if is a step model of vLLM V1's scheduler, not a timing model: "
+            "see docs/plan.md for what it leaves out"
+        )
+    if shape is None and not what_if:
+        raise PlanError(
+            "--model", "give a model (--model, or --layers/--kv-heads/--head-dim) or --what-if"
+        )
+    return plan_dict(
+        shape=shape,
+        sizing=sized.sizing,
+        fp8=sized.fp8,
+        profile=profile,
+        flags=sized.flags,
+        what_if=what_if,
+        tax_target=args.tax_target,
+        notes=notes,
+    )
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numbers before anything is read."""
+    if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
+        raise PlanError("--gpu-memory-gib", f"must be positive, not {args.gpu_memory_gib:g}")
+    if not 0 < args.target_usage <= 1:
+        raise PlanError("--target-usage", f"must be in (0, 1], not {args.target_usage}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Sized:
+    """The pool sized at the KV cache's dtype, at fp8 (when that is smaller), and the flags."""
+
+    sizing: Sizing | None = None
+    fp8: Sizing | None = None
+    flags: Flags | None = None
+
+
+def _size(
+    args: argparse.Namespace,
+    shape: KvShape,
+    pool: int | None,
+    profile: LengthProfile | None,
+    config: dict[str, Any] | None,
+) -> _Sized:
+    kv_dtype = shape.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    # Checked even without a pool, so a bad --kv-cache-dtype never passes silently.
+    width = dtype_bytes(kv_dtype, "--kv-cache-dtype")
+    if pool is None:
+        return _Sized()
+    sizing = _size_at(args, shape, width, pool)
+    fp8 = _size_at(args, shape, 1, pool) if width > 1 else None
+    flags = None
+    if profile is not None:
+        context = (config or {}).get("max_position_embeddings")
+        flags = recommend(
+            sizing,
+            p95_length=profile.p95_length,
+            target_usage=args.target_usage,
+            context_limit=context if isinstance(context, int) else None,
+        )
+    return _Sized(sizing, fp8, flags)
+
+
+def _size_at(args: argparse.Namespace, shape: KvShape, width: int, pool: int) -> Sizing:
+    """The pool of ``pool`` bytes with KV elements of ``width`` bytes."""
+    return size(
+        shape,
+        kv_dtype_bytes=width,
+        pool_bytes=pool,
+        block_size=args.block_size,
+        tensor_parallel=args.tensor_parallel_size,
+    )
+
+
+def _shape_notes(args: argparse.Namespace, shape: KvShape, pool: int | None) -> list[str]:
+    """What the table leaves out for this model and these flags."""
+    notes: list[str] = []
+    if pool is None and args.gpu_memory_gib is None:
+        notes.append("no --gpu-memory-gib or --kv-pool-gib: only the per-token size is shown")
+    if shape.sliding_layers:
+        notes.append(
+            "sliding-window layers hold at most the window per sequence: concurrency "
+            "counts that, 'tokens held' counts every layer as full"
+        )
+    return notes
+
+
+def _candidates(text: str) -> list[int]:
+    """The ``--what-if`` values: positive integers, sorted, each once."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise PlanError("--what-if", f"expects integers separated by commas, not {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise PlanError("--what-if", f"expects positive integers, not {text!r}")
+    return sorted(set(values))
+
+
+def _what_if(
+    args: argparse.Namespace,
+    sizing: Sizing | None,
+    profile: LengthProfile | None,
+    page: dict[str, Any],
+) -> list[Result]:
+    """One simulated run per candidate ``--max-num-seqs``, on one trace of the profile.
+
+    The pool is ``--num-blocks``, else the one sized from the model and memory, else the one
+    the /metrics page reports.
+    """
+    candidates = _candidates(args.what_if)
+    if profile is None:
+        raise PlanError(
+            "--what-if",
+            "needs request lengths: four --prompt/--output flags, --from-metrics or --prometheus",
+        )
+    block_size = args.block_size
+    blocks = args.num_blocks
+    if blocks is None and sizing is not None:
+        blocks = sizing.num_blocks
+    if blocks is None and page.get("num_gpu_blocks"):
+        capacity = kv_capacity_tokens(page)
+        block_size = int(page.get("block_size", block_size))
+        blocks = int(capacity // block_size) if capacity else None
+    if blocks is None:
+        raise PlanError(
+            "--num-blocks", "needed by --what-if (or a model and memory to size the pool)"
+        )
+    reqs = trace(
+        profile,
+        requests=args.requests,
+        seed=args.seed,
+        max_length=(blocks - 1) * block_size,
+        shared_content=args.identical_requests,
+    )
+    clients = None
+    if args.rate is not None:
+        if args.step_ms <= 0:
+            raise PlanError("--step-ms", f"must be positive, not {args.step_ms}")
+        reqs = arrivals(reqs, per_step=args.rate * args.step_ms / 1000.0, seed=args.seed)
+    else:
+        clients = args.concurrency if args.concurrency is not None else max(candidates)
+    return [
+        simulate(
+            reqs,
+            Settings(
+                num_blocks=blocks,
+                block_size=block_size,
+                max_num_seqs=n,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching,
+            ),
+            clients=clients,
+        )
+        for n in candidates
+    ]
