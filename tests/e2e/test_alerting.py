@@ -3,7 +3,7 @@
 Everything is real and on loopback: the session's vLLM CPU engine, a ``kvtax serve`` watching
 it, Prometheus scraping both every second and evaluating the generated rules in the test
 profile (20s windows, ``for: 5s``), and Alertmanager with the example routing pointed at this
-test's webhook receiver. 64 concurrent streams of 500 tokens against a 2,048-token KV pool
+test's webhook receiver. 32 concurrent streams of 300 tokens against a 2,048-token KV pool
 make vLLM preempt; the preemption alert must reach the ticket receiver with the right labels
 and a runbook URL, and the recorded preemption tax must show the recompute.
 """
@@ -132,7 +132,9 @@ def test_preemption_alert_reaches_the_webhook(vllm_engine: VllmEngine, tmp_path:
 
 def _overload(engine: VllmEngine) -> list[RequestResult]:
     return asyncio.run(
-        drive(engine.url, engine.model_name, concurrency=64, max_tokens=500, stream=True)
+        # 32 x (41 + 300) tokens, five times the 2,048-token pool: it preempts within seconds,
+        # and the alert (20 s windows, for: 5s) fires from those.
+        drive(engine.url, engine.model_name, concurrency=32, max_tokens=300, stream=True)
     )
 
 
