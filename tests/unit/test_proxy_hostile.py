@@ -431,3 +431,77 @@ async def test_a_whole_answer_still_running_when_the_grace_period_ends_is_cut_as
     assert await _settled(relay, 1) == {"shutdown": 1}
     assert relay.ledger.totals()["m"].delivered == 0
     assert relay.ledger.totals()["m"].undelivered == 0  # its usage, at the end, never came
+
+
+def _closes_first_then(script: Script, closes: int = 1) -> tuple[Script, list[int]]:
+    """A script that drops the connection unanswered ``closes`` times, then runs ``script``;
+    the list counts the requests vLLM saw."""
+    seen: list[int] = []
+
+    async def wrapped(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        seen.append(1)
+        if len(seen) <= closes:
+            assert request.transport is not None
+            request.transport.close()  # as uvicorn closing a keep-alive connection
+            await asyncio.sleep(1)  # the handler never answers
+        return await script(request, body)
+
+    return wrapped, seen
+
+
+async def test_a_connection_vllm_closes_unanswered_is_tried_once_more(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # Protection: vLLM can close a pooled keep-alive connection just as the proxy reuses it;
+    # without a second try the client got a 502 that kvtax caused (seen against vLLM directly
+    # in CI: 13 of 192 requests).
+    url, relay = proxy
+    upstream.script, seen = _closes_first_then(sse(3))
+    body = {"model": "m", "prompt": "x", "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+        text = await resp.text()
+    assert "[DONE]" in text
+    assert len(seen) == 2
+    assert relay.upstream_retries == 1
+    assert await _settled(relay, 1) == {"completed": 1}
+
+
+async def test_a_second_unanswered_close_is_a_502_and_never_a_third_send(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    # One retry only: a vLLM that keeps dropping the request must not get it again and again.
+    url, relay = proxy
+    upstream.script, seen = _closes_first_then(sse(3), closes=2)
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "m", "prompt": "x", "stream": True}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 502
+    assert len(seen) == 2
+    assert relay.upstream_retries == 1
+
+
+async def test_an_answered_request_and_a_refused_connect_are_never_sent_twice(
+    upstream: Upstream, proxy: tuple[str, Proxy]
+) -> None:
+    url, relay = proxy
+    seen: list[int] = []
+
+    async def error(request: web.Request, _: dict[str, Any]) -> web.StreamResponse:
+        seen.append(1)
+        return web.json_response({"error": "busy"}, status=503)
+
+    upstream.script = error
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "m", "prompt": "x"}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 503
+        assert upstream.runner is not None
+        await upstream.runner.cleanup()  # vLLM down: connects are refused
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 502
+    assert seen == [1]
+    assert relay.upstream_retries == 0

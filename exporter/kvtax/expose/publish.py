@@ -106,9 +106,10 @@ def adapter_samples(delivered: Mapping[tuple[str, str], float]) -> Iterator[Samp
         yield Sample("kvtax_adapter_delivered_tokens_total", labels, value)
 
 
-def proxy_samples(in_flight: int, streams_open: int) -> Iterator[Sample]:
+def proxy_samples(in_flight: int, streams_open: int, upstream_retries: int) -> Iterator[Sample]:
     yield Sample("kvtax_proxy_requests_in_flight", (), float(in_flight))
     yield Sample("kvtax_proxy_streams_open", (), float(streams_open))
+    yield Sample("kvtax_proxy_upstream_retries_total", (), float(upstream_retries))
 
 
 def _histogram(metric: str, labels: tuple[str, ...], h: HistogramCounts) -> HistogramSample:

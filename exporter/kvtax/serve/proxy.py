@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -106,6 +107,8 @@ class Proxy:
         self.ledger = ledger
         self.clock = clock
         self.in_flight = 0
+        # Requests sent a second time after vLLM closed the connection unanswered (see _post).
+        self.upstream_retries = 0
         self.held = HoldBudget(settings.max_held)
         # The one shutdown state: the relay and outcome_of read it, only stop() moves it.
         self.state: Phase = "serving"
@@ -311,14 +314,7 @@ class Proxy:
     ) -> web.StreamResponse:
         """Send the request to vLLM and relay its answer."""
         try:
-            upstream = await self.session.post(
-                self.settings.upstream + request.rel_url.raw_path_qs,
-                headers=request_headers(request.headers, identity=True),
-                data=upload(body),
-                skip_auto_headers=NO_AUTO,
-                allow_redirects=False,
-                timeout=read_timeout(self.settings.timeout),
-            )
+            upstream = await self._post(request, body)
         except aiohttp.ClientConnectorError as exc:
             return upstream_failure(exc, self.settings.timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -336,6 +332,32 @@ class Proxy:
                 # Closing (not releasing) drops the connection: vLLM sees the disconnect and
                 # aborts the request, freeing its KV blocks.
                 upstream.close()
+
+    async def _post(self, request: web.Request, body: bytes) -> aiohttp.ClientResponse:
+        """POST ``body`` to vLLM; a connection that breaks before any answer gets one more try.
+
+        vLLM can close a pooled keep-alive connection at the instant the proxy reuses it (its
+        event loop late under load); the request then fails before vLLM read it, and the client
+        would get a 502 that kvtax caused. nginx gives a cached upstream connection's failure a
+        second try for the same reason. Only a break with no status line is retried, once: a
+        refused connect (vLLM down) or any answer at all is never sent twice.
+        """
+        send = functools.partial(
+            self.session.post,
+            self.settings.upstream + request.rel_url.raw_path_qs,
+            headers=request_headers(request.headers, identity=True),
+            skip_auto_headers=NO_AUTO,
+            allow_redirects=False,
+            timeout=read_timeout(self.settings.timeout),
+        )
+        try:
+            return await send(data=upload(body))
+        except aiohttp.ClientConnectorError:
+            raise  # refused or unreachable: vLLM never had it, and a retry would only wait
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            self.upstream_retries += 1
+            log.debug("vLLM closed the connection before answering (%s); one more try", exc)
+        return await send(data=upload(body))
 
     async def _respond(
         self,

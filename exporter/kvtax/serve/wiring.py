@@ -79,7 +79,8 @@ class Stack:
         yield from self.sidecar.samples()
         yield from ledger_samples(self.ledger.counts())
         yield from adapter_samples(self.ledger.adapter_counts())
-        yield from proxy_samples(self.proxy.in_flight, self.proxy.streams_open)
+        proxy = self.proxy
+        yield from proxy_samples(proxy.in_flight, proxy.streams_open, proxy.upstream_retries)
         yield from self.gate.samples()
         yield from self.loopwatch.samples()
 
