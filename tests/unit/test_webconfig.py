@@ -6,8 +6,11 @@ required or not) and basic auth are checked against the sidecar's own web app on
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import ssl
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,14 @@ from aiohttp.test_utils import TestServer
 
 from kvtax.serve.config import ConfigError, load_config
 from kvtax.serve.sidecar import Sidecar
-from kvtax.serve.webconfig import BasicAuth, load, parse
+from kvtax.serve.webconfig import (
+    BCRYPT_THREADS,
+    VERIFIED_MAX,
+    BasicAuth,
+    WebSecurity,
+    load,
+    parse,
+)
 from kvtax_dev.testbed.tlscerts import Certs, make_certs
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
@@ -44,11 +54,11 @@ def write(tmp_path: Path, text: str) -> Path:
 # -- the file -------------------------------------------------------------------------------
 
 
-def test_no_file_means_plain_http_without_auth() -> None:
+async def test_no_file_means_plain_http_without_auth() -> None:
     security = load(None)
     assert security.ssl_context is None
     assert security.scheme == "http"
-    assert security.authorized(None)
+    assert await security.authorized(None)
 
 
 def test_an_empty_file_changes_nothing(tmp_path: Path) -> None:
@@ -144,14 +154,115 @@ def test_the_flag_and_the_variable_set_it(tmp_path: Path) -> None:
 # -- basic auth -----------------------------------------------------------------------------
 
 
-def test_basic_auth_checks_the_bcrypt_hash() -> None:
+async def test_basic_auth_checks_the_bcrypt_hash() -> None:
     auth = BasicAuth({"prometheus": HASH.encode()})
-    assert auth.check(basic("prometheus", "s3cret"))
-    assert not auth.check(basic("prometheus", "wrong"))
-    assert not auth.check(basic("someone", "s3cret"))
-    assert not auth.check(None)
-    assert not auth.check("Bearer s3cret")
-    assert not auth.check("Basic !!!not-base64")
+    assert await auth.check(basic("prometheus", "s3cret"))
+    assert not await auth.check(basic("prometheus", "wrong"))
+    assert not await auth.check(basic("someone", "s3cret"))
+    assert not await auth.check(None)
+    assert not await auth.check("Bearer s3cret")
+    assert not await auth.check("Basic !!!not-base64")
+
+
+def count_checks(monkeypatch: pytest.MonkeyPatch, verdict: bool | None = None) -> list[bytes]:
+    """Every password bcrypt is asked to check, in order; ``verdict`` overrides its answer."""
+    asked: list[bytes] = []
+    real = bcrypt.checkpw
+
+    def checkpw(password: bytes, hashed: bytes) -> bool:
+        asked.append(password)
+        return real(password, hashed) if verdict is None else verdict
+
+    monkeypatch.setattr(bcrypt, "checkpw", checkpw)
+    return asked
+
+
+async def test_a_good_password_costs_one_bcrypt_check_and_a_bad_one_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked = count_checks(monkeypatch)
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    assert await auth.check(basic("prometheus", "s3cret"))
+    assert await auth.check(basic("prometheus", "s3cret"))
+    assert asked == [b"s3cret"]  # the second scrape was answered from the remembered check
+    assert not await auth.check(basic("prometheus", "wrong"))
+    assert not await auth.check(basic("prometheus", "wrong"))
+    assert asked == [b"s3cret", b"wrong", b"wrong"]
+    assert b"s3cret" not in repr(auth).encode()
+
+
+async def test_the_remembered_checks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = count_checks(monkeypatch, verdict=True)
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    for n in range(VERIFIED_MAX + 1):
+        assert await auth.check(basic("prometheus", f"p{n}"))
+    assert await auth.check(basic("prometheus", f"p{VERIFIED_MAX}"))
+    assert len(asked) == VERIFIED_MAX + 1  # the newest is still remembered
+    assert await auth.check(basic("prometheus", "p0"))
+    assert len(asked) == VERIFIED_MAX + 2  # the oldest was forgotten
+
+
+def basic_auth_sidecar() -> Sidecar:
+    config = load_config({"vllm.url": "http://127.0.0.1:9"}, env={}, file=None)
+    users = BasicAuth({"prometheus": HASH.encode()})
+    return Sidecar(config, security=WebSecurity(basic_auth=users))
+
+
+async def test_a_password_longer_than_bcrypt_takes_is_401_not_500(aiohttp_client: Any) -> None:
+    client = await aiohttp_client(basic_auth_sidecar().web_app())
+    long = {"Authorization": basic("prometheus", "x" * 73)}  # bcrypt 5 raises past 72 bytes
+    resp = await client.get("/metrics", headers=long)
+    assert resp.status == 401
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    assert not await auth.check(basic("prometheus", "é" * 40))  # 80 bytes in UTF-8
+
+
+async def test_at_most_a_few_bcrypt_checks_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def slow_checkpw(password: bytes, hashed: bytes) -> bool:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+        return False
+
+    monkeypatch.setattr(bcrypt, "checkpw", slow_checkpw)
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    guesses = [auth.check(basic("prometheus", f"guess{n}")) for n in range(4 * BCRYPT_THREADS)]
+    assert not any(await asyncio.gather(*guesses))
+    assert most == BCRYPT_THREADS
+
+
+async def test_the_event_loop_serves_other_requests_while_bcrypt_runs(
+    aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def slow_checkpw(password: bytes, hashed: bytes) -> bool:
+        entered.set()
+        # Released by the test once /healthz answered; on the event loop it would block that
+        # answer, and the wait ends by its timeout instead.
+        release.wait(timeout=0.3)
+        order.append("bcrypt done")
+        return True
+
+    monkeypatch.setattr(bcrypt, "checkpw", slow_checkpw)
+    client = await aiohttp_client(basic_auth_sidecar().web_app())
+    ok = {"Authorization": basic("prometheus", "s3cret")}
+    scrape = asyncio.ensure_future(client.get("/metrics", headers=ok))
+    assert await asyncio.to_thread(entered.wait, 5.0)
+    resp = await client.get("/healthz")
+    assert resp.status == 200
+    order.append("healthz answered")
+    release.set()
+    assert (await scrape).status == 200
+    assert order == ["healthz answered", "bcrypt done"]
 
 
 # -- on the wire ----------------------------------------------------------------------------

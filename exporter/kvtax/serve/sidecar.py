@@ -287,7 +287,7 @@ class Sidecar:
 
         @web.middleware
         async def basic_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if request.path in open_paths or security.authorized(
+            if request.path in open_paths or await security.authorized(
                 request.headers.get("Authorization")
             ):
                 return await handler(request)

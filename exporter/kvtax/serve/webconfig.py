@@ -17,20 +17,27 @@ the same file, so an operator can hand kvtax the file the node exporter already 
 an :class:`ssl.SSLContext` for the listener (None without TLS) and the basic-auth check.
 
 Basic auth guards every route except ``/healthz`` and ``/readyz`` (kubelet probes carry no
-credentials; they say only "ok") and the push route, which has its own bearer token.
+credentials; they say only "ok") and the push route, which has its own bearer token. bcrypt is
+slow by design, so a check runs in a thread (never on the event loop that relays the proxy's
+streams), at most :data:`BCRYPT_THREADS` at once, and a user's good password is remembered (as a
+keyed digest, never the password) so that Prometheus' scrape every few seconds costs one check.
 
 Example::
 
     security = load(Path("web.yml"))
     security.ssl_context       # for aiohttp's TCPSite
-    security.authorized("Basic cHJvbWV0aGV1czpzZWNyZXQ=")  # True or False
+    await security.authorized("Basic cHJvbWV0aGV1czpzZWNyZXQ=")  # True or False
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import hmac
+import secrets
 import ssl
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +48,25 @@ import yaml
 
 from .values import ConfigError
 
-__all__ = ["BasicAuth", "TlsSettings", "WebSecurity", "load", "parse"]
+__all__ = [
+    "BCRYPT_THREADS",
+    "VERIFIED_MAX",
+    "BasicAuth",
+    "TlsSettings",
+    "WebSecurity",
+    "load",
+    "parse",
+]
+
+# bcrypt checks run in the loop's default thread pool, at most this many at once. That pool is
+# small (cores + 4) and also resolves the proxy's upstream host name (getaddrinfo); on a 2-core
+# pod a flood of bad guesses must neither fill it nor take every core from the event loop and
+# the parse worker. Waiting checks queue as coroutines, which cost no thread.
+BCRYPT_THREADS = 2
+# Good (user, password) pairs remembered, as exporter-toolkit does: Prometheus sends the same
+# credentials on every scrape, and each bcrypt check costs ~0.1 s of CPU at cost 10. Only
+# successes are kept, so a guesser cannot fill it; the oldest entry goes first.
+VERIFIED_MAX = 64
 
 _TLS_VERSIONS: Mapping[str, ssl.TLSVersion] = MappingProxyType(
     {
@@ -81,28 +106,70 @@ class TlsSettings:
 
 @dataclass(frozen=True, slots=True)
 class BasicAuth:
-    """``basic_auth_users``: user name -> bcrypt hash."""
+    """``basic_auth_users``: user name -> bcrypt hash, and the checks that already passed."""
 
     users: Mapping[str, bytes] = field(default_factory=lambda: MappingProxyType({}))
+    # (user, keyed digest of the password) of good checks. The key is random per process, so a
+    # digest seen in a memory dump cannot be matched against a precomputed table of passwords.
+    _verified: OrderedDict[tuple[str, bytes], None] = field(
+        default_factory=OrderedDict, init=False, repr=False, compare=False
+    )
+    _digest_key: bytes = field(
+        default_factory=lambda: secrets.token_bytes(32), init=False, repr=False, compare=False
+    )
+    _threads: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(BCRYPT_THREADS),
+        init=False,
+        repr=False,
+        compare=False,
+    )
 
-    def check(self, header: str | None) -> bool:
+    async def check(self, header: str | None) -> bool:
         """True when ``header`` (an Authorization value) names a user and its password."""
-        if header is None:
+        credentials = _credentials(header)
+        if credentials is None:
             return False
-        scheme, _, encoded = header.partition(" ")
-        if scheme.lower() != "basic":
-            return False
-        try:
-            decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        user, sep, password = decoded.partition(":")
+        user, password = credentials
         hashed = self.users.get(user)
-        if not sep or hashed is None:
+        if hashed is None:
             return False
-        import bcrypt  # only a file with basic_auth_users needs it
+        key = (user, hmac.digest(self._digest_key, password, "sha256"))
+        if key in self._verified:
+            self._verified.move_to_end(key)
+            return True
+        async with self._threads:
+            good = await asyncio.to_thread(_checkpw, password, hashed)
+        if good:
+            self._verified[key] = None
+            if len(self._verified) > VERIFIED_MAX:
+                self._verified.popitem(last=False)
+        return good
 
-        return bool(bcrypt.checkpw(password.encode("utf-8"), hashed))
+
+def _credentials(header: str | None) -> tuple[str, bytes] | None:
+    """The user and password of a ``Basic`` Authorization value, or None."""
+    if header is None:
+        return None
+    scheme, _, encoded = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, sep, password = decoded.partition(":")
+    return (user, password.encode("utf-8")) if sep else None
+
+
+def _checkpw(password: bytes, hashed: bytes) -> bool:
+    """bcrypt's verdict; a password it refuses to check (bcrypt 5 raises ValueError past 72
+    bytes) is a wrong one, not a server error."""
+    import bcrypt  # only a file with basic_auth_users needs it
+
+    try:
+        return bool(bcrypt.checkpw(password, hashed))
+    except (ValueError, TypeError):
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +191,9 @@ class WebSecurity:
     def scheme(self) -> str:
         return "https" if self.ssl_context is not None else "http"
 
-    def authorized(self, header: str | None) -> bool:
+    async def authorized(self, header: str | None) -> bool:
         """True when no basic auth is configured, or ``header`` carries a valid user."""
-        return self.basic_auth is None or self.basic_auth.check(header)
+        return self.basic_auth is None or await self.basic_auth.check(header)
 
 
 def _fail(file: Path, key: str, why: str) -> ConfigError:
