@@ -19,6 +19,7 @@ from prometheus_client.exposition import generate_latest
 
 from kvtax.serve.config import load_config
 from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.readiness import FRESH_FOR
 from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import FakeClock, Labels, one, parse_exposition, read_fixture
 
@@ -296,9 +297,11 @@ async def test_vllm_back_after_a_restart_is_up_within_one_scrape_with_no_negativ
 async def test_healthz_is_always_200_and_readyz_follows_vllm_health_with_the_proxy_on(
     vllm: FakeVllm,
     sidecar: Sidecar,
+    clock: FakeClock,
     aiohttp_client: ClientFactory,
 ) -> None:
     assert sidecar.config.proxy_listen_address is not None  # the proxy is on by default
+    sidecar.vllm_health.clock = clock  # vLLM's answer is reused until the clock moves on
     client = await aiohttp_client(sidecar.web_app())
 
     async def status(path: str) -> int:
@@ -313,13 +316,16 @@ async def test_healthz_is_always_200_and_readyz_follows_vllm_health_with_the_pro
     await sidecar.scrape_once()
     assert await status("/readyz") == 200  # a failing /metrics page does not gate traffic
     vllm.healthy = False
+    assert await status("/readyz") == 200  # the answer of a moment ago
+    clock.advance(FRESH_FOR)
     resp = await client.get("/readyz")
     assert resp.status == 503
     assert "cannot reach vLLM: http_status" in await resp.text()
     assert await status("/healthz") == 200
     vllm.healthy = True
+    clock.advance(FRESH_FOR)
     assert await status("/readyz") == 200
-    sidecar.draining = True
+    sidecar.draining = True  # at once, not a second later
     assert await status("/readyz") == 503
 
     resp = await client.get("/metrics")

@@ -44,6 +44,7 @@ from kvtax.figures.derive import EngineSettings, ModelFigures, derive_all
 from kvtax.figures.window import Window, candidates
 from kvtax.serve.config import Config
 from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.readiness import HEALTH_MAX_BYTES, HealthCheck
 from kvtax.serve.scraper import REASONS, ScrapeError, Scraper
 from kvtax.serve.webconfig import WebSecurity
 
@@ -116,6 +117,11 @@ class Sidecar:
             target_usage=config.target_usage, configured_max_num_seqs=config.max_num_seqs
         )
         self.scraper = Scraper(config.vllm_url, config.effective_timeout, config.scrape_max_bytes)
+        # /readyz asks vLLM's /health through a client of its own, shared and cached, so that
+        # probes never take (or queue behind) the scraper's connections.
+        self.vllm_health = HealthCheck(
+            Scraper(config.vllm_url, config.effective_timeout, HEALTH_MAX_BYTES)
+        )
         # A parser passed in belongs to the caller (tests share one); one made here is ours.
         self._owns_parser = parser is None
         self.parser = parser if parser is not None else ParsePool()
@@ -253,17 +259,17 @@ class Sidecar:
         """Whether the pod may take traffic, and why.
 
         With the proxy on, traffic flows through kvtax to vLLM: ready means the proxy reaches
-        vLLM's /health now. Observe-only, kvtax is beside the traffic and never gates it.
-        Neither depends on vLLM's metrics: a vLLM with its stats off serves fine.
+        vLLM's /health (an answer at most a second old, one request however many probes ask).
+        Observe-only, kvtax is beside the traffic and never gates it. Neither depends on vLLM's
+        metrics: a vLLM with its stats off serves fine.
         """
         if self.draining:
             return False, "shutting down"
         if self.config.proxy_listen_address is None:
             return True, "ok (observe-only: kvtax does not gate readiness)"
-        try:
-            await self.scraper.fetch_health()
-        except ScrapeError as exc:
-            return False, f"the proxy cannot reach vLLM: {exc.reason}: {exc.detail}"
+        failure = await self.vllm_health.failure()
+        if failure is not None:
+            return False, f"the proxy cannot reach vLLM: {failure.reason}: {failure.detail}"
         return True, "ok"
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -353,3 +359,4 @@ class Sidecar:
             await self._runner.cleanup()
             self._runner = None
         await self.scraper.close()
+        await self.vllm_health.close()
