@@ -248,7 +248,7 @@ async def test_the_event_loop_serves_other_requests_while_bcrypt_runs(
         entered.set()
         # Released by the test once /healthz answered; on the event loop it would block that
         # answer, and the wait ends by its timeout instead.
-        release.wait(timeout=0.3)
+        release.wait(timeout=2.0)
         order.append("bcrypt done")
         return True
 
