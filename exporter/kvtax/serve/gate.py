@@ -15,7 +15,7 @@ so that ``/metrics`` publishes the cap ``auto`` would set (the advice).
 Example::
 
     gate = Gate(GateSettings(CapSettings(mode="adaptive")))
-    ticket = gate.ticket(shape)
+    ticket = gate.ticket(gate.estimator.estimate(shape.prompt_bytes), shape.max_tokens)
     reason = await gate.enter(ticket)   # None: admitted
     ...
     gate.leave(ticket)
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtax.admission.cap import CapSettings, CapState, initial, step
-from kvtax.admission.footprint import OverBudget, Shape, TokenEstimator, blocks_of
+from kvtax.admission.footprint import OverBudget, TokenEstimator, blocks_of
 from kvtax.admission.order import Order, queue_key, retry_after
 from kvtax.admission.signals import signals_of
 from kvtax.delivery.ledger import HistogramAccumulator
@@ -103,9 +103,9 @@ class Gate:
         self._totals: Mapping[str, tuple[float, float]] = {}
 
     # -- sizing ------------------------------------------------------------------------------
-    def ticket(self, shape: Shape, max_tokens: int | None) -> Ticket:
-        """A ticket for a request of ``shape`` whose completion limit is ``max_tokens``."""
-        prompt = self.estimator.estimate(shape.prompt_bytes)
+    def ticket(self, prompt: int, max_tokens: int | None) -> Ticket:
+        """A ticket for a request of about ``prompt`` tokens (the caller estimated them for the
+        token budget already) whose completion limit is ``max_tokens``."""
         completion = max_tokens if max_tokens is not None else self._assumed_completion(prompt)
         footprint = prompt + completion
         self._footprints.append(footprint)

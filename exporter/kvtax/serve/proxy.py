@@ -302,7 +302,7 @@ class Proxy:
         if verdict.action == "clamp" and isinstance(payload, dict) and verdict.max_tokens:
             limit = verdict.max_tokens
             body = orjson.dumps(with_max_tokens(payload, limit))
-        ticket = gate.ticket(shape, limit)
+        ticket = gate.ticket(prompt, limit)
         reason = await gate.enter(ticket)
         if reason is not None:
             ex.shed = reason
