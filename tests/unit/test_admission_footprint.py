@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from kvtax.admission.footprint import (
+    MAX_TOKENS_PER_BYTE,
+    MIN_TOKENS_PER_BYTE,
     TokenEstimator,
     blocks_of,
     check_budget,
@@ -34,6 +36,37 @@ def test_estimator_over_counts_then_learns_from_usage() -> None:
         est = est.learned(400, 100)
     assert 100 <= est.estimate(400) <= 105
     assert est.learned(4, 100) is est  # too short to learn from
+
+
+def test_the_learned_ratio_stays_in_its_band() -> None:
+    # Protection: one global ratio serves every request; a burst of prompts whose bytes do not
+    # show their tokens (base64 images counted as text) dragged it towards 0.002, and every
+    # later text prompt was then counted about a hundred times too short.
+    est = TokenEstimator()
+    for _ in range(50):
+        est = est.learned(200_000, 400)  # a picture's base64 and its few hundred tokens
+    assert est.tokens_per_byte == MIN_TOKENS_PER_BYTE
+    assert est.estimate(400) == 40
+    for _ in range(50):
+        est = est.learned(20, 2000)
+    assert est.tokens_per_byte == MAX_TOKENS_PER_BYTE
+
+
+def _chat(*parts: dict[str, object]) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": list(parts)}], "max_tokens": 9}
+
+
+def test_an_image_part_is_no_prompt_bytes() -> None:
+    # Protection: only text is sized; an image part's base64 counted as prompt bytes.
+    text = {"type": "text", "text": "what is in this picture?"}
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 99_999}}
+    sound = {"type": "input_audio", "input_audio": {"data": "B" * 99_999, "format": "wav"}}
+    plain = shape_of(_chat(text))
+    mixed = shape_of(_chat(text, picture, sound))
+    assert mixed.prompt_bytes == plain.prompt_bytes < 100
+    assert mixed.media
+    assert not plain.media
+    assert not shape_of({"messages": [{"role": "user", "content": "hi"}]}).media
 
 
 def test_blocks_round_up() -> None:

@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvtax.admission.cap import CapSettings
+from kvtax.admission.footprint import TokenEstimator
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.serve.config import Config
 from kvtax.serve.gate import Gate, GateSettings
@@ -60,6 +61,7 @@ class HeldVllm:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
         return app
 
 
@@ -348,3 +350,25 @@ async def test_cold_start_holds_the_engine_to_the_floor(
             fake.slots.release()
         await asyncio.gather(*tasks)
     assert gate.admitted == 5
+
+
+async def test_a_prompt_with_an_image_does_not_teach_the_estimator(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    # Protection: vLLM's prompt tokens of a request with an image include the image's, which
+    # none of the text bytes the gate counts show: learning from it pushed the ratio up.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8))
+    url = await _start(proxies, upstream, gate)
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4096}}
+    text = {"type": "text", "text": "describe this picture in a few words"}
+    body = {"model": "m", "messages": [{"role": "user", "content": [text, picture]}]}
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+        await resp.read()
+    await _until(lambda: proxies[0].in_flight == 0)
+    assert gate.estimator == TokenEstimator()

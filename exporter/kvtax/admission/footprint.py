@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "MAX_TOKENS_PER_BYTE",
+    "MIN_TOKENS_PER_BYTE",
     "BudgetVerdict",
     "Shape",
     "TokenEstimator",
@@ -35,10 +37,15 @@ OverBudget = Literal["reject", "clamp"]
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """What admission reads of a request body: the prompt's size and the completion's limit."""
+    """What admission reads of a request body: the prompt's size and the completion's limit.
+
+    ``media``: the prompt also has parts that count as no bytes (images, audio); vLLM's count
+    of its tokens includes theirs, so it says nothing about the tokens a byte of text costs.
+    """
 
     prompt_bytes: int
     max_tokens: int | None
+    media: bool = False
 
 
 def shape_of(payload: Any) -> Shape:
@@ -46,11 +53,35 @@ def shape_of(payload: Any) -> Shape:
     and no limit (vLLM answers its 400)."""
     if not isinstance(payload, dict):
         return Shape(0, None)
-    prompt = payload.get("messages", payload.get("prompt", ""))
+    messages, media = _text_of(payload.get("messages"))
+    prompt = messages if messages is not None else payload.get("prompt", "")
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
     limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
     valid = isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
-    return Shape(len(text.encode()), limit if valid else None)
+    return Shape(len(text.encode()), limit if valid else None, media)
+
+
+def _text_of(messages: Any) -> tuple[Any, bool]:
+    """Chat messages with each list of content parts cut down to the parts' text, and whether
+    any part was left out. An image or audio part is mostly base64: counted as bytes of text
+    it made one picture weigh like a book, and taught the estimator a ratio 100 times low."""
+    if not isinstance(messages, list):
+        return messages, False
+    kept: list[Any] = []
+    media = False
+    for message in messages:
+        parts = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(parts, list):
+            kept.append(message)
+            continue
+        texts = [part["text"] for part in parts if _is_text(part)]
+        media = media or len(texts) < len(parts)
+        kept.append({**message, "content": texts})
+    return kept, media
+
+
+def _is_text(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("text"), str)
 
 
 def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
@@ -59,10 +90,20 @@ def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
     return {**payload, key: limit}
 
 
+# The band the learned ratio stays in. No tokenizer spends more than one token on a byte (its
+# byte fallback), and real text costs far more than a token per ten bytes (English about one
+# per four). One global ratio serves every request: a few odd ones (long runs of whitespace,
+# a prompt whose tokens the bytes do not show) must not drag it to where every later prompt is
+# under- or over-counted many times.
+MIN_TOKENS_PER_BYTE = 0.1
+MAX_TOKENS_PER_BYTE = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEstimator:
     """Prompt tokens from prompt bytes. The ratio starts at 0.35 tokens a byte (above what
-    English text needs, so it over-counts) and moves toward what vLLM reports."""
+    English text needs, so it over-counts) and moves toward what vLLM reports, within
+    [``MIN_TOKENS_PER_BYTE``, ``MAX_TOKENS_PER_BYTE``]."""
 
     tokens_per_byte: float = 0.35
     weight: float = 0.2
@@ -76,7 +117,8 @@ class TokenEstimator:
             return self  # too short to say anything about the ratio
         seen = prompt_tokens / prompt_bytes
         ratio = (1 - self.weight) * self.tokens_per_byte + self.weight * seen
-        return TokenEstimator(ratio, self.weight)
+        bounded = min(MAX_TOKENS_PER_BYTE, max(MIN_TOKENS_PER_BYTE, ratio))
+        return TokenEstimator(bounded, self.weight)
 
 
 def blocks_of(tokens: int, block_size: int) -> int:

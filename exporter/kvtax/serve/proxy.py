@@ -290,7 +290,9 @@ class Proxy:
         except orjson.JSONDecodeError:
             payload = None  # vLLM answers its 400; the gate sizes it as empty
         shape = shape_of(payload)
-        ex.prompt_bytes = shape.prompt_bytes
+        # Only a text prompt teaches the estimator: vLLM's count of a prompt with images
+        # includes theirs, which no byte of it shows.
+        ex.prompt_bytes = 0 if shape.media else shape.prompt_bytes
         budget, over = gate.settings.token_budget, gate.settings.over_budget
         prompt = gate.estimator.estimate(shape.prompt_bytes)
         verdict = check_budget(prompt, shape.max_tokens, budget, over)
