@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtax.admission.footprint import (
+    CHAT_PATH,
     MAX_TOKENS_PER_BYTE,
     MIN_TOKENS_PER_BYTE,
+    Shape,
     TokenEstimator,
     blocks_of,
     check_budget,
@@ -13,18 +17,53 @@ from kvtax.admission.footprint import (
 )
 from kvtax.admission.order import queue_key, retry_after
 
+COMPLETIONS = "/v1/completions"
+
 
 def test_shape_reads_prompt_or_messages_and_the_limit() -> None:
-    assert shape_of({"prompt": "héllo", "max_tokens": 5}).prompt_bytes == 6
-    chat = shape_of({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9})
+    assert shape_of({"prompt": "héllo", "max_tokens": 5}, COMPLETIONS).prompt_bytes == 6
+    chat = shape_of(
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}, CHAT_PATH
+    )
     assert chat.max_tokens == 9
     assert chat.prompt_bytes > 2
-    assert shape_of({"prompt": "x", "max_tokens": True}).max_tokens is None
-    assert shape_of({"prompt": "x", "max_tokens": -3}).max_tokens is None
-    assert shape_of(["not", "an", "object"]).prompt_bytes == 0
+    assert shape_of({"prompt": "x", "max_tokens": True}, COMPLETIONS).max_tokens is None
+    assert shape_of({"prompt": "x", "max_tokens": -3}, COMPLETIONS).max_tokens is None
+    assert shape_of(["not", "an", "object"], COMPLETIONS).prompt_bytes == 0
 
 
-def test_with_max_tokens_keeps_the_key_the_client_used() -> None:
+def test_completions_read_max_tokens_only() -> None:
+    # Protection: vLLM's completions endpoint has no max_completion_tokens (it ignores the
+    # key); reading it first let a small one hide a huge max_tokens from the budget.
+    body = {"prompt": "x", "max_tokens": 5000, "max_completion_tokens": 10}
+    assert shape_of(body, COMPLETIONS).max_tokens == 5000
+    # ... and its prompt is `prompt`, whatever `messages` says.
+    big = {"prompt": "y" * 1000, "messages": []}
+    assert shape_of(big, COMPLETIONS).prompt_bytes == 1000
+
+
+@pytest.mark.parametrize(
+    ("limits", "read"),
+    [
+        ({"max_completion_tokens": 10, "max_tokens": 5000}, 10),
+        ({"max_completion_tokens": None, "max_tokens": 5000}, 5000),
+        ({"max_completion_tokens": 0, "max_tokens": 5000}, 5000),
+        ({"max_tokens": 5000}, 5000),
+        ({"max_completion_tokens": None}, None),
+    ],
+)
+def test_chat_reads_the_limit_vllm_applies(limits: dict[str, int | None], read: int | None) -> None:
+    # Protection: vLLM's chat endpoint takes `max_completion_tokens or max_tokens`; a null
+    # max_completion_tokens hid the max_tokens vLLM then applied.
+    body = {"messages": [{"role": "user", "content": "hi"}], **limits}
+    assert shape_of(body, CHAT_PATH).max_tokens == read
+
+
+def test_with_max_tokens_lowers_every_limit_the_body_states() -> None:
+    both = {"max_completion_tokens": 10, "max_tokens": 5000}
+    assert with_max_tokens(both, 100) == {"max_completion_tokens": 10, "max_tokens": 100}
+    hidden = {"max_completion_tokens": None, "max_tokens": 5000}
+    assert with_max_tokens(hidden, 100) == {"max_completion_tokens": 100, "max_tokens": 100}
     assert with_max_tokens({"max_completion_tokens": 900}, 10) == {"max_completion_tokens": 10}
     assert with_max_tokens({"prompt": "x"}, 10) == {"prompt": "x", "max_tokens": 10}
 
@@ -52,8 +91,8 @@ def test_the_learned_ratio_stays_in_its_band() -> None:
     assert est.tokens_per_byte == MAX_TOKENS_PER_BYTE
 
 
-def _chat(*parts: dict[str, object]) -> dict[str, object]:
-    return {"messages": [{"role": "user", "content": list(parts)}], "max_tokens": 9}
+def _chat(*parts: dict[str, object]) -> Shape:
+    return shape_of({"messages": [{"role": "user", "content": list(parts)}]}, CHAT_PATH)
 
 
 def test_an_image_part_is_no_prompt_bytes() -> None:
@@ -61,12 +100,12 @@ def test_an_image_part_is_no_prompt_bytes() -> None:
     text = {"type": "text", "text": "what is in this picture?"}
     picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 99_999}}
     sound = {"type": "input_audio", "input_audio": {"data": "B" * 99_999, "format": "wav"}}
-    plain = shape_of(_chat(text))
-    mixed = shape_of(_chat(text, picture, sound))
+    plain = _chat(text)
+    mixed = _chat(text, picture, sound)
     assert mixed.prompt_bytes == plain.prompt_bytes < 100
     assert mixed.media
     assert not plain.media
-    assert not shape_of({"messages": [{"role": "user", "content": "hi"}]}).media
+    assert not shape_of({"messages": [{"role": "user", "content": "hi"}]}, CHAT_PATH).media
 
 
 def test_blocks_round_up() -> None:

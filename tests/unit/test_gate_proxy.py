@@ -282,6 +282,29 @@ async def test_token_budget_clamps_max_tokens(
     assert json.loads(fake.bodies[1])["max_tokens"] == 100 - prompt
 
 
+@pytest.mark.parametrize("over", ["reject", "clamp"])
+async def test_max_completion_tokens_does_not_hide_max_tokens_on_completions(
+    vllm: tuple[HeldVllm, str], proxies: Started, over: str
+) -> None:
+    # Protection: /v1/completions honours max_tokens only; a small max_completion_tokens
+    # beside a huge max_tokens passed the budget and vLLM generated up to the huge one.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), token_budget=100, over_budget=over)
+    url = await _start(proxies, upstream, gate)
+    body = {**BODY, "max_tokens": 100_000, "max_completion_tokens": 5}
+    async with aiohttp.ClientSession() as client:
+        status, _, answer = await _post(client, url, body)
+    if over == "reject":
+        assert status == 400
+        assert "max_tokens=100000" in answer["error"]["message"]
+        assert fake.bodies == []
+    else:
+        assert status == 200
+        prompt = gate.estimator.estimate(len(b"hello there"))
+        assert json.loads(fake.bodies[0])["max_tokens"] == 100 - prompt
+
+
 def _exchange_bytes(fake: HeldVllm) -> list[tuple[bytes, dict[str, str]]]:
     return list(zip(fake.bodies, fake.headers, strict=True))
 

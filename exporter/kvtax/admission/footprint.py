@@ -8,7 +8,7 @@ the budget mode admits against.
 
 Example::
 
-    shape = shape_of(body)                      # Shape(prompt_bytes=812, max_tokens=256)
+    shape = shape_of(body, "/v1/completions")   # Shape(prompt_bytes=812, max_tokens=256)
     tokens = TokenEstimator().estimate(shape.prompt_bytes)
     blocks_of(tokens + 256, block_size=16)
 """
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "CHAT_PATH",
+    "LIMIT_KEYS",
     "MAX_TOKENS_PER_BYTE",
     "MIN_TOKENS_PER_BYTE",
     "BudgetVerdict",
@@ -33,6 +35,10 @@ __all__ = [
 ]
 
 OverBudget = Literal["reject", "clamp"]
+
+CHAT_PATH = "/v1/chat/completions"
+# The keys that limit a completion's length, in the order vLLM's chat endpoint reads them.
+LIMIT_KEYS = ("max_completion_tokens", "max_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +54,34 @@ class Shape:
     media: bool = False
 
 
-def shape_of(payload: Any) -> Shape:
-    """The shape of a parsed completion or chat body; a body that is not an object has size 0
-    and no limit (vLLM answers its 400)."""
+def shape_of(payload: Any, path: str) -> Shape:
+    """The shape of a parsed body sent to ``path`` (``/v1/completions`` or ``CHAT_PATH``), read
+    as vLLM reads it there; a body that is not an object has size 0 and no limit (vLLM answers
+    its 400)."""
     if not isinstance(payload, dict):
         return Shape(0, None)
-    messages, media = _text_of(payload.get("messages"))
-    prompt = messages if messages is not None else payload.get("prompt", "")
+    chat = path == CHAT_PATH
+    media = False
+    if chat:
+        prompt, media = _text_of(payload.get("messages"))
+    else:
+        prompt = payload.get("prompt", "")
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
-    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
-    valid = isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
-    return Shape(len(text.encode()), limit if valid else None, media)
+    return Shape(len(text.encode()), _limit_of(payload, chat), media)
+
+
+def _limit_of(payload: dict[str, Any], chat: bool) -> int | None:
+    """The completion limit vLLM applies. Its CompletionRequest has ``max_tokens`` only (it
+    ignores other keys); its ChatCompletionRequest takes ``max_completion_tokens or
+    max_tokens`` (vllm/entrypoints/openai/protocol.py, to_sampling_params), so a null or 0
+    ``max_completion_tokens`` leaves ``max_tokens`` in force."""
+    keys = LIMIT_KEYS if chat else ("max_tokens",)
+    limit = next((payload[key] for key in keys if payload.get(key)), None)
+    return limit if _is_count(limit) else None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _text_of(messages: Any) -> tuple[Any, bool]:
@@ -85,9 +108,16 @@ def _is_text(part: Any) -> bool:
 
 
 def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
-    """The body with its completion limit set to ``limit``, under the key it used."""
-    key = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
-    return {**payload, key: limit}
+    """The body with its completion limit at most ``limit``: every limit key it has is lowered
+    (whichever one vLLM reads at its endpoint is then within the limit); one without any gets
+    ``max_tokens``, which every vLLM reads on both endpoints."""
+    present = [key for key in LIMIT_KEYS if key in payload] or ["max_tokens"]
+    lowered = {key: _lowered(payload.get(key), limit) for key in present}
+    return {**payload, **lowered}
+
+
+def _lowered(value: Any, limit: int) -> int:
+    return value if _is_count(value) and value <= limit else limit
 
 
 # The band the learned ratio stays in. No tokenizer spends more than one token on a byte (its

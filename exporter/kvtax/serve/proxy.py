@@ -271,7 +271,7 @@ class Proxy:
         if self.gate is None:
             return await self._forward(request, ex, wish, body)
         gate = self.gate
-        entry = await self._admit(gate, body, ex)
+        entry = await self._admit(gate, request.path, body, ex)
         if isinstance(entry, web.StreamResponse):
             return entry
         ticket, body = entry
@@ -281,7 +281,7 @@ class Proxy:
             gate.leave(ticket)
 
     async def _admit(
-        self, gate: Gate, body: bytes, ex: Exchange
+        self, gate: Gate, path: str, body: bytes, ex: Exchange
     ) -> tuple[Ticket, bytes] | web.StreamResponse:
         """Pass ``gate``: the ticket and the body to send (its max_tokens perhaps clamped), or
         the gate's own answer (400 over the token budget, 429 shed)."""
@@ -289,7 +289,7 @@ class Proxy:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError:
             payload = None  # vLLM answers its 400; the gate sizes it as empty
-        shape = shape_of(payload)
+        shape = shape_of(payload, path)
         # Only a text prompt teaches the estimator: vLLM's count of a prompt with images
         # includes theirs, which no byte of it shows.
         ex.prompt_bytes = 0 if shape.media else shape.prompt_bytes
