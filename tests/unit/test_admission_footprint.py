@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
 from kvtax.admission.footprint import (
@@ -20,26 +23,41 @@ from kvtax.admission.order import queue_key, retry_after
 COMPLETIONS = "/v1/completions"
 
 
+def _shape(body: Any, path: str) -> Shape:
+    return shape_of(body, path, whole=len(json.dumps(body)))
+
+
 def test_shape_reads_prompt_or_messages_and_the_limit() -> None:
-    assert shape_of({"prompt": "héllo", "max_tokens": 5}, COMPLETIONS).prompt_bytes == 6
-    chat = shape_of(
+    assert _shape({"prompt": "héllo", "max_tokens": 5}, COMPLETIONS).prompt_bytes == 6
+    chat = _shape(
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}, CHAT_PATH
     )
     assert chat.max_tokens == 9
     assert chat.prompt_bytes > 2
-    assert shape_of({"prompt": "x", "max_tokens": True}, COMPLETIONS).max_tokens is None
-    assert shape_of({"prompt": "x", "max_tokens": -3}, COMPLETIONS).max_tokens is None
-    assert shape_of(["not", "an", "object"], COMPLETIONS).prompt_bytes == 0
+    assert _shape({"prompt": "x", "max_tokens": True}, COMPLETIONS).max_tokens is None
+    assert _shape({"prompt": "x", "max_tokens": -3}, COMPLETIONS).max_tokens is None
+    assert _shape(["not", "an", "object"], COMPLETIONS).prompt_bytes == 0
+
+
+def test_a_prompt_no_encoder_writes_is_the_whole_body() -> None:
+    # Protection: the prompt was sized through Python's encoder, which raises RecursionError
+    # on nesting orjson read (a 500 from kvtax); orjson cannot write it either.
+    deep: list[Any] = []
+    for _ in range(1000):
+        deep = [deep]
+    assert shape_of({"prompt": deep}, COMPLETIONS, whole=4321).prompt_bytes == 4321
+    # A lone surrogate (Python's parser lets it through) is sized, not an error.
+    assert shape_of({"prompt": "a\ud800"}, COMPLETIONS, whole=99).prompt_bytes == 4
 
 
 def test_completions_read_max_tokens_only() -> None:
     # Protection: vLLM's completions endpoint has no max_completion_tokens (it ignores the
     # key); reading it first let a small one hide a huge max_tokens from the budget.
     body = {"prompt": "x", "max_tokens": 5000, "max_completion_tokens": 10}
-    assert shape_of(body, COMPLETIONS).max_tokens == 5000
+    assert _shape(body, COMPLETIONS).max_tokens == 5000
     # ... and its prompt is `prompt`, whatever `messages` says.
     big = {"prompt": "y" * 1000, "messages": []}
-    assert shape_of(big, COMPLETIONS).prompt_bytes == 1000
+    assert _shape(big, COMPLETIONS).prompt_bytes == 1000
 
 
 @pytest.mark.parametrize(
@@ -56,7 +74,7 @@ def test_chat_reads_the_limit_vllm_applies(limits: dict[str, int | None], read: 
     # Protection: vLLM's chat endpoint takes `max_completion_tokens or max_tokens`; a null
     # max_completion_tokens hid the max_tokens vLLM then applied.
     body = {"messages": [{"role": "user", "content": "hi"}], **limits}
-    assert shape_of(body, CHAT_PATH).max_tokens == read
+    assert _shape(body, CHAT_PATH).max_tokens == read
 
 
 def test_with_max_tokens_lowers_every_limit_the_body_states() -> None:
@@ -92,7 +110,7 @@ def test_the_learned_ratio_stays_in_its_band() -> None:
 
 
 def _chat(*parts: dict[str, object]) -> Shape:
-    return shape_of({"messages": [{"role": "user", "content": list(parts)}]}, CHAT_PATH)
+    return _shape({"messages": [{"role": "user", "content": list(parts)}]}, CHAT_PATH)
 
 
 def test_an_image_part_is_no_prompt_bytes() -> None:
@@ -105,7 +123,7 @@ def test_an_image_part_is_no_prompt_bytes() -> None:
     assert mixed.prompt_bytes == plain.prompt_bytes < 100
     assert mixed.media
     assert not plain.media
-    assert not shape_of({"messages": [{"role": "user", "content": "hi"}]}, CHAT_PATH).media
+    assert not _shape({"messages": [{"role": "user", "content": "hi"}]}, CHAT_PATH).media
 
 
 def test_blocks_round_up() -> None:

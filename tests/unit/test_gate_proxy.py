@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,10 @@ class HeldVllm:
         except asyncio.CancelledError:
             self.gone += 1
             raise
-        payload = json.loads(raw)
+        try:
+            payload = json.loads(raw)
+        except RecursionError:  # a body nested deeper than Python's parser follows
+            payload = {}
         usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
         if payload.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -303,6 +307,62 @@ async def test_max_completion_tokens_does_not_hide_max_tokens_on_completions(
         assert status == 200
         prompt = gate.estimator.estimate(len(b"hello there"))
         assert json.loads(fake.bodies[0])["max_tokens"] == 100 - prompt
+
+
+async def _post_raw(url: str, body: bytes) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", data=body) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("over", ["reject", "clamp"])
+async def test_a_body_only_pythons_parser_reads_meets_the_budget_too(
+    vllm: tuple[HeldVllm, str], proxies: Started, over: str
+) -> None:
+    # Protection: the gate read the body with orjson alone, which refuses NaN; it then saw no
+    # max_tokens at all, so `clamp` let 100000 through and `reject` named the wrong reason.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), token_budget=100, over_budget=over)
+    url = await _start(proxies, upstream, gate)
+    body = b'{"model": "m", "prompt": "hello there", "max_tokens": 100000, "x": NaN}'
+    status, answer = await _post_raw(url, body)
+    if over == "reject":
+        assert status == 400
+        assert "max_tokens=100000" in answer["error"]["message"]
+        assert fake.bodies == []
+    else:
+        assert status == 200
+        sent = json.loads(fake.bodies[0])
+        assert sent["max_tokens"] == 100 - gate.estimator.estimate(len(b"hello there"))
+        assert math.isnan(sent["x"])  # written back as vLLM's parser reads it
+
+
+DEEP = b"[" * 1000 + b"]" * 1000  # orjson reads it; Python's encoder does not write it
+
+
+@pytest.mark.parametrize("over", [None, "clamp"])
+async def test_a_deeply_nested_prompt_is_no_error_of_kvtax(
+    vllm: tuple[HeldVllm, str], proxies: Started, over: str | None
+) -> None:
+    # Protection: sizing the prompt through Python's encoder raised RecursionError on a body
+    # orjson had read, and the client got a 500 from kvtax, settled as vLLM's error.
+    fake, upstream = vllm
+    fake.hold = False
+    budget = {} if over is None else {"token_budget": 10**6, "over_budget": over}
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), **budget)
+    url = await _start(proxies, upstream, gate)
+    body = b'{"model": "m", "max_tokens": 10000000, "prompt": ' + DEEP + b"}"
+    status, _ = await _post_raw(url, body)
+    if over is None:
+        assert status == 200  # what vLLM answered
+        assert fake.bodies == [body]
+    else:
+        assert status == 400  # a clamped body that cannot be written back is refused
+        assert fake.bodies == []
+    assert gate.in_flight == 0
 
 
 def _exchange_bytes(fake: HeldVllm) -> list[tuple[bytes, dict[str, str]]]:

@@ -8,17 +8,18 @@ the budget mode admits against.
 
 Example::
 
-    shape = shape_of(body, "/v1/completions")   # Shape(prompt_bytes=812, max_tokens=256)
+    shape = shape_of(payload, "/v1/completions", whole=len(body))   # Shape(812, 256)
     tokens = TokenEstimator().estimate(shape.prompt_bytes)
     blocks_of(tokens + 256, block_size=16)
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import orjson
 
 __all__ = [
     "CHAT_PATH",
@@ -54,10 +55,10 @@ class Shape:
     media: bool = False
 
 
-def shape_of(payload: Any, path: str) -> Shape:
+def shape_of(payload: Any, path: str, *, whole: int) -> Shape:
     """The shape of a parsed body sent to ``path`` (``/v1/completions`` or ``CHAT_PATH``), read
-    as vLLM reads it there; a body that is not an object has size 0 and no limit (vLLM answers
-    its 400)."""
+    as vLLM reads it there; ``whole`` is the body's length. A body that is not an object has
+    size 0 and no limit (vLLM answers its 400)."""
     if not isinstance(payload, dict):
         return Shape(0, None)
     chat = path == CHAT_PATH
@@ -66,8 +67,20 @@ def shape_of(payload: Any, path: str) -> Shape:
         prompt, media = _text_of(payload.get("messages"))
     else:
         prompt = payload.get("prompt", "")
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
-    return Shape(len(text.encode()), _limit_of(payload, chat), media)
+    return Shape(_size(prompt, whole), _limit_of(payload, chat), media)
+
+
+def _size(prompt: Any, whole: int) -> int:
+    """A prompt's bytes: a string's UTF-8 (a lone surrogate, which Python's parser lets through,
+    as its 3 bytes), anything else's compact JSON. When orjson cannot write it (nested past
+    254 levels, integers past 64 bits), the whole body's length: never less than the prompt,
+    and no second encoder to hit its recursion limit."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "surrogatepass"))
+    try:
+        return len(orjson.dumps(prompt))
+    except orjson.JSONEncodeError:
+        return whole
 
 
 def _limit_of(payload: dict[str, Any], chat: bool) -> int | None:
