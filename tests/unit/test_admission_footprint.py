@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+import pytest
+
 from kvtax.admission.footprint import (
+    CHAT_PATH,
+    MAX_TOKENS_PER_BYTE,
+    MIN_TOKENS_PER_BYTE,
+    Shape,
     TokenEstimator,
     blocks_of,
     check_budget,
@@ -11,18 +20,68 @@ from kvtax.admission.footprint import (
 )
 from kvtax.admission.order import queue_key, retry_after
 
+COMPLETIONS = "/v1/completions"
+
+
+def _shape(body: Any, path: str) -> Shape:
+    return shape_of(body, path, whole=len(json.dumps(body)))
+
 
 def test_shape_reads_prompt_or_messages_and_the_limit() -> None:
-    assert shape_of({"prompt": "héllo", "max_tokens": 5}).prompt_bytes == 6
-    chat = shape_of({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9})
+    assert _shape({"prompt": "héllo", "max_tokens": 5}, COMPLETIONS).prompt_bytes == 6
+    chat = _shape(
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}, CHAT_PATH
+    )
     assert chat.max_tokens == 9
     assert chat.prompt_bytes > 2
-    assert shape_of({"prompt": "x", "max_tokens": True}).max_tokens is None
-    assert shape_of({"prompt": "x", "max_tokens": -3}).max_tokens is None
-    assert shape_of(["not", "an", "object"]).prompt_bytes == 0
+    assert _shape({"prompt": "x", "max_tokens": True}, COMPLETIONS).max_tokens is None
+    assert _shape({"prompt": "x", "max_tokens": -3}, COMPLETIONS).max_tokens is None
+    assert _shape(["not", "an", "object"], COMPLETIONS).prompt_bytes == 0
 
 
-def test_with_max_tokens_keeps_the_key_the_client_used() -> None:
+def test_a_prompt_no_encoder_writes_is_the_whole_body() -> None:
+    # Protection: the prompt was sized through Python's encoder, which raises RecursionError
+    # on nesting orjson read (a 500 from kvtax); orjson cannot write it either.
+    deep: list[Any] = []
+    for _ in range(1000):
+        deep = [deep]
+    assert shape_of({"prompt": deep}, COMPLETIONS, whole=4321).prompt_bytes == 4321
+    # A lone surrogate (Python's parser lets it through) is sized, not an error.
+    assert shape_of({"prompt": "a\ud800"}, COMPLETIONS, whole=99).prompt_bytes == 4
+
+
+def test_completions_read_max_tokens_only() -> None:
+    # Protection: vLLM's completions endpoint has no max_completion_tokens (it ignores the
+    # key); reading it first let a small one hide a huge max_tokens from the budget.
+    body = {"prompt": "x", "max_tokens": 5000, "max_completion_tokens": 10}
+    assert _shape(body, COMPLETIONS).max_tokens == 5000
+    # ... and its prompt is `prompt`, whatever `messages` says.
+    big = {"prompt": "y" * 1000, "messages": []}
+    assert _shape(big, COMPLETIONS).prompt_bytes == 1000
+
+
+@pytest.mark.parametrize(
+    ("limits", "read"),
+    [
+        ({"max_completion_tokens": 10, "max_tokens": 5000}, 10),
+        ({"max_completion_tokens": None, "max_tokens": 5000}, 5000),
+        ({"max_completion_tokens": 0, "max_tokens": 5000}, 5000),
+        ({"max_tokens": 5000}, 5000),
+        ({"max_completion_tokens": None}, None),
+    ],
+)
+def test_chat_reads_the_limit_vllm_applies(limits: dict[str, int | None], read: int | None) -> None:
+    # Protection: vLLM's chat endpoint takes `max_completion_tokens or max_tokens`; a null
+    # max_completion_tokens hid the max_tokens vLLM then applied.
+    body = {"messages": [{"role": "user", "content": "hi"}], **limits}
+    assert _shape(body, CHAT_PATH).max_tokens == read
+
+
+def test_with_max_tokens_lowers_every_limit_the_body_states() -> None:
+    both = {"max_completion_tokens": 10, "max_tokens": 5000}
+    assert with_max_tokens(both, 100) == {"max_completion_tokens": 10, "max_tokens": 100}
+    hidden = {"max_completion_tokens": None, "max_tokens": 5000}
+    assert with_max_tokens(hidden, 100) == {"max_completion_tokens": 100, "max_tokens": 100}
     assert with_max_tokens({"max_completion_tokens": 900}, 10) == {"max_completion_tokens": 10}
     assert with_max_tokens({"prompt": "x"}, 10) == {"prompt": "x", "max_tokens": 10}
 
@@ -34,6 +93,37 @@ def test_estimator_over_counts_then_learns_from_usage() -> None:
         est = est.learned(400, 100)
     assert 100 <= est.estimate(400) <= 105
     assert est.learned(4, 100) is est  # too short to learn from
+
+
+def test_the_learned_ratio_stays_in_its_band() -> None:
+    # Protection: one global ratio serves every request; a burst of prompts whose bytes do not
+    # show their tokens (base64 images counted as text) dragged it towards 0.002, and every
+    # later text prompt was then counted about a hundred times too short.
+    est = TokenEstimator()
+    for _ in range(50):
+        est = est.learned(200_000, 400)  # a picture's base64 and its few hundred tokens
+    assert est.tokens_per_byte == MIN_TOKENS_PER_BYTE
+    assert est.estimate(400) == 40
+    for _ in range(50):
+        est = est.learned(20, 2000)
+    assert est.tokens_per_byte == MAX_TOKENS_PER_BYTE
+
+
+def _chat(*parts: dict[str, object]) -> Shape:
+    return _shape({"messages": [{"role": "user", "content": list(parts)}]}, CHAT_PATH)
+
+
+def test_an_image_part_is_no_prompt_bytes() -> None:
+    # Protection: only text is sized; an image part's base64 counted as prompt bytes.
+    text = {"type": "text", "text": "what is in this picture?"}
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 99_999}}
+    sound = {"type": "input_audio", "input_audio": {"data": "B" * 99_999, "format": "wav"}}
+    plain = _chat(text)
+    mixed = _chat(text, picture, sound)
+    assert mixed.prompt_bytes == plain.prompt_bytes < 100
+    assert mixed.media
+    assert not plain.media
+    assert not _shape({"messages": [{"role": "user", "content": "hi"}]}, CHAT_PATH).media
 
 
 def test_blocks_round_up() -> None:

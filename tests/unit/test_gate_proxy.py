@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from kvtax.admission.cap import CapSettings
+from kvtax.admission.footprint import TokenEstimator
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.serve.config import Config
 from kvtax.serve.gate import Gate, GateSettings
@@ -45,7 +47,10 @@ class HeldVllm:
         except asyncio.CancelledError:
             self.gone += 1
             raise
-        payload = json.loads(raw)
+        try:
+            payload = json.loads(raw)
+        except RecursionError:  # a body nested deeper than Python's parser follows
+            payload = {}
         usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
         if payload.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -60,6 +65,7 @@ class HeldVllm:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
         return app
 
 
@@ -280,6 +286,85 @@ async def test_token_budget_clamps_max_tokens(
     assert json.loads(fake.bodies[1])["max_tokens"] == 100 - prompt
 
 
+@pytest.mark.parametrize("over", ["reject", "clamp"])
+async def test_max_completion_tokens_does_not_hide_max_tokens_on_completions(
+    vllm: tuple[HeldVllm, str], proxies: Started, over: str
+) -> None:
+    # Protection: /v1/completions honours max_tokens only; a small max_completion_tokens
+    # beside a huge max_tokens passed the budget and vLLM generated up to the huge one.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), token_budget=100, over_budget=over)
+    url = await _start(proxies, upstream, gate)
+    body = {**BODY, "max_tokens": 100_000, "max_completion_tokens": 5}
+    async with aiohttp.ClientSession() as client:
+        status, _, answer = await _post(client, url, body)
+    if over == "reject":
+        assert status == 400
+        assert "max_tokens=100000" in answer["error"]["message"]
+        assert fake.bodies == []
+    else:
+        assert status == 200
+        prompt = gate.estimator.estimate(len(b"hello there"))
+        assert json.loads(fake.bodies[0])["max_tokens"] == 100 - prompt
+
+
+async def _post_raw(url: str, body: bytes) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", data=body) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("over", ["reject", "clamp"])
+async def test_a_body_only_pythons_parser_reads_meets_the_budget_too(
+    vllm: tuple[HeldVllm, str], proxies: Started, over: str
+) -> None:
+    # Protection: the gate read the body with orjson alone, which refuses NaN; it then saw no
+    # max_tokens at all, so `clamp` let 100000 through and `reject` named the wrong reason.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), token_budget=100, over_budget=over)
+    url = await _start(proxies, upstream, gate)
+    body = b'{"model": "m", "prompt": "hello there", "max_tokens": 100000, "x": NaN}'
+    status, answer = await _post_raw(url, body)
+    if over == "reject":
+        assert status == 400
+        assert "max_tokens=100000" in answer["error"]["message"]
+        assert fake.bodies == []
+    else:
+        assert status == 200
+        sent = json.loads(fake.bodies[0])
+        assert sent["max_tokens"] == 100 - gate.estimator.estimate(len(b"hello there"))
+        assert math.isnan(sent["x"])  # written back as vLLM's parser reads it
+
+
+DEEP = b"[" * 1000 + b"]" * 1000  # orjson reads it; Python's encoder does not write it
+
+
+@pytest.mark.parametrize("over", [None, "clamp"])
+async def test_a_deeply_nested_prompt_is_no_error_of_kvtax(
+    vllm: tuple[HeldVllm, str], proxies: Started, over: str | None
+) -> None:
+    # Protection: sizing the prompt through Python's encoder raised RecursionError on a body
+    # orjson had read, and the client got a 500 from kvtax, settled as vLLM's error.
+    fake, upstream = vllm
+    fake.hold = False
+    budget = {} if over is None else {"token_budget": 10**6, "over_budget": over}
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), **budget)
+    url = await _start(proxies, upstream, gate)
+    body = b'{"model": "m", "max_tokens": 10000000, "prompt": ' + DEEP + b"}"
+    status, _ = await _post_raw(url, body)
+    if over is None:
+        assert status == 200  # what vLLM answered
+        assert fake.bodies == [body]
+    else:
+        assert status == 400  # a clamped body that cannot be written back is refused
+        assert fake.bodies == []
+    assert gate.in_flight == 0
+
+
 def _exchange_bytes(fake: HeldVllm) -> list[tuple[bytes, dict[str, str]]]:
     return list(zip(fake.bodies, fake.headers, strict=True))
 
@@ -348,3 +433,25 @@ async def test_cold_start_holds_the_engine_to_the_floor(
             fake.slots.release()
         await asyncio.gather(*tasks)
     assert gate.admitted == 5
+
+
+async def test_a_prompt_with_an_image_does_not_teach_the_estimator(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    # Protection: vLLM's prompt tokens of a request with an image include the image's, which
+    # none of the text bytes the gate counts show: learning from it pushed the ratio up.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8))
+    url = await _start(proxies, upstream, gate)
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 4096}}
+    text = {"type": "text", "text": "describe this picture in a few words"}
+    body = {"model": "m", "messages": [{"role": "user", "content": [text, picture]}]}
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+        await resp.read()
+    await _until(lambda: proxies[0].in_flight == 0)
+    assert gate.estimator == TokenEstimator()

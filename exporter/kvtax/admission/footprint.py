@@ -8,19 +8,24 @@ the budget mode admits against.
 
 Example::
 
-    shape = shape_of(body)                      # Shape(prompt_bytes=812, max_tokens=256)
+    shape = shape_of(payload, "/v1/completions", whole=len(body))   # Shape(812, 256)
     tokens = TokenEstimator().estimate(shape.prompt_bytes)
     blocks_of(tokens + 256, block_size=16)
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
+
 __all__ = [
+    "CHAT_PATH",
+    "LIMIT_KEYS",
+    "MAX_TOKENS_PER_BYTE",
+    "MIN_TOKENS_PER_BYTE",
     "BudgetVerdict",
     "Shape",
     "TokenEstimator",
@@ -32,37 +37,116 @@ __all__ = [
 
 OverBudget = Literal["reject", "clamp"]
 
+CHAT_PATH = "/v1/chat/completions"
+# The keys that limit a completion's length, in the order vLLM's chat endpoint reads them.
+LIMIT_KEYS = ("max_completion_tokens", "max_tokens")
+
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """What admission reads of a request body: the prompt's size and the completion's limit."""
+    """What admission reads of a request body: the prompt's size and the completion's limit.
+
+    ``media``: the prompt also has parts that count as no bytes (images, audio); vLLM's count
+    of its tokens includes theirs, so it says nothing about the tokens a byte of text costs.
+    """
 
     prompt_bytes: int
     max_tokens: int | None
+    media: bool = False
 
 
-def shape_of(payload: Any) -> Shape:
-    """The shape of a parsed completion or chat body; a body that is not an object has size 0
-    and no limit (vLLM answers its 400)."""
+def shape_of(payload: Any, path: str, *, whole: int) -> Shape:
+    """The shape of a parsed body sent to ``path`` (``/v1/completions`` or ``CHAT_PATH``), read
+    as vLLM reads it there; ``whole`` is the body's length. A body that is not an object has
+    size 0 and no limit (vLLM answers its 400)."""
     if not isinstance(payload, dict):
         return Shape(0, None)
-    prompt = payload.get("messages", payload.get("prompt", ""))
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
-    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
-    valid = isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
-    return Shape(len(text.encode()), limit if valid else None)
+    chat = path == CHAT_PATH
+    media = False
+    if chat:
+        prompt, media = _text_of(payload.get("messages"))
+    else:
+        prompt = payload.get("prompt", "")
+    return Shape(_size(prompt, whole), _limit_of(payload, chat), media)
+
+
+def _size(prompt: Any, whole: int) -> int:
+    """A prompt's bytes: a string's UTF-8 (a lone surrogate, which Python's parser lets through,
+    as its 3 bytes), anything else's compact JSON. When orjson cannot write it (nested past
+    254 levels, integers past 64 bits), the whole body's length: never less than the prompt,
+    and no second encoder to hit its recursion limit."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "surrogatepass"))
+    try:
+        return len(orjson.dumps(prompt))
+    except orjson.JSONEncodeError:
+        return whole
+
+
+def _limit_of(payload: dict[str, Any], chat: bool) -> int | None:
+    """The completion limit vLLM applies. Its CompletionRequest has ``max_tokens`` only (it
+    ignores other keys); its ChatCompletionRequest takes ``max_completion_tokens or
+    max_tokens`` (vllm/entrypoints/openai/protocol.py, to_sampling_params), so a null or 0
+    ``max_completion_tokens`` leaves ``max_tokens`` in force."""
+    keys = LIMIT_KEYS if chat else ("max_tokens",)
+    limit = next((payload[key] for key in keys if payload.get(key)), None)
+    return limit if _is_count(limit) else None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _text_of(messages: Any) -> tuple[Any, bool]:
+    """Chat messages with each list of content parts cut down to the parts' text, and whether
+    any part was left out. An image or audio part is mostly base64: counted as bytes of text
+    it made one picture weigh like a book, and taught the estimator a ratio 100 times low."""
+    if not isinstance(messages, list):
+        return messages, False
+    kept: list[Any] = []
+    media = False
+    for message in messages:
+        parts = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(parts, list):
+            kept.append(message)
+            continue
+        texts = [part["text"] for part in parts if _is_text(part)]
+        media = media or len(texts) < len(parts)
+        kept.append({**message, "content": texts})
+    return kept, media
+
+
+def _is_text(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("text"), str)
 
 
 def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
-    """The body with its completion limit set to ``limit``, under the key it used."""
-    key = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
-    return {**payload, key: limit}
+    """The body with its completion limit at most ``limit``: every limit key it has is lowered
+    (whichever one vLLM reads at its endpoint is then within the limit); one without any gets
+    ``max_tokens``, which every vLLM reads on both endpoints."""
+    present = [key for key in LIMIT_KEYS if key in payload] or ["max_tokens"]
+    lowered = {key: _lowered(payload.get(key), limit) for key in present}
+    return {**payload, **lowered}
+
+
+def _lowered(value: Any, limit: int) -> int:
+    return value if _is_count(value) and value <= limit else limit
+
+
+# The band the learned ratio stays in. No tokenizer spends more than one token on a byte (its
+# byte fallback), and real text costs far more than a token per ten bytes (English about one
+# per four). One global ratio serves every request: a few odd ones (long runs of whitespace,
+# a prompt whose tokens the bytes do not show) must not drag it to where every later prompt is
+# under- or over-counted many times.
+MIN_TOKENS_PER_BYTE = 0.1
+MAX_TOKENS_PER_BYTE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class TokenEstimator:
     """Prompt tokens from prompt bytes. The ratio starts at 0.35 tokens a byte (above what
-    English text needs, so it over-counts) and moves toward what vLLM reports."""
+    English text needs, so it over-counts) and moves toward what vLLM reports, within
+    [``MIN_TOKENS_PER_BYTE``, ``MAX_TOKENS_PER_BYTE``]."""
 
     tokens_per_byte: float = 0.35
     weight: float = 0.2
@@ -76,7 +160,8 @@ class TokenEstimator:
             return self  # too short to say anything about the ratio
         seen = prompt_tokens / prompt_bytes
         ratio = (1 - self.weight) * self.tokens_per_byte + self.weight * seen
-        return TokenEstimator(ratio, self.weight)
+        bounded = min(MAX_TOKENS_PER_BYTE, max(MIN_TOKENS_PER_BYTE, ratio))
+        return TokenEstimator(bounded, self.weight)
 
 
 def blocks_of(tokens: int, block_size: int) -> int:

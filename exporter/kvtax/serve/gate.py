@@ -2,9 +2,9 @@
 (and, in budget mode, on KV blocks) in flight.
 
 The decisions are pure functions of :mod:`kvtax.admission`; this module holds the state they
-act on. :meth:`Gate.enter` admits a request at once when it fits and nobody waits, else queues
-it; a queued request is admitted in :mod:`~kvtax.admission.order` as slots free, or shed with a
-reason (``queue_full`` past ``--admission.max-queue``, ``wait_expired`` past
+act on. :meth:`Gate.enter` admits a request at once when it fits and would head the queue,
+else queues it; a queued request is admitted in :mod:`~kvtax.admission.order` as slots free, or
+shed with a reason (``queue_full`` past ``--admission.max-queue``, ``wait_expired`` past
 ``--admission.max-wait``). A queued client that goes away (its handler is cancelled) leaves the
 queue at once. :meth:`Gate.leave` frees the slot when the request ends. :meth:`Gate.observe`
 steps the cap once a scrape; :func:`follow` calls it whenever the sidecar has new figures.
@@ -15,7 +15,7 @@ so that ``/metrics`` publishes the cap ``auto`` would set (the advice).
 Example::
 
     gate = Gate(GateSettings(CapSettings(mode="adaptive")))
-    ticket = gate.ticket(shape)
+    ticket = gate.ticket(gate.estimator.estimate(shape.prompt_bytes), shape.max_tokens)
     reason = await gate.enter(ticket)   # None: admitted
     ...
     gate.leave(ticket)
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtax.admission.cap import CapSettings, CapState, initial, step
-from kvtax.admission.footprint import OverBudget, Shape, TokenEstimator, blocks_of
+from kvtax.admission.footprint import OverBudget, TokenEstimator, blocks_of
 from kvtax.admission.order import Order, queue_key, retry_after
 from kvtax.admission.signals import signals_of
 from kvtax.delivery.ledger import HistogramAccumulator
@@ -103,9 +103,9 @@ class Gate:
         self._totals: Mapping[str, tuple[float, float]] = {}
 
     # -- sizing ------------------------------------------------------------------------------
-    def ticket(self, shape: Shape, max_tokens: int | None) -> Ticket:
-        """A ticket for a request of ``shape`` whose completion limit is ``max_tokens``."""
-        prompt = self.estimator.estimate(shape.prompt_bytes)
+    def ticket(self, prompt: int, max_tokens: int | None) -> Ticket:
+        """A ticket for a request of about ``prompt`` tokens (the caller estimated them for the
+        token budget already) whose completion limit is ``max_tokens``."""
         completion = max_tokens if max_tokens is not None else self._assumed_completion(prompt)
         footprint = prompt + completion
         self._footprints.append(footprint)
@@ -152,7 +152,7 @@ class Gate:
     async def enter(self, ticket: Ticket) -> str | None:
         """Admit ``ticket`` (None) or say why it is shed. Cancellation while queued (the client
         left) takes it out of the queue, or frees the slot it was just given."""
-        if not self._queue and self.fits(ticket):
+        if self._goes_first(ticket) and self.fits(ticket):
             self._admit(ticket)
             return None
         if len(self._queue) >= self.settings.max_queue:
@@ -176,6 +176,13 @@ class Gate:
                 self._drop(ticket)
             raise
         return None
+
+    def _goes_first(self, ticket: Ticket) -> bool:
+        """``ticket`` would head the queue: nobody waits, or (``shortest``) it is smaller than
+        the head. Such a request that fits is admitted at once; queueing it would leave it
+        waiting behind a head that does not fit until the next leave or scrape. FIFO never
+        passes anyone: a newcomer's key is always the largest."""
+        return not self._queue or self._key(ticket) < self._queue[0][0]
 
     def _key(self, ticket: Ticket) -> tuple[int, int]:
         return queue_key(self.settings.order, seq=ticket.seq, footprint=ticket.footprint)

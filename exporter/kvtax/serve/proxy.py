@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from kvtax.admission.footprint import check_budget, shape_of, with_max_tokens
@@ -58,6 +57,7 @@ from kvtax.serve.relay import Relay, pass_through
 from kvtax.serve.upstream import (
     NO_AUTO,
     UPSTREAM_IDLE,
+    Prepared,
     new_session,
     prepare,
     read_timeout,
@@ -267,11 +267,12 @@ class Proxy:
         except BodyTooLarge:
             ex.too_large = True
             return too_large(self.settings.max_body)
-        ex.model, wish, body = prepare(body)
+        prepared = prepare(body)
+        ex.model, wish = prepared.model, prepared.wish
         if self.gate is None:
-            return await self._forward(request, ex, wish, body)
+            return await self._forward(request, ex, wish, prepared.body)
         gate = self.gate
-        entry = await self._admit(gate, body, ex)
+        entry = await self._admit(gate, request.path, prepared, ex)
         if isinstance(entry, web.StreamResponse):
             return entry
         ticket, body = entry
@@ -281,33 +282,47 @@ class Proxy:
             gate.leave(ticket)
 
     async def _admit(
-        self, gate: Gate, body: bytes, ex: Exchange
+        self, gate: Gate, path: str, prepared: Prepared, ex: Exchange
     ) -> tuple[Ticket, bytes] | web.StreamResponse:
         """Pass ``gate``: the ticket and the body to send (its max_tokens perhaps clamped), or
-        the gate's own answer (400 over the token budget, 429 shed)."""
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            payload = None  # vLLM answers its 400; the gate sizes it as empty
-        shape = shape_of(payload)
-        ex.prompt_bytes = shape.prompt_bytes
-        budget, over = gate.settings.token_budget, gate.settings.over_budget
+        the gate's own answer (400 over the token budget, 429 shed). The gate reads the JSON
+        :func:`prepare` read: the body is parsed once, and both see the same request."""
+        shape = shape_of(prepared.payload, path, whole=len(prepared.body))
+        # Only a text prompt teaches the estimator: vLLM's count of a prompt with images
+        # includes theirs, which no byte of it shows.
+        ex.prompt_bytes = 0 if shape.media else shape.prompt_bytes
         prompt = gate.estimator.estimate(shape.prompt_bytes)
-        verdict = check_budget(prompt, shape.max_tokens, budget, over)
-        limit = shape.max_tokens
-        if verdict.action == "reject":
+        checked = self._budget(gate, prepared, shape.max_tokens, prompt)
+        if isinstance(checked, str):
             ex.shed = "over_budget"
             gate.rejections["over_budget"] += 1
-            return over_budget(verdict.message)
-        if verdict.action == "clamp" and isinstance(payload, dict) and verdict.max_tokens:
-            limit = verdict.max_tokens
-            body = orjson.dumps(with_max_tokens(payload, limit))
-        ticket = gate.ticket(shape, limit)
+            return over_budget(checked)
+        body, limit = checked
+        ticket = gate.ticket(prompt, limit)
         reason = await gate.enter(ticket)
         if reason is not None:
             ex.shed = reason
             return shed(reason, gate.retry_after())
         return ticket, body
+
+    @staticmethod
+    def _budget(
+        gate: Gate, prepared: Prepared, max_tokens: int | None, prompt: int
+    ) -> tuple[bytes, int | None] | str:
+        """The body to send and its completion limit under the token budget, or why it is
+        refused. A body that is not a JSON object has no limit to check or set: vLLM refuses
+        it with its own 400."""
+        payload = prepared.payload
+        budget = gate.settings.token_budget if isinstance(payload, dict) else None
+        verdict = check_budget(prompt, max_tokens, budget, gate.settings.over_budget)
+        if verdict.action == "reject":
+            return verdict.message
+        if verdict.action == "ok" or verdict.max_tokens is None:
+            return prepared.body, max_tokens
+        clamped = prepared.rewritten(with_max_tokens(payload, verdict.max_tokens))
+        if clamped is None:  # too deep to write back: refused as `reject` would
+            return check_budget(prompt, max_tokens, budget, "reject").message
+        return clamped, verdict.max_tokens
 
     async def _forward(
         self, request: web.Request, ex: Exchange, wish: UsageWish | None, body: bytes

@@ -2,24 +2,27 @@
 
 :func:`new_session` builds the proxy's single shared upstream client. :func:`request_headers`
 and :func:`response_headers` drop the hop-by-hop headers (RFC 9110 7.6.1) in each direction and
-pass every other header as it came. :func:`prepare` reads an accounted request's body: it learns
-the model and, for a stream, asks vLLM for usage on every chunk (:func:`kvtax.delivery.sse.
-with_usage`); any other body goes to vLLM byte for byte. :func:`upload` hands a body to aiohttp
-in the form it sends fastest.
+pass every other header as it came. :func:`prepare` reads an accounted request's body once: it
+learns the model and, for a stream, asks vLLM for usage on every chunk (:func:`kvtax.delivery.
+sse.with_usage`); any other body goes to vLLM byte for byte. The JSON it read stays with it
+(:class:`Prepared`) for the admission gate. :func:`upload` hands a body to aiohttp in the form
+it sends fastest.
 
 Example::
 
     session = new_session()
-    model, wish, body = prepare(await read_bounded(request.content, limit))
+    prepared = prepare(await read_bounded(request.content, limit))
     await session.post(url, headers=request_headers(request.headers, identity=True),
-                       data=upload(body), skip_auto_headers=NO_AUTO)
+                       data=upload(prepared.body), skip_auto_headers=NO_AUTO)
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -31,6 +34,7 @@ from kvtax.delivery.sse import UsageWish, with_usage
 __all__ = [
     "NO_AUTO",
     "UPSTREAM_IDLE",
+    "Prepared",
     "new_session",
     "prepare",
     "read_timeout",
@@ -104,33 +108,70 @@ def upload(body: bytes) -> bytes | io.BytesIO:
     return body if len(body) <= _ONE_WRITE else io.BytesIO(body)
 
 
-def _loads(body: bytes) -> Any:
-    """A request body as JSON: orjson, or the standard parser for what orjson refuses but
-    Python's accepts (integers past 64 bits, NaN), so such a body is still understood."""
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """An accounted request, its body read once: the model, the usage wish, the bytes for
+    vLLM and the JSON they hold (``payload``; None when the body is not JSON), which the
+    admission gate sizes without reading the body again."""
+
+    model: str | None
+    wish: UsageWish | None
+    body: bytes
+    payload: Any = None
+    # Read by the standard parser: written back by it, so that vLLM reads the same values.
+    lenient: bool = False
+
+    def rewritten(self, payload: Any) -> bytes | None:
+        """``payload`` (this request's, changed) as a body for vLLM; None if it cannot be
+        written."""
+        return _dumps(payload, lenient=self.lenient)
+
+
+def _loads(body: bytes) -> tuple[Any, bool]:
+    """A request body as JSON, and whether it took the standard parser: orjson, or Python's
+    for what orjson refuses but Python's (vLLM's) accepts (NaN, Infinity, lone surrogates), so
+    such a body is still understood. ValueError when neither reads it."""
     try:
-        return orjson.loads(body)
+        return orjson.loads(body), False
     except orjson.JSONDecodeError:
-        return json.loads(body)
+        pass
+    try:
+        return json.loads(body), True
+    except RecursionError as exc:  # nested past what either parser follows
+        raise ValueError("nested too deeply") from exc
 
 
-def prepare(body: bytes) -> tuple[str | None, UsageWish | None, bytes]:
-    """(model, usage wish, body for vLLM) of an accounted request.
+def _dumps(payload: Any, *, lenient: bool) -> bytes | None:
+    """``payload`` as JSON: orjson for what it read; else the standard encoder, ASCII-only, which
+    writes NaN, Infinity and lone surrogates (escaped) as Python's parser reads them, and what
+    orjson will not nest (past 254 levels). None when neither can write it."""
+    if not lenient:
+        with contextlib.suppress(orjson.JSONEncodeError):
+            return orjson.dumps(payload)
+    try:
+        return json.dumps(payload).encode()
+    except (ValueError, RecursionError):
+        return None
+
+
+def prepare(body: bytes) -> Prepared:
+    """An accounted request as vLLM should get it.
 
     A stream's body is rewritten to ask vLLM for usage (the wish says what the client asked
     for); any other body goes as it came, and vLLM answers the 400 for one that is not JSON.
     """
     try:
-        payload = _loads(body)
+        payload, lenient = _loads(body)
     except ValueError:
-        return None, None, body
+        return Prepared(None, None, body)
     if not isinstance(payload, dict):
-        return None, None, body
+        return Prepared(None, None, body, payload, lenient)
     model = payload.get("model")
     name = model if isinstance(model, str) else None
     if payload.get("stream") is not True:
-        return name, None, body
+        return Prepared(name, None, body, payload, lenient)
     wish, upstream_payload = with_usage(payload)
-    try:
-        return name, wish, orjson.dumps(upstream_payload)
-    except orjson.JSONEncodeError:  # integers past 64 bits: the standard encoder
-        return name, wish, json.dumps(upstream_payload, ensure_ascii=False).encode()
+    rewritten = _dumps(upstream_payload, lenient=lenient)
+    if rewritten is None:  # too deep to write back: sent as it came, its usage not asked for
+        return Prepared(name, None, body, payload, lenient)
+    return Prepared(name, wish, rewritten, upstream_payload, lenient)
