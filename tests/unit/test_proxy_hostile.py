@@ -383,8 +383,16 @@ async def test_a_stream_vllm_breaks_off_counts_what_the_waiting_client_got(
 async def test_a_stream_request_orjson_cannot_read_is_still_rewritten(
     upstream: Upstream, proxy: tuple[str, Proxy]
 ) -> None:
-    # An integer past 64 bits is valid JSON; the request must still ask vLLM for usage.
-    upstream.script = sse(tokens=2, linger=0)
+    # An integer past 64 bits is valid JSON; the request must still ask vLLM for usage, and
+    # vLLM must get the client's exact integer (orjson would have read it as a float).
+    seen: list[dict[str, Any]] = []
+    answer = sse(tokens=2, linger=0)
+
+    async def script(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        seen.append(body)
+        return await answer(request, body)
+
+    upstream.script = script
     url, relay = proxy
     body = b'{"model":"m","stream":true,"seed":123456789012345678901234567890}'
     async with (
@@ -394,6 +402,9 @@ async def test_a_stream_request_orjson_cannot_read_is_still_rewritten(
         await resp.read()
     assert await _settled(relay, 1) == {"completed": 1}
     assert relay.ledger.totals()["m"].delivered == 2
+    [sent] = seen
+    assert sent["seed"] == 123456789012345678901234567890
+    assert sent["stream_options"]["include_usage"] is True
 
 
 async def test_idle_upstream_connections_are_dropped_before_vllm_drops_them(

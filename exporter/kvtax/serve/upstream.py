@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -127,14 +128,23 @@ class Prepared:
         return _dumps(payload, lenient=self.lenient)
 
 
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
 def _loads(body: bytes) -> tuple[Any, bool]:
     """A request body as JSON, and whether it took the standard parser: orjson, or Python's
     for what orjson refuses but Python's (vLLM's) accepts (NaN, Infinity, lone surrogates), so
-    such a body is still understood. ValueError when neither reads it."""
-    try:
-        return orjson.loads(body), False
-    except orjson.JSONDecodeError:
-        pass
+    such a body is still understood. ValueError when neither reads it.
+
+    A body with a run of 19 or more digits goes to Python's parser first: orjson (3.10+) reads
+    an integer past 64 bits as a float, and writing the body back would hand vLLM ``1e+29``
+    for the client's exact integer. Such runs are rare, and the search is one C-level scan.
+    """
+    if _LONG_DIGITS.search(body) is None:
+        try:
+            return orjson.loads(body), False
+        except orjson.JSONDecodeError:
+            pass
     try:
         return json.loads(body), True
     except RecursionError as exc:  # nested past what either parser follows
