@@ -64,6 +64,11 @@ def test_outcomes_that_the_shutdown_phase_does_not_change(
         ({"wrote_all": False, "upstream_broke": True}, "upstream_error"),
         ({"wrote_all": False, "client_gone": True, "eof": False}, "client_disconnected"),
         ({"wrote_all": False, "eof": False}, "client_disconnected"),
+        # Left before vLLM answered (queued in the gate, say): not vLLM's error.
+        (
+            {"status": None, "wrote_all": False, "client_gone": True, "eof": False},
+            "client_disconnected",
+        ),
     ],
 )
 def test_a_request_not_completed_when_the_grace_period_is_over_is_a_shutdown(

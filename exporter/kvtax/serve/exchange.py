@@ -11,7 +11,8 @@ The outcomes (the ledger's ``OUTCOMES``): ``too_large`` is the proxy's own 413; 
 admission gate's 429 or 400 (the request never reached vLLM);
 ``upstream_4xx`` and ``upstream_error`` are vLLM's 4xx and 5xx, or a vLLM that never answered
 or broke off; ``completed`` means every byte reached the client; ``shutdown`` that kvtax's
-shutdown grace period ended the request first; ``client_disconnected`` that the client left.
+shutdown grace period ended the request first; ``client_disconnected`` that the client left,
+whether vLLM had answered yet or not.
 
 Example::
 
@@ -81,10 +82,13 @@ def outcome_of(ex: Exchange, phase: Phase) -> str:
     if ex.shed is not None:
         return "shed"
     if ex.status is None:
+        # No answer. Unless its client left first (cancelled while queued in the gate or while
+        # vLLM generated), vLLM was unreachable, timed out or closed without answering.
+        if not ex.client_gone:
+            return "upstream_error"
+    elif ex.status >= 500:
         return "upstream_error"
-    if ex.status >= 500:
-        return "upstream_error"
-    if ex.status >= 400:
+    elif ex.status >= 400:
         return "upstream_4xx"
     if ex.reached_client:
         return "completed"
