@@ -8,7 +8,8 @@ what the client asked for (:mod:`kvtax.delivery.sse`); a non-streamed body's usa
 passes (:mod:`kvtax.delivery.usage`). Tokens count as delivered once the client's TCP stack
 acknowledged the bytes carrying them (:mod:`kvtax.serve.acks`). A client that goes away cancels
 its handler (aiohttp's handler cancellation), which closes the upstream connection at once, so
-vLLM aborts the request and frees its KV.
+vLLM aborts the request and frees its KV. Requests go to vLLM through a
+:class:`~kvtax.serve.sender.Sender`, which gives a stale pooled connection one more try.
 
 Each request gathers facts in an :class:`~kvtax.serve.exchange.Exchange` as it goes; when it
 ends, however it ends, :func:`~kvtax.serve.exchange.outcome_of` decides its outcome from those
@@ -35,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -55,6 +55,7 @@ from kvtax.serve.errors import over_budget, shed, too_large, upstream_failure
 from kvtax.serve.exchange import Exchange, Phase, outcome_of, record_of
 from kvtax.serve.gate import Gate, Ticket
 from kvtax.serve.relay import Relay, pass_through
+from kvtax.serve.sender import Sender
 from kvtax.serve.upstream import (
     NO_AUTO,
     UPSTREAM_IDLE,
@@ -63,7 +64,6 @@ from kvtax.serve.upstream import (
     read_timeout,
     request_headers,
     response_headers,
-    upload,
 )
 
 __all__ = ["ACCOUNTED_PATHS", "UPSTREAM_IDLE", "Proxy", "ProxySettings"]
@@ -107,8 +107,7 @@ class Proxy:
         self.ledger = ledger
         self.clock = clock
         self.in_flight = 0
-        # Requests sent a second time after vLLM closed the connection unanswered (see _post).
-        self.upstream_retries = 0
+        self.sender = Sender(lambda: self.session, settings.upstream, settings.timeout)
         self.held = HoldBudget(settings.max_held)
         # The one shutdown state: the relay and outcome_of read it, only stop() moves it.
         self.state: Phase = "serving"
@@ -123,6 +122,11 @@ class Proxy:
             stall=(settings.stall_factor, settings.stall_min),
             phase=lambda: self.state,
         )
+
+    @property
+    def upstream_retries(self) -> int:
+        """Requests sent a second time after vLLM closed a stale connection unanswered."""
+        return self.sender.retries
 
     @property
     def streams_open(self) -> int:
@@ -314,7 +318,7 @@ class Proxy:
     ) -> web.StreamResponse:
         """Send the request to vLLM and relay its answer."""
         try:
-            upstream = await self._post(request, body)
+            upstream = await self.sender.post(request, body)
         except aiohttp.ClientConnectorError as exc:
             return upstream_failure(exc, self.settings.timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -332,32 +336,6 @@ class Proxy:
                 # Closing (not releasing) drops the connection: vLLM sees the disconnect and
                 # aborts the request, freeing its KV blocks.
                 upstream.close()
-
-    async def _post(self, request: web.Request, body: bytes) -> aiohttp.ClientResponse:
-        """POST ``body`` to vLLM; a connection that breaks before any answer gets one more try.
-
-        vLLM can close a pooled keep-alive connection at the instant the proxy reuses it (its
-        event loop late under load); the request then fails before vLLM read it, and the client
-        would get a 502 that kvtax caused. nginx gives a cached upstream connection's failure a
-        second try for the same reason. Only a break with no status line is retried, once: a
-        refused connect (vLLM down) or any answer at all is never sent twice.
-        """
-        send = functools.partial(
-            self.session.post,
-            self.settings.upstream + request.rel_url.raw_path_qs,
-            headers=request_headers(request.headers, identity=True),
-            skip_auto_headers=NO_AUTO,
-            allow_redirects=False,
-            timeout=read_timeout(self.settings.timeout),
-        )
-        try:
-            return await send(data=upload(body))
-        except aiohttp.ClientConnectorError:
-            raise  # refused or unreachable: vLLM never had it, and a retry would only wait
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            self.upstream_retries += 1
-            log.debug("vLLM closed the connection before answering (%s); one more try", exc)
-        return await send(data=upload(body))
 
     async def _respond(
         self,
