@@ -44,6 +44,8 @@ def acked(written: int, confirmed: int) -> AckTracker:
     [
         ({"too_large": True, "status": None}, "too_large"),
         ({"status": None, "wrote_all": False, "eof": False}, "upstream_error"),
+        # kvtax answered its shutdown 503 itself: queued in the gate, or not answered yet.
+        ({"turned_away": True, "status": None, "wrote_all": False, "eof": False}, "shutdown"),
         ({"status": 503}, "upstream_error"),
         ({"status": 400}, "upstream_4xx"),
         ({"status": 404, "client_gone": True, "eof": False}, "upstream_4xx"),

@@ -123,6 +123,10 @@ async def _settled(proxy: Proxy, n: int) -> dict[str, float]:
     return outcomes()
 
 
+def _is_shutdown_answer(status: int, body: Any) -> bool:
+    return status == 503 and body["error"]["type"] == "server_shutdown"
+
+
 async def test_a_client_that_leaves_while_queued_is_client_disconnected(
     vllm: tuple[SlowVllm, str], start: Start
 ) -> None:
@@ -142,3 +146,81 @@ async def test_a_client_that_leaves_while_queued_is_client_disconnected(
             queued.cancel()
         assert await _settled(proxy, 1) == {"client_disconnected": 1}
     assert fake.prompts == ["long"]
+
+
+async def test_shutdown_turns_the_queued_away_at_once_and_sends_vllm_nothing_new(
+    vllm: tuple[SlowVllm, str], start: Start
+) -> None:
+    # Protection: the gate closes when shutdown begins. The queued request waited until
+    # max-wait, or until a running request ended and freed its slot, and was then sent to a
+    # vLLM that kvtax was stopping in front of.
+    fake, _ = vllm
+    gate = _gate()
+    url, proxy = await start(gate)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url + "/v1/completions", json=STREAM) as running:
+            await running.content.readline()
+            queued = asyncio.ensure_future(_post(client, url, WHOLE))
+            await _until(lambda: gate.queued == 1)
+            stopping = asyncio.create_task(proxy.stop(grace=600.0))
+            async with asyncio.timeout(HANG_GUARD):
+                status, body = await queued
+            assert _is_shutdown_answer(status, body)
+            # Answered while the stream still runs in the grace period, not at its end.
+            assert proxy.state == "draining"
+            assert not stopping.done()
+            fake.finish.set()  # the stream ends within the grace period, freeing its slot
+            text = await running.text()
+        async with asyncio.timeout(HANG_GUARD):
+            await stopping
+    assert text.rstrip().endswith("data: [DONE]")
+    assert fake.prompts == ["long"]  # the queued request never reached vLLM
+    assert await _settled(proxy, 2) == {"completed": 1, "shutdown": 1}
+    assert (gate.queued, gate.in_flight) == (0, 0)
+
+
+async def test_a_request_vllm_has_not_answered_is_ended_at_the_cut(
+    vllm: tuple[SlowVllm, str], start: Start
+) -> None:
+    # Protection: the cut also ends requests still waiting for vLLM's status line, which for
+    # a non-streamed request comes only at the end of the generation. Only answered requests
+    # were closed: vLLM kept generating, and aiohttp waited 60 s for the handler.
+    fake, _ = vllm
+    url, proxy = await start(None)
+    async with aiohttp.ClientSession() as client:
+        waiting = asyncio.ensure_future(_post(client, url, WHOLE))
+        await _until(lambda: len(fake.prompts) == 1)
+        stopping = asyncio.create_task(proxy.stop(grace=0.1))
+        async with asyncio.timeout(HANG_GUARD):
+            status, body = await waiting
+            await stopping
+    assert _is_shutdown_answer(status, body)
+    await _until(lambda: fake.gone == 1)  # vLLM saw its connection closed, and aborts
+    assert await _settled(proxy, 1) == {"shutdown": 1}
+    assert proxy.ledger.counts()["m"].joined_requests == 1  # vLLM had it
+
+
+async def test_a_request_arriving_while_draining_is_not_sent(
+    vllm: tuple[SlowVllm, str], start: Start
+) -> None:
+    # Protection: once shutdown began nothing new goes to vLLM, gate or not; a request on a
+    # kept-alive connection was sent to vLLM and could run past the grace period.
+    fake, _ = vllm
+    url, proxy = await start(None)
+    connector = aiohttp.TCPConnector(limit=1)  # one connection, kept alive and reused
+    async with aiohttp.ClientSession(connector=connector) as client:
+        assert (await _post(client, url, QUICK))[0] == 200
+        async with aiohttp.ClientSession() as other:
+            running = await other.post(url + "/v1/completions", json=STREAM)
+            await running.content.readline()  # keeps the proxy draining
+            stopping = asyncio.create_task(proxy.stop(grace=600.0))
+            await _until(lambda: proxy.state == "draining")
+            status, body = await _post(client, url, QUICK)
+            assert _is_shutdown_answer(status, body)
+            fake.finish.set()
+            await running.read()
+            running.close()
+        async with asyncio.timeout(HANG_GUARD):
+            await stopping
+    assert fake.prompts == ["quick", "long"]
+    assert await _settled(proxy, 3) == {"completed": 2, "shutdown": 1}

@@ -9,7 +9,8 @@ passes (:mod:`kvtax.delivery.usage`). Tokens count as delivered once the client'
 acknowledged the bytes carrying them (:mod:`kvtax.serve.acks`). A client that goes away cancels
 its handler (aiohttp's handler cancellation), which closes the upstream connection at once, so
 vLLM aborts the request and frees its KV. Requests go to vLLM through a
-:class:`~kvtax.serve.sender.Sender`, which gives a stale pooled connection one more try.
+:class:`~kvtax.serve.sender.Sender`, which gives a stale pooled connection one more try and lets
+shutdown end a request vLLM has not answered yet.
 
 Each request gathers facts in an :class:`~kvtax.serve.exchange.Exchange` as it goes; when it
 ends, however it ends, :func:`~kvtax.serve.exchange.outcome_of` decides its outcome from those
@@ -21,9 +22,10 @@ accounted request passes the gate after its body is read and before vLLM sees it
 in the gate's queue, be shed with a 429 and ``Retry-After``, or be refused (400) or clamped by
 the per-request token budget. Without one, nothing of this runs and the relay is unchanged.
 
-Errors the proxy itself produces (vLLM unreachable, timed out, body too large) are OpenAI-style
-JSON (:mod:`kvtax.serve.errors`); vLLM's own statuses, headers and error bodies pass through
-unchanged. Nothing of a prompt, a completion or a header value is ever logged.
+Errors the proxy itself produces (vLLM unreachable, timed out, body too large, kvtax shutting
+down) are OpenAI-style JSON (:mod:`kvtax.serve.errors`); vLLM's own statuses, headers and error
+bodies pass through unchanged. Nothing of a prompt, a completion or a header value is ever
+logged.
 
 Example::
 
@@ -51,9 +53,9 @@ from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.sse import HoldBudget, UsageWish
 from kvtax.delivery.timing import SloTargets
 from kvtax.serve.bodies import BodyTooLarge, read_bounded
-from kvtax.serve.errors import over_budget, shed, too_large, upstream_failure
+from kvtax.serve.errors import over_budget, shed, shutting_down, too_large, upstream_failure
 from kvtax.serve.exchange import Exchange, Phase, outcome_of, record_of
-from kvtax.serve.gate import Gate, Ticket
+from kvtax.serve.gate import CLOSED, Gate, Ticket
 from kvtax.serve.relay import Relay, pass_through
 from kvtax.serve.sender import Sender
 from kvtax.serve.upstream import (
@@ -159,14 +161,18 @@ class Proxy:
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
 
-        Every accounted request vLLM is still answering when the grace period ends has its
-        upstream closed, so vLLM frees its KV, and settles with the outcome ``shutdown``. A
-        stream gets an OpenAI-style error event and a clean end of stream; a non-streamed
-        answer cut short breaks the client's connection, so it never looks complete.
+        From the start nothing new goes to vLLM: a request queued in the admission gate or not
+        yet sent gets the shutdown 503 at once. Every accounted request vLLM still has when the
+        grace period ends, answering or not yet answered, has its upstream closed, so vLLM
+        frees its KV, and settles with the outcome ``shutdown``. A stream gets an OpenAI-style
+        error event and a clean end of stream; a non-streamed answer cut short breaks the
+        client's connection, so it never looks complete; one not answered yet gets the 503.
         """
         runner, self._runner = self._runner, None
         if runner is not None:
             self.state = "draining"
+            if self.gate is not None:
+                self.gate.close()
             for site in list(runner.sites):
                 await site.stop()  # no new connections from here on
             loop = asyncio.get_running_loop()
@@ -175,11 +181,16 @@ class Proxy:
                 await asyncio.sleep(0.05)
             if self.in_flight:
                 log.info("grace period over: ending %d request(s) still in flight", self.in_flight)
-            self.state = "cutting"
-            for _, upstream in list(self._open.values()):
-                upstream.close()
+            self._cut()
             await runner.cleanup()
         await self.close()
+
+    def _cut(self) -> None:
+        """The grace period is over: end what vLLM still has, whether it answered yet or not."""
+        self.state = "cutting"
+        self.sender.cut()
+        for _, upstream in list(self._open.values()):
+            upstream.close()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -308,6 +319,9 @@ class Proxy:
             body = orjson.dumps(with_max_tokens(payload, limit))
         ticket = gate.ticket(shape, limit)
         reason = await gate.enter(ticket)
+        if reason == CLOSED:
+            ex.turned_away = True  # shutdown began while it waited in the queue
+            return shutting_down()
         if reason is not None:
             ex.shed = reason
             return shed(reason, gate.retry_after())
@@ -317,6 +331,9 @@ class Proxy:
         self, request: web.Request, ex: Exchange, wish: UsageWish | None, body: bytes
     ) -> web.StreamResponse:
         """Send the request to vLLM and relay its answer."""
+        if self.state != "serving":
+            ex.turned_away = True  # shutdown began: nothing new goes to vLLM
+            return shutting_down()
         try:
             upstream = await self.sender.post(request, body)
         except aiohttp.ClientConnectorError as exc:
@@ -324,6 +341,11 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError) as exc:
             ex.sent = True  # vLLM had the request: its HTTP counter counts it
             return upstream_failure(exc, self.settings.timeout)
+        if upstream is None:
+            # The cut came before vLLM's status line; the POST's connection is closed, so vLLM,
+            # which had the request, aborts it.
+            ex.sent = ex.turned_away = True
+            return shutting_down()
         ex.status = upstream.status
         self._open[id(ex)] = (ex, upstream)
         try:
