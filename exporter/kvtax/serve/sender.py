@@ -6,8 +6,9 @@ that wait early:
 - vLLM can close a pooled keep-alive connection at the instant the proxy reuses it (its event
   loop late under load); the request then fails before vLLM read it, and the client would get
   a 502 that kvtax caused. nginx gives a cached upstream connection's failure a second try for
-  the same reason, and so does the sender: only a break with no status line is retried, once.
-  A refused connect (vLLM down) or any answer at all is never sent twice.
+  the same reason, and so does the sender, once, when the failure came within
+  :data:`STALE_WITHIN` of sending. A refused connect (vLLM down), a later failure or any answer
+  at all is never sent twice.
 - Shutdown's cut (:meth:`Sender.cut`): vLLM sends a non-streamed answer's status line only when
   the generation ends, so a wait still running when the grace period is over is cancelled,
   which closes its connection and makes vLLM abort the request.
@@ -30,9 +31,15 @@ from aiohttp import web
 
 from kvtax.serve.upstream import NO_AUTO, read_timeout, request_headers, upload
 
-__all__ = ["Sender"]
+__all__ = ["STALE_WITHIN", "Sender"]
 
 log = logging.getLogger("kvtax.serve.sender")
+
+# Seconds after sending within which a break is a stale pooled connection, and worth one more
+# try. Such a connection fails on the write or on the first read, at once. A break that comes
+# later met a vLLM that had the request and ran it (for a non-streamed request the status line
+# comes only when the generation ends): sending it again would run it twice.
+STALE_WITHIN = 0.5
 
 
 class Sender:
@@ -77,7 +84,7 @@ class Sender:
             task.cancel()
 
     async def _send(self, request: web.Request, body: bytes) -> aiohttp.ClientResponse:
-        """POST ``body``; a connection that breaks before any answer gets one more try."""
+        """POST ``body``, once more if a pooled connection turned out stale (see above)."""
         send = functools.partial(
             self.session().post,
             self.upstream + request.rel_url.raw_path_qs,
@@ -86,11 +93,15 @@ class Sender:
             allow_redirects=False,
             timeout=read_timeout(self.timeout),
         )
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         try:
             return await send(data=upload(body))
         except aiohttp.ClientConnectorError:
             raise  # refused or unreachable: vLLM never had it, and a retry would only wait
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if loop.time() - began > STALE_WITHIN:
+                raise  # vLLM had it and ran it: never sent twice
             self.retries += 1
             log.debug("vLLM closed the connection before answering (%s); one more try", exc)
         return await send(data=upload(body))
