@@ -44,6 +44,8 @@ def acked(written: int, confirmed: int) -> AckTracker:
     [
         ({"too_large": True, "status": None}, "too_large"),
         ({"status": None, "wrote_all": False, "eof": False}, "upstream_error"),
+        # kvtax answered its shutdown 503 itself: queued in the gate, or not answered yet.
+        ({"turned_away": True, "status": None, "wrote_all": False, "eof": False}, "shutdown"),
         ({"status": 503}, "upstream_error"),
         ({"status": 400}, "upstream_4xx"),
         ({"status": 404, "client_gone": True, "eof": False}, "upstream_4xx"),
@@ -64,6 +66,11 @@ def test_outcomes_that_the_shutdown_phase_does_not_change(
         ({"wrote_all": False, "upstream_broke": True}, "upstream_error"),
         ({"wrote_all": False, "client_gone": True, "eof": False}, "client_disconnected"),
         ({"wrote_all": False, "eof": False}, "client_disconnected"),
+        # Left before vLLM answered (queued in the gate, say): not vLLM's error.
+        (
+            {"status": None, "wrote_all": False, "client_gone": True, "eof": False},
+            "client_disconnected",
+        ),
     ],
 )
 def test_a_request_not_completed_when_the_grace_period_is_over_is_a_shutdown(

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
+from kvtax.serve import sender
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.testbed.engine import free_port
 
@@ -444,14 +445,17 @@ async def test_a_whole_answer_still_running_when_the_grace_period_ends_is_cut_as
     assert relay.ledger.totals()["m"].undelivered == 0  # its usage, at the end, never came
 
 
-def _closes_first_then(script: Script, closes: int = 1) -> tuple[Script, list[int]]:
-    """A script that drops the connection unanswered ``closes`` times, then runs ``script``;
-    the list counts the requests vLLM saw."""
+def _closes_first_then(
+    script: Script, closes: int = 1, after: float = 0.0
+) -> tuple[Script, list[int]]:
+    """A script that drops the connection unanswered ``closes`` times, ``after`` seconds from
+    reading the request, then runs ``script``; the list counts the requests vLLM saw."""
     seen: list[int] = []
 
     async def wrapped(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         seen.append(1)
         if len(seen) <= closes:
+            await asyncio.sleep(after)
             assert request.transport is not None
             request.transport.close()  # as uvicorn closing a keep-alive connection
             await asyncio.sleep(1)  # the handler never answers
@@ -516,3 +520,22 @@ async def test_an_answered_request_and_a_refused_connect_are_never_sent_twice(
             assert resp.status == 502
     assert seen == [1]
     assert relay.upstream_retries == 0
+
+
+async def test_a_request_that_breaks_off_after_vllm_ran_it_is_never_sent_twice(
+    upstream: Upstream, proxy: tuple[str, Proxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Protection: only a break soon after sending is a stale pooled connection. vLLM sends a
+    # non-streamed answer's status line when the generation ends, so a later break met a vLLM
+    # that had the request and ran it; it was sent again, and run twice.
+    monkeypatch.setattr(sender, "STALE_WITHIN", 0.05)
+    url, relay = proxy
+    upstream.script, seen = _closes_first_then(sse(3), after=0.3)  # later than the bound
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "m", "prompt": "x"}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 502
+    assert len(seen) == 1
+    assert relay.upstream_retries == 0
+    assert await _settled(relay, 1) == {"upstream_error": 1}
+    assert relay.ledger.counts()["m"].joined_requests == 1  # vLLM had it

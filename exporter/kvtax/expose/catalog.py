@@ -279,7 +279,8 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "counter",
         "Requests through kvtax by outcome: completed, client_disconnected, upstream_error "
         "(5xx or no answer), upstream_4xx (vLLM refused it), too_large (kvtax's own 413), "
-        "shutdown (cut when the shutdown grace period ran out), shed (the admission gate's "
+        "shutdown (ended by kvtax's shutdown: cut when the grace period ran out, or turned away "
+        "with a 503), shed (the admission gate's "
         "429 or 400: never sent to vLLM).",
         (M, "outcome"),
         "delivery",

@@ -4,7 +4,9 @@
 proxy answer with it. The proxy's own failures are here too: a body over ``--proxy.max-body``
 (:func:`too_large`) and a vLLM that could not be reached or did not answer in time
 (:func:`upstream_failure`), and the admission gate's answers: a request over the per-request
-token budget (:func:`over_budget`) and a request shed from a full or slow queue (:func:`shed`).
+token budget (:func:`over_budget`) and a request shed from a full or slow queue (:func:`shed`);
+and the 503 of a request kvtax ends unanswered because it is shutting down
+(:func:`shutting_down`).
 Nothing of the request is echoed back: the messages name limits and flags only.
 
 Example::
@@ -18,7 +20,18 @@ from aiohttp import web
 
 from kvtax.delivery.openai import error_body
 
-__all__ = ["openai_error", "over_budget", "shed", "too_large", "upstream_failure"]
+__all__ = [
+    "SHUTTING_DOWN",
+    "openai_error",
+    "over_budget",
+    "shed",
+    "shutting_down",
+    "too_large",
+    "upstream_failure",
+]
+
+# The message of the shutdown 503, as an answer (shutting_down) or a stream's last event.
+SHUTTING_DOWN = "kvtax is shutting down; retry the request"
 
 
 def openai_error(status: int, message: str, kind: str) -> web.Response:
@@ -56,6 +69,16 @@ def shed(reason: str, retry_after: int) -> web.Response:
     """The gate's 429: the queue was full or the wait ran out; ``Retry-After`` in seconds."""
     response = openai_error(429, _SHED_MESSAGES[reason], "rate_limit_exceeded")
     response.headers["Retry-After"] = str(retry_after)
+    return response
+
+
+def shutting_down() -> web.Response:
+    """The proxy's 503 for a request it ends before vLLM answered, because it is shutting down.
+
+    vLLM never answered (or aborted) it, so the client may send it again, to another replica.
+    """
+    response = openai_error(503, SHUTTING_DOWN, "server_shutdown")
+    response.force_close()  # this proxy is going away: the next request needs another one
     return response
 
 

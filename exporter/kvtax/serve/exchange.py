@@ -11,7 +11,8 @@ The outcomes (the ledger's ``OUTCOMES``): ``too_large`` is the proxy's own 413; 
 admission gate's 429 or 400 (the request never reached vLLM);
 ``upstream_4xx`` and ``upstream_error`` are vLLM's 4xx and 5xx, or a vLLM that never answered
 or broke off; ``completed`` means every byte reached the client; ``shutdown`` that kvtax's
-shutdown grace period ended the request first; ``client_disconnected`` that the client left.
+shutdown ended the request first (its grace period ran out, or kvtax answered its own 503);
+``client_disconnected`` that the client left, whether vLLM had answered yet or not.
 
 Example::
 
@@ -62,6 +63,7 @@ class Exchange:
     finished_at: float | None = None
     sent: bool = False  # vLLM got the request even if it never answered
     shed: str | None = None  # the admission gate answered instead of vLLM, and why
+    turned_away: bool = False  # kvtax answered its shutdown 503 before vLLM answered
     prompt_bytes: int = 0  # the gate's measure of the prompt, corrected from vLLM's usage
 
     @property
@@ -80,11 +82,16 @@ def outcome_of(ex: Exchange, phase: Phase) -> str:
         return "too_large"
     if ex.shed is not None:
         return "shed"
+    if ex.turned_away:
+        return "shutdown"
     if ex.status is None:
+        # No answer. Unless its client left first (cancelled while queued in the gate or while
+        # vLLM generated), vLLM was unreachable, timed out or closed without answering.
+        if not ex.client_gone:
+            return "upstream_error"
+    elif ex.status >= 500:
         return "upstream_error"
-    if ex.status >= 500:
-        return "upstream_error"
-    if ex.status >= 400:
+    elif ex.status >= 400:
         return "upstream_4xx"
     if ex.reached_client:
         return "completed"

@@ -8,6 +8,8 @@ shed with a reason (``queue_full`` past ``--admission.max-queue``, ``wait_expire
 ``--admission.max-wait``). A queued client that goes away (its handler is cancelled) leaves the
 queue at once. :meth:`Gate.leave` frees the slot when the request ends. :meth:`Gate.observe`
 steps the cap once a scrape; :func:`follow` calls it whenever the sidecar has new figures.
+When kvtax shuts down, :meth:`Gate.close` turns every queued request away at once
+(:data:`CLOSED`) and admits nothing more.
 
 With ``--admission.mode=off`` the proxy holds no gate; this object still steps the controller
 so that ``/metrics`` publishes the cap ``auto`` would set (the advice).
@@ -43,11 +45,22 @@ from kvtax.delivery.ledger import HistogramAccumulator
 from kvtax.expose.report import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
 
-__all__ = ["REASONS", "WAIT_BUCKETS", "Follower", "Gate", "GateSettings", "Ticket", "follow"]
+__all__ = [
+    "CLOSED",
+    "REASONS",
+    "WAIT_BUCKETS",
+    "Follower",
+    "Gate",
+    "GateSettings",
+    "Ticket",
+    "follow",
+]
 
 log = logging.getLogger("kvtax.serve.gate")
 
 REASONS = ("queue_full", "wait_expired", "over_budget")
+# What enter() says once close() ran: kvtax is shutting down (not a shed, not counted as one).
+CLOSED = "shutdown"
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 # Completions over this many seconds set the rate behind Retry-After.
 RATE_SPAN = 60.0
@@ -96,6 +109,7 @@ class Gate:
         self.estimator = TokenEstimator()
         self.capacity_tokens: float | None = None
         self._queue: list[tuple[tuple[int, int], Ticket]] = []
+        self.closed = False  # shutdown began: close() emptied the queue, enter() refuses
         self._seq = itertools.count()
         self._done: deque[float] = deque(maxlen=4096)
         self._footprints: deque[int] = deque(maxlen=256)
@@ -151,7 +165,10 @@ class Gate:
 
     async def enter(self, ticket: Ticket) -> str | None:
         """Admit ``ticket`` (None) or say why it is shed. Cancellation while queued (the client
-        left) takes it out of the queue, or frees the slot it was just given."""
+        left) takes it out of the queue, or frees the slot it was just given. :data:`CLOSED`:
+        shutdown began before it was admitted."""
+        if self.closed:
+            return CLOSED
         if self._goes_first(ticket) and self.fits(ticket):
             self._admit(ticket)
             return None
@@ -175,7 +192,7 @@ class Gate:
             else:
                 self._drop(ticket)
             raise
-        return None
+        return None if ticket.admitted else CLOSED  # close() woke it without a slot
 
     def _goes_first(self, ticket: Ticket) -> bool:
         """``ticket`` would head the queue: nobody waits, or (``shortest``) it is smaller than
@@ -215,6 +232,18 @@ class Gate:
         self.blocks_in_flight -= ticket.blocks
         self._done.append(self.clock())
         self._pump()
+
+    def close(self) -> None:
+        """kvtax is shutting down: turn every queued request away now, not at max-wait.
+
+        Nothing is admitted afterwards, as the queue stays empty: a slot freed by a request
+        that ends would otherwise send vLLM new work while the proxy is stopping.
+        """
+        self.closed = True
+        queued, self._queue = self._queue, []
+        for _, ticket in queued:
+            if ticket.waiter is not None and not ticket.waiter.done():
+                ticket.waiter.set_result(None)
 
     def retry_after(self) -> int:
         """Seconds a shed client should wait, from the completion rate (Retry-After)."""

@@ -8,7 +8,9 @@ what the client asked for (:mod:`kvtax.delivery.sse`); a non-streamed body's usa
 passes (:mod:`kvtax.delivery.usage`). Tokens count as delivered once the client's TCP stack
 acknowledged the bytes carrying them (:mod:`kvtax.serve.acks`). A client that goes away cancels
 its handler (aiohttp's handler cancellation), which closes the upstream connection at once, so
-vLLM aborts the request and frees its KV.
+vLLM aborts the request and frees its KV. Requests go to vLLM through a
+:class:`~kvtax.serve.sender.Sender`, which gives a stale pooled connection one more try and lets
+shutdown end a request vLLM has not answered yet.
 
 Each request gathers facts in an :class:`~kvtax.serve.exchange.Exchange` as it goes; when it
 ends, however it ends, :func:`~kvtax.serve.exchange.outcome_of` decides its outcome from those
@@ -20,9 +22,10 @@ accounted request passes the gate after its body is read and before vLLM sees it
 in the gate's queue, be shed with a 429 and ``Retry-After``, or be refused (400) or clamped by
 the per-request token budget. Without one, nothing of this runs and the relay is unchanged.
 
-Errors the proxy itself produces (vLLM unreachable, timed out, body too large) are OpenAI-style
-JSON (:mod:`kvtax.serve.errors`); vLLM's own statuses, headers and error bodies pass through
-unchanged. Nothing of a prompt, a completion or a header value is ever logged.
+Errors the proxy itself produces (vLLM unreachable, timed out, body too large, kvtax shutting
+down) are OpenAI-style JSON (:mod:`kvtax.serve.errors`); vLLM's own statuses, headers and error
+bodies pass through unchanged. Nothing of a prompt, a completion or a header value is ever
+logged.
 
 Example::
 
@@ -35,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -50,10 +52,11 @@ from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.sse import HoldBudget, UsageWish
 from kvtax.delivery.timing import SloTargets
 from kvtax.serve.bodies import BodyTooLarge, read_bounded
-from kvtax.serve.errors import over_budget, shed, too_large, upstream_failure
+from kvtax.serve.errors import over_budget, shed, shutting_down, too_large, upstream_failure
 from kvtax.serve.exchange import Exchange, Phase, outcome_of, record_of
-from kvtax.serve.gate import Gate, Ticket
+from kvtax.serve.gate import CLOSED, Gate, Ticket
 from kvtax.serve.relay import Relay, pass_through
+from kvtax.serve.sender import Sender
 from kvtax.serve.upstream import (
     NO_AUTO,
     UPSTREAM_IDLE,
@@ -63,7 +66,6 @@ from kvtax.serve.upstream import (
     read_timeout,
     request_headers,
     response_headers,
-    upload,
 )
 
 __all__ = ["ACCOUNTED_PATHS", "UPSTREAM_IDLE", "Proxy", "ProxySettings"]
@@ -107,8 +109,7 @@ class Proxy:
         self.ledger = ledger
         self.clock = clock
         self.in_flight = 0
-        # Requests sent a second time after vLLM closed the connection unanswered (see _post).
-        self.upstream_retries = 0
+        self.sender = Sender(lambda: self.session, settings.upstream, settings.timeout)
         self.held = HoldBudget(settings.max_held)
         # The one shutdown state: the relay and outcome_of read it, only stop() moves it.
         self.state: Phase = "serving"
@@ -123,6 +124,11 @@ class Proxy:
             stall=(settings.stall_factor, settings.stall_min),
             phase=lambda: self.state,
         )
+
+    @property
+    def upstream_retries(self) -> int:
+        """Requests sent a second time after vLLM closed a stale connection unanswered."""
+        return self.sender.retries
 
     @property
     def streams_open(self) -> int:
@@ -155,14 +161,18 @@ class Proxy:
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
 
-        Every accounted request vLLM is still answering when the grace period ends has its
-        upstream closed, so vLLM frees its KV, and settles with the outcome ``shutdown``. A
-        stream gets an OpenAI-style error event and a clean end of stream; a non-streamed
-        answer cut short breaks the client's connection, so it never looks complete.
+        From the start nothing new goes to vLLM: a request queued in the admission gate or not
+        yet sent gets the shutdown 503 at once. Every accounted request vLLM still has when the
+        grace period ends, answering or not yet answered, has its upstream closed, so vLLM
+        frees its KV, and settles with the outcome ``shutdown``. A stream gets an OpenAI-style
+        error event and a clean end of stream; a non-streamed answer cut short breaks the
+        client's connection, so it never looks complete; one not answered yet gets the 503.
         """
         runner, self._runner = self._runner, None
         if runner is not None:
             self.state = "draining"
+            if self.gate is not None:
+                self.gate.close()
             for site in list(runner.sites):
                 await site.stop()  # no new connections from here on
             loop = asyncio.get_running_loop()
@@ -171,11 +181,16 @@ class Proxy:
                 await asyncio.sleep(0.05)
             if self.in_flight:
                 log.info("grace period over: ending %d request(s) still in flight", self.in_flight)
-            self.state = "cutting"
-            for _, upstream in list(self._open.values()):
-                upstream.close()
+            self._cut()
             await runner.cleanup()
         await self.close()
+
+    def _cut(self) -> None:
+        """The grace period is over: end what vLLM still has, whether it answered yet or not."""
+        self.state = "cutting"
+        self.sender.cut()
+        for _, upstream in list(self._open.values()):
+            upstream.close()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -300,6 +315,9 @@ class Proxy:
         body, limit = checked
         ticket = gate.ticket(prompt, limit)
         reason = await gate.enter(ticket)
+        if reason == CLOSED:
+            ex.turned_away = True  # shutdown began while it waited in the queue
+            return shutting_down()
         if reason is not None:
             ex.shed = reason
             return shed(reason, gate.retry_after())
@@ -328,13 +346,21 @@ class Proxy:
         self, request: web.Request, ex: Exchange, wish: UsageWish | None, body: bytes
     ) -> web.StreamResponse:
         """Send the request to vLLM and relay its answer."""
+        if self.state != "serving":
+            ex.turned_away = True  # shutdown began: nothing new goes to vLLM
+            return shutting_down()
         try:
-            upstream = await self._post(request, body)
+            upstream = await self.sender.post(request, body)
         except aiohttp.ClientConnectorError as exc:
             return upstream_failure(exc, self.settings.timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
             ex.sent = True  # vLLM had the request: its HTTP counter counts it
             return upstream_failure(exc, self.settings.timeout)
+        if upstream is None:
+            # The cut came before vLLM's status line; the POST's connection is closed, so vLLM,
+            # which had the request, aborts it.
+            ex.sent = ex.turned_away = True
+            return shutting_down()
         ex.status = upstream.status
         self._open[id(ex)] = (ex, upstream)
         try:
@@ -347,32 +373,6 @@ class Proxy:
                 # Closing (not releasing) drops the connection: vLLM sees the disconnect and
                 # aborts the request, freeing its KV blocks.
                 upstream.close()
-
-    async def _post(self, request: web.Request, body: bytes) -> aiohttp.ClientResponse:
-        """POST ``body`` to vLLM; a connection that breaks before any answer gets one more try.
-
-        vLLM can close a pooled keep-alive connection at the instant the proxy reuses it (its
-        event loop late under load); the request then fails before vLLM read it, and the client
-        would get a 502 that kvtax caused. nginx gives a cached upstream connection's failure a
-        second try for the same reason. Only a break with no status line is retried, once: a
-        refused connect (vLLM down) or any answer at all is never sent twice.
-        """
-        send = functools.partial(
-            self.session.post,
-            self.settings.upstream + request.rel_url.raw_path_qs,
-            headers=request_headers(request.headers, identity=True),
-            skip_auto_headers=NO_AUTO,
-            allow_redirects=False,
-            timeout=read_timeout(self.settings.timeout),
-        )
-        try:
-            return await send(data=upload(body))
-        except aiohttp.ClientConnectorError:
-            raise  # refused or unreachable: vLLM never had it, and a retry would only wait
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            self.upstream_retries += 1
-            log.debug("vLLM closed the connection before answering (%s); one more try", exc)
-        return await send(data=upload(body))
 
     async def _respond(
         self,

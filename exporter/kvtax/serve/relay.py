@@ -31,6 +31,7 @@ from kvtax.delivery.sse import HoldBudget, StreamRewriter, UsageWish
 from kvtax.delivery.timing import StreamTiming
 from kvtax.delivery.usage import UsageScanner
 from kvtax.serve.acks import AckTracker
+from kvtax.serve.errors import SHUTTING_DOWN
 from kvtax.serve.exchange import Exchange, Phase
 from kvtax.serve.upstream import response_headers
 
@@ -178,9 +179,7 @@ class Relay:
         """The error event that ends a stream vLLM did not finish (headers are long gone)."""
         ex.upstream_broke = True
         if self.phase() == "cutting":
-            return sse_error_event(
-                503, "kvtax is shutting down; retry the request", "server_shutdown"
-            )
+            return sse_error_event(503, SHUTTING_DOWN, "server_shutdown")
         reason = "timed out" if isinstance(failure, TimeoutError) else "broke off"
         return sse_error_event(502, f"vLLM's stream {reason}", "upstream_error")
 
