@@ -37,6 +37,9 @@ SHED_REASONS = ("queue_full", "wait_expired")
 
 @pytest.fixture
 def kvtax(vllm_engine: VllmEngine) -> Iterator[KvtaxProcess]:
+    # Preemptions are counted engine-wide: an earlier test's requests still leaving the engine
+    # would be counted against the gate.
+    vllm_engine.wait_idle()
     args = [
         "--admission.mode=adaptive",
         "--admission.block-size=128",

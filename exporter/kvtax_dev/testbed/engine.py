@@ -272,6 +272,20 @@ class VllmEngine:
         """The engine's current Prometheus exposition (``GET /metrics``)."""
         return self.get("/metrics")
 
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        """Return once vLLM runs and queues no request (an earlier test's aborted requests can
+        take a moment to leave); TimeoutError past ``timeout``, a guard against hangs only."""
+        deadline = time.monotonic() + timeout
+        busy = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        while True:
+            lines = self.metrics_text().splitlines()
+            load = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(busy))
+            if load == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM still has {load:g} request(s) after {timeout:g}s")
+            time.sleep(0.2)
+
     def __enter__(self) -> VllmEngine:
         return self.start()
 
