@@ -86,7 +86,7 @@ def test_adaptive_cuts_on_preemption_and_recovers() -> None:
     settings = CapSettings(
         mode="adaptive", floor=1, ceiling=64, cooldown=2, raise_after=2, probe_after=4
     )
-    states = _run(settings, [Signals(POOL, 180.0), *_thrash_then_calm(6, 20)])
+    states = _run(settings, [Signals(POOL, 180.0, footprint_p95=180.0), *_thrash_then_calm(6, 20)])
     assert states[0].cap == 10
     after_first_cut = states[1]
     assert after_first_cut.cap == 5
@@ -104,7 +104,7 @@ def test_adaptive_does_not_raise_back_into_the_cap_that_preempted_until_it_probe
     settings = CapSettings(mode="adaptive", floor=1, ceiling=64, raise_after=1, probe_after=20)
     hurt = Signals(POOL, 180.0, preemptions=2, in_flight=4)
     calm = Signals(POOL, 180.0, kv_usage=0.5, queued=9, in_flight=99)
-    states = _run(settings, [Signals(POOL, 180.0), hurt, *[calm] * 40])
+    states = _run(settings, [Signals(POOL, 180.0, footprint_p95=180.0), hurt, *[calm] * 40])
     assert states[1].cap == 2  # half of the four in flight
     caps = [s.cap for s in states[2:]]
     assert max(caps[:18]) == 3  # below the four that preempted
@@ -114,13 +114,13 @@ def test_adaptive_does_not_raise_back_into_the_cap_that_preempted_until_it_probe
 def test_adaptive_steps_down_by_one_when_usage_passes_the_target() -> None:
     settings = CapSettings(mode="adaptive", floor=1, ceiling=64)
     full = Signals(POOL, 180.0, kv_usage=0.95, in_flight=10)
-    states = _run(settings, [Signals(POOL, 180.0), full])
+    states = _run(settings, [Signals(POOL, 180.0, footprint_p95=180.0), full])
     assert states[1].cap == 9
 
 
 def test_adaptive_cuts_on_recompute_or_usage_past_the_target() -> None:
     settings = CapSettings(mode="adaptive", floor=1, ceiling=64)
-    base = Signals(POOL, 180.0)
+    base = Signals(POOL, 180.0, footprint_p95=180.0)
     for hot in (
         Signals(POOL, 180.0, recomputed=100.0, in_flight=10),
         Signals(POOL, 180.0, kv_usage=0.95, in_flight=10),
@@ -131,7 +131,10 @@ def test_adaptive_cuts_on_recompute_or_usage_past_the_target() -> None:
 
 def test_adaptive_cuts_from_what_is_in_use() -> None:
     settings = CapSettings(mode="adaptive", floor=1, ceiling=64)
-    states = _run(settings, [Signals(POOL, 18.0), Signals(POOL, 18.0, preemptions=1, in_flight=8)])
+    states = _run(
+        settings,
+        [Signals(POOL, 18.0, footprint_p95=18.0), Signals(POOL, 18.0, preemptions=1, in_flight=8)],
+    )
     assert states[0].cap == 64  # a short-request formula hits the ceiling
     assert states[1].cap == 4
 
@@ -139,7 +142,7 @@ def test_adaptive_cuts_from_what_is_in_use() -> None:
 def test_adaptive_does_not_raise_without_demand() -> None:
     settings = CapSettings(mode="adaptive", floor=1, ceiling=64)
     idle = Signals(POOL, 180.0, kv_usage=0.1, queued=0, in_flight=2)
-    states = _run(settings, [Signals(POOL, 180.0)] + [idle] * 20)
+    states = _run(settings, [Signals(POOL, 180.0, footprint_p95=180.0)] + [idle] * 20)
     assert {s.cap for s in states} == {10}
 
 
@@ -150,7 +153,7 @@ def test_adaptive_holds_still_under_noisy_usage_inside_the_band() -> None:
         Signals(POOL, 180.0, kv_usage=rng.uniform(0.81, 0.9), queued=5, in_flight=10)
         for _ in range(200)
     ]
-    states = _run(settings, [Signals(POOL, 180.0), *noisy])
+    states = _run(settings, [Signals(POOL, 180.0, footprint_p95=180.0), *noisy])
     assert {s.cap for s in states} == {10}
 
 
@@ -198,6 +201,27 @@ def test_adaptive_never_raises_past_what_the_whole_pool_holds() -> None:
     # Young requests hold few blocks: usage reads low, but four of 550 tokens overflow 2,048.
     settings = CapSettings(mode="adaptive", floor=1, ceiling=64, raise_after=1)
     calm = Signals(POOL, 550.0, kv_usage=0.3, queued=9, in_flight=99)
-    states = _run(settings, [Signals(POOL, 550.0), *[calm] * 10])
+    states = _run(settings, [Signals(POOL, 550.0, footprint_p95=550.0), *[calm] * 10])
     assert states[0].cap == 3
     assert {s.cap for s in states} == {3}
+
+
+def test_adaptive_first_step_takes_the_gates_own_requests_when_the_engine_says_shorter() -> None:
+    # Protection: vLLM's length histogram counts requests that ended early at the length they
+    # reached; after many aborted ones its p95 read 59 tokens while the gate's requests asked
+    # for 541, and the jump 2 -> 31 thrashed the engine (tests/e2e/test_gate_e2e.py, after the
+    # shutdown test's aborted streams).
+    settings = CapSettings(mode="adaptive", floor=2, ceiling=64)
+    (state,) = _run(settings, [Signals(POOL, 59.0, footprint_p95=541.0)])
+    assert state.cap == recommended_max_num_seqs(POOL, settings.target_usage, 541.0) == 3
+    assert state.source == "cold_start"
+    # When the engine's figure is the longer one it is the one taken, as before.
+    (state,) = _run(settings, [Signals(POOL, 541.0, footprint_p95=59.0)])
+    assert (state.cap, state.source) == (3, "formula")
+
+
+def test_adaptive_stays_at_the_floor_until_the_gate_has_seen_a_request() -> None:
+    # The engine's p95 alone (here from earlier, aborted requests) is no reason to leave it.
+    settings = CapSettings(mode="adaptive", floor=2, ceiling=64)
+    states = _run(settings, [Signals(POOL, 58.0), Signals(POOL, 58.0, footprint_p95=537.0)])
+    assert [(s.cap, s.source) for s in states] == [(2, "floor"), (3, "cold_start")]

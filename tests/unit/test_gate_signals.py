@@ -27,6 +27,7 @@ def _figures(
 
 def test_the_gate_cuts_on_new_preemptions_only() -> None:
     gate = Gate(GateSettings(cap=CapSettings(mode="adaptive", floor=1, ceiling=64, cooldown=1)))
+    gate.ticket(30, 150)  # it has seen a request of 180 tokens, as the engine's p95
     gate.in_flight = 10  # as if ten requests ran
     gate.observe(_figures(preemptions=40.0))  # the lifetime total before the gate: no cut
     assert gate.state.cap == 10

@@ -150,11 +150,34 @@ def step(state: CapState, signals: Signals, settings: CapSettings) -> CapState:
         return replace(state, cap=settings.ceiling, source="budget", budget_blocks=blocks)
     if mode == "adaptive":
         if state.source == "floor" and found is not None:
-            return _moved(state, *found)
+            first = _first_step(found, signals, settings)
+            return state if first is None else _moved(state, *first)
         return _aimd(state, signals, settings)
     if found is None or mode == "off":
         return state
     return _follow(state, found, settings)
+
+
+def _first_step(
+    found: tuple[int, str], signals: Signals, settings: CapSettings
+) -> tuple[int, str] | None:
+    """adaptive's one jump from the floor, or None to stay there: the formula's cap, or the one
+    the gate's own requests allow if that is lower, and no jump before the gate has seen a
+    request. vLLM's length histogram counts requests that ended early (aborted, cut by EOS) at
+    the length they reached, and it can receive an idle engine's aborts late; its p95 then read
+    58 tokens while the requests about to come asked for 537, and the jump 2 -> 31 thrashed the
+    engine for ten scrapes (tests/e2e/test_gate_e2e.py after the shutdown test's aborted
+    streams). Raises past the jump are AIMD's, on evidence."""
+    cap, source = found
+    footprint = signals.footprint_p95
+    if footprint is None or footprint <= 0 or signals.capacity_tokens is None:
+        return None
+    if source != "formula":
+        return found
+    own = settings.bound(
+        recommended_max_num_seqs(signals.capacity_tokens, settings.target_usage, footprint)
+    )
+    return (own, "cold_start") if own < cap else found
 
 
 def _follow(state: CapState, found: tuple[int, str], settings: CapSettings) -> CapState:
