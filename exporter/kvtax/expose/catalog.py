@@ -13,35 +13,10 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from kvtax.expose.catalog_gate import GATE_METRICS
+from kvtax.expose.spec import M, MetricSpec, MetricType
 
-__all__ = ["METRICS", "METRIC_LIST", "PROCESS_METRICS", "MetricSpec"]
-
-MetricType = Literal["counter", "gauge", "histogram", "info"]
-
-M = "model_name"
-
-
-@dataclass(frozen=True, slots=True)
-class MetricSpec:
-    """One published metric. ``name`` is the full exposed name (counters end in ``_total``)."""
-
-    name: str
-    type: MetricType
-    help: str
-    labels: tuple[str, ...] = ()
-    group: str = "engine"
-
-    @property
-    def family_name(self) -> str:
-        """The name prometheus-client families expect: counters without ``_total``."""
-        if self.type == "counter":
-            return self.name.removesuffix("_total")
-        if self.type == "info":
-            return self.name.removesuffix("_info")
-        return self.name
-
+__all__ = ["METRICS", "METRIC_LIST", "PROCESS_METRICS", "MetricSpec", "MetricType"]
 
 _S = MetricSpec
 METRIC_LIST: tuple[MetricSpec, ...] = (
@@ -400,82 +375,8 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         (M, "adapter"),
         "delivery",
     ),
-    # -- the admission gate (docs/admission.md) ----------------------------------------------
-    _S(
-        "kvtax_gate_advised_cap",
-        "gauge",
-        "Requests in flight the auto mode would allow now: floor(capacity x target usage / p95 "
-        "request length), bounded by --admission.floor and --admission.ceiling. Published with "
-        "the gate off too, as a value for vLLM's --max-num-seqs or --max-num-queued-reqs.",
-        (),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_cap",
-        "gauge",
-        "The gate's cap on requests in flight, by mode and by how it was chosen (source: "
-        "static, floor, cold_start, formula, budget, cut, raise).",
-        ("mode", "source"),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_budget_blocks",
-        "gauge",
-        "KV blocks the budget mode hands out: capacity x target usage / block size.",
-        (),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_blocks_in_flight",
-        "gauge",
-        "Worst-case KV blocks (prompt + max_tokens) of the requests the gate let through.",
-        (),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_requests_in_flight",
-        "gauge",
-        "Requests the gate let through that have not ended.",
-        (),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_queue_depth",
-        "gauge",
-        "Requests waiting in the gate's queue.",
-        (),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_queue_wait_seconds",
-        "histogram",
-        "Time a request waited at the gate before it was let through (0 when it fit at once).",
-        (),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_admitted_total",
-        "counter",
-        "Requests the gate let through to vLLM.",
-        (),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_rejections_total",
-        "counter",
-        "Requests the gate answered itself, by reason: queue_full (429, over "
-        "--admission.max-queue), wait_expired (429, over --admission.max-wait), over_budget "
-        "(400, over --admission.token-budget).",
-        ("reason",),
-        "admission",
-    ),
-    _S(
-        "kvtax_gate_cap_changes_total",
-        "counter",
-        "Changes of the gate's cap, by direction (up, down).",
-        ("direction",),
-        "admission",
-    ),
+    # -- the admission gate (docs/admission.md): kvtax.expose.catalog_gate ----------------
+    *GATE_METRICS,
 )
 
 METRICS: dict[str, MetricSpec] = {m.name: m for m in METRIC_LIST}
