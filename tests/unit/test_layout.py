@@ -1,10 +1,10 @@
 """The runtime package stays in small pieces: no module over 400 lines, no function over 60.
 
 The limits keep each module to one job and each function readable in one screen. Declarative
-tables (the alert and recording rules, the metric catalog, the options table, the argparse
-parser builders) are long because they list things, not because they do many things; they are
-exempt by name below, each with its reason. An exemption that no longer applies (the module or
-function is gone, or now fits the limit) fails too, so the list cannot rot.
+tables (the alert and recording rules, the argparse parser builders) are long because they
+list things, not because they do many things; they are exempt by name below, each with its
+reason. An exemption that no longer applies (the module or function is gone, or now fits the
+limit) fails too, so the list cannot rot.
 
 Lengths are measured as ``wc -l`` for modules and ``end_lineno - lineno + 1`` for functions
 (methods and nested functions included, named by their dotted path in the module).
@@ -26,10 +26,9 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # Module path (relative to exporter/kvtax) -> why it may be longer.
-MODULE_EXEMPTIONS: dict[str, str] = {
-    "expose/catalog.py": "declarative table of every kvtax metric: name, type, labels and help",
-    "serve/options.py": "declarative table of every kvtax setting: key, default, parser and help",
-}
+# None today: the metric catalog and the options table were split to fit (catalog_gate and
+# spec beside the catalog, option beside the options).
+MODULE_EXEMPTIONS: dict[str, str] = {}
 
 # (module path, function) -> why it may be longer.
 FUNCTION_EXEMPTIONS: dict[tuple[str, str], str] = {
