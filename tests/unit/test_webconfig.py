@@ -191,6 +191,17 @@ async def test_a_good_password_costs_one_bcrypt_check_and_a_bad_one_every_time(
     assert b"s3cret" not in repr(auth).encode()
 
 
+async def test_an_unknown_user_costs_the_same_bcrypt_check_and_never_gets_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Protection: refusing an unknown name without bcrypt's work answers faster, and the time
+    # tells which user names exist.
+    asked = count_checks(monkeypatch, verdict=True)  # even a hash that would match
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    assert not await auth.check(basic("someone", "s3cret"))
+    assert asked == [b"s3cret"]
+
+
 async def test_the_remembered_checks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     asked = count_checks(monkeypatch, verdict=True)
     auth = BasicAuth({"prometheus": HASH.encode()})

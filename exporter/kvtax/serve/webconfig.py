@@ -132,6 +132,13 @@ class BasicAuth:
         user, password = credentials
         hashed = self.users.get(user)
         if hashed is None:
+            if not self.users:
+                return False
+            # The same bcrypt work as for a known user, against one of theirs, so the time of
+            # the answer does not tell which user names exist (exporter-toolkit does the same
+            # with a dummy hash). Its result is ignored: an unknown user never gets in.
+            async with self._threads:
+                await asyncio.to_thread(_checkpw, password, next(iter(self.users.values())))
             return False
         key = (user, hmac.digest(self._digest_key, password, "sha256"))
         if key in self._verified:
