@@ -88,7 +88,6 @@ class Ticket:
     """One request at the gate: its worst-case footprint and where it stands."""
 
     seq: int
-    prompt_tokens: int
     footprint: int  # prompt + max_tokens, tokens
     blocks: int
     arrived: float
@@ -125,7 +124,6 @@ class Gate:
         self._footprints.append(footprint)
         return Ticket(
             seq=next(self._seq),
-            prompt_tokens=prompt,
             footprint=footprint,
             blocks=blocks_of(footprint, self.settings.cap.block_size),
             arrived=self.clock(),

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvtax.serve.logformat import FORMATS
+
 __all__ = [
     "ConfigError",
     "boolean",
@@ -209,13 +211,10 @@ def log_level(value: Any) -> str:
     return level
 
 
-_LOG_FORMATS = ("logfmt", "json")
-
-
 def log_format(value: Any) -> str:
     fmt = str(value).lower()
-    if fmt not in _LOG_FORMATS:
-        raise ValueError(f"expected one of {', '.join(_LOG_FORMATS)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"expected one of {', '.join(FORMATS)}")
     return fmt
 
 
