@@ -168,16 +168,14 @@ def _first_step(
     58 tokens while the requests about to come asked for 537, and the jump 2 -> 31 thrashed the
     engine for ten scrapes (tests/e2e/test_gate_e2e.py after the shutdown test's aborted
     streams). Raises past the jump are AIMD's, on evidence."""
-    cap, source = found
     footprint = signals.footprint_p95
-    if footprint is None or footprint <= 0 or signals.capacity_tokens is None:
+    if footprint is None or footprint <= 0:
         return None
-    if source != "formula":
+    if found[1] != "formula":
         return found
-    own = settings.bound(
-        recommended_max_num_seqs(signals.capacity_tokens, settings.target_usage, footprint)
-    )
-    return (own, "cold_start") if own < cap else found
+    # The requests' own cap: the formula on their footprint alone (source "cold_start").
+    own = formula(replace(signals, length_p95=None), settings)
+    return own if own is not None and own[0] < found[0] else found
 
 
 def _follow(state: CapState, found: tuple[int, str], settings: CapSettings) -> CapState:

@@ -27,6 +27,7 @@ from types import TracebackType
 import requests
 
 from kvtax_dev import dev_env, repo_root
+from kvtax_dev.exposition import read_samples, total
 from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, tail
 
 # The vLLM CPU backend's KV block size, in tokens. The pool holds blocks * this.
@@ -276,10 +277,11 @@ class VllmEngine:
         """Return once vLLM runs and queues no request (an earlier test's aborted requests can
         take a moment to leave); TimeoutError past ``timeout``, a guard against hangs only."""
         deadline = time.monotonic() + timeout
-        busy = ("vllm:num_requests_running", "vllm:num_requests_waiting")
         while True:
-            lines = self.metrics_text().splitlines()
-            load = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(busy))
+            samples = read_samples(self.metrics_text())
+            load = total(samples, "vllm:num_requests_running") + total(
+                samples, "vllm:num_requests_waiting"
+            )
             if load == 0:
                 return
             if time.monotonic() > deadline:
