@@ -14,8 +14,8 @@ import pytest
 from kvtax.delivery.ledger import OUTCOMES
 from kvtax.delivery.sse import StreamRewriter, UsageWish
 from kvtax.delivery.timing import SloTargets
-from kvtax.serve.acks import AckTracker
-from kvtax.serve.exchange import Exchange, Phase, outcome_of, record_of
+from kvtax.serve.proxy.acks import AckTracker
+from kvtax.serve.proxy.exchange import Exchange, Phase, outcome_of, record_of
 
 SERVE = Path(__file__).resolve().parents[2] / "exporter" / "kvtax" / "serve"
 PHASES: tuple[Phase, ...] = ("serving", "draining", "cutting")
@@ -149,7 +149,7 @@ def test_only_outcome_of_names_an_outcome_in_the_proxy() -> None:
     # One home for the decision: no other function of the proxy's modules returns or assigns
     # an outcome's name.
     decided_in: set[str] = set()
-    for path in sorted(SERVE.glob("*.py")):
+    for path in sorted(SERVE.rglob("*.py")):
         tree = ast.parse(path.read_text())
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):

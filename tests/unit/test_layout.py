@@ -1,4 +1,4 @@
-"""The runtime package stays in small pieces: no module over 400 lines, no function over 60.
+"""The runtime package stays in small pieces: no module over 800 lines, no function over 60.
 
 The limits keep each module to one job and each function readable in one screen. Declarative
 tables (the alert and recording rules, the argparse parser builders) are long because they
@@ -22,7 +22,7 @@ PACKAGE = ROOT / "exporter" / "kvtax"
 
 K = TypeVar("K")
 
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 60
 
 # Module path (relative to exporter/kvtax) -> why it may be longer.

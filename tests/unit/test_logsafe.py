@@ -1,25 +1,26 @@
 """No credential reaches a log: malformed requests on both ports, with kvtax's logging setup.
 
-aiohttp's server logs a request it cannot parse at ERROR, with an exception whose text quotes
-the offending bytes. These tests send such bytes over a raw socket to a real web port and a real
-proxy port, capture every record (formatted with its traceback), and look for the secret.
+aiohttp's server (the web port) logs a request it cannot parse at ERROR, with an exception whose
+text quotes the offending bytes; the proxy port's own parser refuses such a request and logs only
+the peer. These tests send such bytes over a raw socket to a real web port and a real proxy port,
+capture every record (formatted with its traceback), and look for the secret.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from kvtax import cli
 from kvtax.serve import logsafe, wiring
 from kvtax.serve.config import Config, load_config
 from kvtax.serve.wiring import build
+from kvtax_dev.testbed.engine import free_port
 
 SECRET = b"SECRET-c0ffee-4711"
 
@@ -48,18 +49,19 @@ def safe_logging() -> Iterator[None]:
             logger.removeFilter(found)
 
 
-async def _servers(aiohttp_server: Any) -> dict[str, TestServer]:
+@pytest.fixture
+async def servers(aiohttp_server: Any) -> AsyncIterator[dict[str, tuple[str, int]]]:
     config = load_config({"proxy.listen_address": "off"}, env={}, file=None)
     delivery = build(config)
-    sidecar = delivery.sidecar
-    return {
-        "web port": await aiohttp_server(sidecar.web_app()),
-        "proxy port": await aiohttp_server(delivery.proxy.app()),
-    }
+    web_port = await aiohttp_server(delivery.sidecar.web_app())
+    proxy_port = free_port()
+    await delivery.proxy.start("127.0.0.1", proxy_port)
+    yield {"web port": (web_port.host, web_port.port), "proxy port": ("127.0.0.1", proxy_port)}
+    await delivery.proxy.stop()
 
 
-async def _send(server: TestServer, raw: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection(server.host, server.port)
+async def _send(server: tuple[str, int], raw: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(*server)
     writer.write(raw)
     await writer.drain()
     # aiohttp logs the error before it answers and closes, so the record exists once EOF comes.
@@ -75,9 +77,11 @@ def _everything_logged(records: list[logging.LogRecord]) -> str:
 
 @pytest.mark.parametrize("case", MALFORMED)
 async def test_a_malformed_request_logs_no_credential_on_either_port(
-    aiohttp_server: Any, caplog: pytest.LogCaptureFixture, safe_logging: None, case: str
+    servers: dict[str, tuple[str, int]],
+    caplog: pytest.LogCaptureFixture,
+    safe_logging: None,
+    case: str,
 ) -> None:
-    servers = await _servers(aiohttp_server)
     for port, server in servers.items():
         caplog.clear()
         with caplog.at_level(logging.DEBUG):
@@ -99,7 +103,8 @@ async def test_other_errors_keep_their_traceback(
     server = await aiohttp_server(app)
     with caplog.at_level(logging.ERROR):
         response = await _send(
-            server, b"GET / HTTP/1.1\r\nHost: kvtax\r\nConnection: close\r\n\r\n"
+            (server.host, server.port),
+            b"GET / HTTP/1.1\r\nHost: kvtax\r\nConnection: close\r\n\r\n",
         )
     assert response.startswith(b"HTTP/1.1 500")
     assert "RuntimeError: a bug in kvtax" in caplog.text

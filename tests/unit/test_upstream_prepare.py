@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from kvtax.serve.upstream import prepare
+from kvtax.serve.proxy.prepare import prepare
 
 
 def test_the_json_read_stays_with_the_request() -> None:

@@ -29,7 +29,7 @@ from typing import Literal
 from kvtax.delivery.ledger import RequestRecord
 from kvtax.delivery.sse import StreamRewriter
 from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
-from kvtax.serve.acks import AckTracker
+from kvtax.serve.proxy.acks import AckTracker
 
 __all__ = ["Exchange", "Phase", "outcome_of", "record_of"]
 

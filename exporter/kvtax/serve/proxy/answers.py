@@ -1,0 +1,83 @@
+"""The proxy's own answers, in OpenAI's error shape: what kvtax says when vLLM does not.
+
+A body over ``--proxy.max-body`` (:func:`too_large`), a vLLM that could not be reached or did
+not answer in time (:func:`upstream_failure`), the admission gate's refusals (:func:`over_budget`,
+:func:`shed`), and the 503 of a request kvtax ends unanswered because it is shutting down
+(:func:`shutting_down`). Nothing of the request is echoed back: the messages name limits and
+flags only. vLLM's own statuses and error bodies pass through the relay unchanged.
+
+Example::
+
+    client.answer(too_large(4 * 1024**2))
+"""
+
+from __future__ import annotations
+
+from kvtax.serve.proxy.wire import Answer
+
+__all__ = [
+    "SHUTTING_DOWN",
+    "bad_request",
+    "over_budget",
+    "shed",
+    "shutting_down",
+    "too_large",
+    "upstream_failure",
+]
+
+# The message of the shutdown 503, as an answer (shutting_down) or a stream's last event.
+SHUTTING_DOWN = "kvtax is shutting down; retry the request"
+
+
+def too_large(limit: int) -> Answer:
+    """The 413 for a request body over ``--proxy.max-body``; the rest of the body is never read,
+    so the connection cannot carry another request."""
+    return Answer.error(
+        413,
+        f"request body exceeds the proxy's limit of {limit} bytes (--proxy.max-body)",
+        "invalid_request_error",
+        close=True,
+    )
+
+
+def bad_request(status: int, message: str) -> Answer:
+    """A request the HTTP parser refused (malformed, or a head over the limit)."""
+    return Answer.error(status, message, "invalid_request_error", close=True)
+
+
+def upstream_failure(timed_out: bool, timeout: float) -> Answer:
+    """The 504 when vLLM did not answer in ``timeout`` seconds, else the 502."""
+    if timed_out:
+        return Answer.error(504, f"vLLM did not answer within {timeout:g}s", "upstream_timeout")
+    return Answer.error(502, "vLLM is unreachable", "upstream_unavailable")
+
+
+_SHED_MESSAGES = {
+    "queue_full": "the admission queue is full (--admission.max-queue); retry later",
+    "wait_expired": "the request waited in the admission queue longer than --admission.max-wait; "
+    "retry later",
+}
+
+
+def shed(reason: str, retry_after: int) -> Answer:
+    """The gate's 429: the queue was full or the wait ran out; ``Retry-After`` in seconds."""
+    return Answer.error(
+        429,
+        _SHED_MESSAGES[reason],
+        "rate_limit_exceeded",
+        headers=[(b"Retry-After", str(retry_after).encode())],
+    )
+
+
+def shutting_down() -> Answer:
+    """The 503 for a request kvtax ends before vLLM answered, because it is shutting down.
+
+    vLLM never answered (or aborted) it, so the client may send it again, to another replica;
+    this proxy is going away, so the connection closes with it.
+    """
+    return Answer.error(503, SHUTTING_DOWN, "server_shutdown", close=True)
+
+
+def over_budget(message: str) -> Answer:
+    """The gate's 400 for a request whose prompt + max_tokens exceeds the token budget."""
+    return Answer.error(400, message, "invalid_request_error")

@@ -1,0 +1,205 @@
+"""vLLM's response body to the client, read by read, with the facts of delivery noted on the way.
+
+Each sink takes what one read of vLLM's socket brought (:meth:`feed`), writes it to the client in
+one ``transport.write`` and returns; nothing is awaited per event. :meth:`end` and :meth:`broke`
+close the body and resolve :attr:`done`, which the request's handler awaits.
+
+- :class:`StreamSink`: an accounted SSE stream, through a :class:`~kvtax.delivery.sse.
+  StreamRewriter` that cuts the usage the client did not ask for. Every write is recorded with
+  the client's acknowledgement tracker (:mod:`~kvtax.serve.proxy.acks`) and the stream's timing.
+  A stream vLLM does not finish (it broke off, timed out, or shutdown cut it) ends with an
+  OpenAI-style error event and a clean end: its headers and 200 are long gone.
+- :class:`BodySink`: an accounted answer that is not a stream, its usage read as it passes
+  (:class:`~kvtax.delivery.usage.UsageScanner`).
+- :class:`PlainSink`: any other path's answer, as it is.
+
+A body that breaks off and is not a stream breaks the client's connection, so it can never look
+complete. The sinks only note facts on the :class:`~kvtax.serve.proxy.exchange.Exchange`; the
+proxy decides the outcome.
+
+Example::
+
+    sink = StreamSink(client, ex, wish, framing="chunked", relay=settings)
+    conn.attach(sink)
+    await sink.done
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtax.delivery.openai import sse_error_event
+from kvtax.delivery.sse import HoldBudget, StreamRewriter, UsageWish
+from kvtax.delivery.timing import StreamTiming
+from kvtax.delivery.usage import UsageScanner
+from kvtax.serve.proxy.acks import AckTracker
+from kvtax.serve.proxy.answers import SHUTTING_DOWN
+from kvtax.serve.proxy.client import ClientConnection
+from kvtax.serve.proxy.exchange import Exchange, Phase
+from kvtax.serve.proxy.wire import LAST_CHUNK, Framing
+
+__all__ = ["BodySink", "PlainSink", "RelaySettings", "StreamSink"]
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """What every accounted stream shares: the hold budget, the clock, the stall rule and the
+    proxy's shutdown phase."""
+
+    held: HoldBudget
+    clock: Callable[[], float]
+    stall_factor: float
+    stall_min: float
+    phase: Callable[[], Phase]
+
+
+class _Sink:
+    """Framing and the end of a body, shared by the three sinks."""
+
+    def __init__(self, client: ClientConnection, framing: Framing) -> None:
+        self.client = client
+        self.chunked = framing == "chunked"
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def _send(self, payload: bytes) -> int:
+        """Write ``payload`` framed; the bytes that went on the wire."""
+        if self.chunked:
+            payload = b"%x\r\n%b\r\n" % (len(payload), payload)
+        self.client.write(payload)
+        return len(payload)
+
+    def _close_body(self) -> None:
+        if self.chunked:
+            self.client.write(LAST_CHUNK)
+        self.client.answered = True
+        self._resolve()
+
+    def _break_client(self) -> None:
+        """End the client's connection mid-body, so a body cut short never looks complete."""
+        self.client.answered = True
+        self.client.close()
+        self._resolve()
+
+    def _resolve(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class PlainSink(_Sink):
+    """A pass-through body, as it is."""
+
+    def feed(self, data: bytes) -> None:
+        if data:
+            self._send(data)
+
+    def end(self) -> None:
+        self._close_body()
+
+    def broke(self, cause: BaseException) -> None:
+        self._break_client()
+
+
+class BodySink(_Sink):
+    """An accounted answer that is not a stream: relayed as it arrives, its usage read."""
+
+    def __init__(
+        self, client: ClientConnection, framing: Framing, ex: Exchange, clock: Callable[[], float]
+    ) -> None:
+        super().__init__(client, framing)
+        self.ex = ex
+        self.clock = clock
+        status = ex.status or 0
+        self.scanner = UsageScanner() if status < 300 else None
+        ex.acks = AckTracker(client.transport)
+
+    def feed(self, data: bytes) -> None:
+        if not data:
+            return
+        if self.scanner is not None:
+            self.scanner.feed(data)
+        sent = self._send(data)
+        acks = self.ex.acks
+        assert acks is not None
+        acks.wrote(sent, 0)
+
+    def end(self) -> None:
+        ex = self.ex
+        ex.usage = self.scanner.tokens() if self.scanner is not None else None
+        ex.wrote_all = True
+        ex.finished_at = self.clock()
+        self._close_body()
+        ex.eof = not self.client.closed
+
+    def broke(self, cause: BaseException) -> None:
+        self.ex.upstream_broke = True
+        self._break_client()
+
+
+class StreamSink(_Sink):
+    """An accounted SSE stream, rewritten to what the client asked for."""
+
+    def __init__(
+        self,
+        client: ClientConnection,
+        framing: Framing,
+        ex: Exchange,
+        wish: UsageWish,
+        relay: RelaySettings,
+    ) -> None:
+        super().__init__(client, framing)
+        self.ex = ex
+        self.relay = relay
+        self.clock = relay.clock
+        self.rewriter = ex.rewriter = StreamRewriter(wish, budget=relay.held)
+        self.timing = ex.timing = StreamTiming(ex.started, relay.stall_factor, relay.stall_min)
+        self.acks = ex.acks = AckTracker(client.transport)
+
+    def feed(self, data: bytes) -> None:
+        rewriter = self.rewriter
+        out = rewriter.feed(data)
+        if out.payload:
+            self._write(out.payload, out.completion_tokens)
+            if rewriter.done:
+                self.ex.wrote_all = True  # [DONE] is with the client's kernel
+
+    def end(self) -> None:
+        rewriter = self.rewriter
+        # Shutdown closes vLLM's side, which can look like a clean end before [DONE].
+        if self.relay.phase() == "cutting" and not rewriter.done:
+            self._error(None)
+        else:
+            out = rewriter.finish()
+            if out.payload:
+                self._write(out.payload, out.completion_tokens)
+            self.ex.wrote_all = True
+        self._finish()
+
+    def broke(self, cause: BaseException) -> None:
+        if not self.rewriter.done:
+            self._error(cause)
+        self._finish()
+
+    def _finish(self) -> None:
+        self.rewriter.close()
+        self._close_body()
+        self.ex.eof = not self.client.closed
+
+    def _error(self, cause: BaseException | None) -> None:
+        """The error event that ends a stream vLLM did not finish (headers are long gone)."""
+        self.ex.upstream_broke = True
+        if self.relay.phase() == "cutting":
+            event = sse_error_event(503, SHUTTING_DOWN, "server_shutdown")
+        else:
+            reason = "timed out" if isinstance(cause, TimeoutError) else "broke off"
+            event = sse_error_event(502, f"vLLM's stream {reason}", "upstream_error")
+        self._send(event)
+
+    def _write(self, payload: bytes, tokens: int) -> None:
+        sent = self._send(payload)
+        acks = self.acks
+        before = acks.written_tokens
+        if tokens > before:
+            self.timing.tokens_written(self.clock(), self.rewriter.prompt_tokens + before)
+        acks.wrote(sent, max(tokens, before))

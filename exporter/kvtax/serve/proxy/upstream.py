@@ -1,0 +1,360 @@
+"""The proxy's connections to vLLM: a keep-alive pool of asyncio Protocols with httptools parsers.
+
+:meth:`Upstream.send` writes one request (head and body in one write) on a pooled connection or
+a new one, and returns once vLLM's status line and headers arrived. From then on the response's
+body goes, read by read, to the :class:`Sink` the relay attaches: the parser's ``on_body``
+pieces of one read are handed over together, so one read of vLLM's makes one write to the
+client. Nothing is awaited per read.
+
+What the pool keeps from the aiohttp client it replaces:
+
+- Idle connections are dropped after :data:`UPSTREAM_IDLE` seconds, before vLLM drops them
+  (uvicorn closes after 5 s): reusing one vLLM is closing at that instant fails the request.
+- vLLM can still close a pooled connection just as it is reused (its event loop late under
+  load); the request then fails before vLLM read it. nginx gives a cached connection's failure
+  a second try for this reason, and so does :meth:`Upstream.send`, once, when the break came
+  within :data:`STALE_WITHIN` of sending and before any byte of an answer. A refused connect,
+  a later break or any answer at all is never sent twice (``retries`` counts the second tries).
+- ``timeout`` bounds connecting and the wait between two reads (a whole stream is unbounded).
+- Shutdown's cut (:meth:`Upstream.cut`): vLLM sends a non-streamed answer's status line only
+  when the generation ends, so every request still waiting for one when the grace period is
+  over has its connection closed, which makes vLLM abort it; ``send`` raises :class:`Cut`.
+
+Example::
+
+    upstream = Upstream("http://127.0.0.1:8000", timeout=300.0)
+    conn = await upstream.send(head, body)
+    conn.attach(sink)       # sink.feed(...) per read, then sink.end() or sink.broke(exc)
+    ...
+    upstream.release(conn)  # back to the pool, or conn.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from typing import Protocol, cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from kvtax.serve.proxy.wire import Headers
+
+__all__ = [
+    "STALE_WITHIN",
+    "UPSTREAM_IDLE",
+    "Cut",
+    "Sink",
+    "Unreachable",
+    "Upstream",
+    "UpstreamBroke",
+    "UpstreamConnection",
+]
+
+log = logging.getLogger("kvtax.serve.proxy")
+
+# Seconds an idle upstream connection is kept; below vLLM's own 5 s keep-alive.
+UPSTREAM_IDLE = 2.0
+# Seconds after sending within which a break is a stale pooled connection, and worth one more
+# try. Such a connection fails on the write or on the first read, at once. A break that comes
+# later met a vLLM that had the request and ran it (for a non-streamed request the status line
+# comes only when the generation ends): sending it again would run it twice.
+STALE_WITHIN = 0.5
+
+
+class Unreachable(Exception):
+    """vLLM refused or could not be reached: it never had the request."""
+
+
+class UpstreamBroke(Exception):
+    """vLLM's connection closed or broke before its answer was complete."""
+
+
+class Cut(Exception):
+    """Shutdown's cut came before vLLM's status line."""
+
+
+class Sink(Protocol):
+    """Where a response body goes, read by read."""
+
+    def feed(self, data: bytes) -> None: ...
+
+    def end(self) -> None: ...
+
+    def broke(self, cause: BaseException) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to vLLM, one exchange at a time. ``status``, ``reason`` and ``headers``
+    are vLLM's once :meth:`Upstream.send` returned it; ``reusable`` once the body ended."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.clock = upstream.clock
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.reason = b""
+        self.headers: Headers = []
+        self.reusable = False
+        self.complete = False
+        self.answered = False  # a byte of vLLM's answer arrived
+        self.head: asyncio.Future[None] | None = None
+        self.sink: Sink | None = None
+        self.no_body = False
+        self.last_read = 0.0
+        self._parts: list[bytes] = []
+        self._failure: BaseException | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    # -- one exchange -----------------------------------------------------------------------
+    def start(self, data: bytes, *, no_body: bool) -> asyncio.Future[None]:
+        """Send ``data`` (a whole request); the future resolves when vLLM's head is in."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self.status, self.reason, self.headers = 0, b"", []
+        self.reusable = self.complete = self.answered = False
+        self.no_body = no_body
+        self.sink, self._parts, self._failure = None, [], None
+        self.head = asyncio.get_running_loop().create_future()
+        self.last_read = self.clock()
+        self._arm(self.upstream.timeout)
+        assert self.transport is not None
+        self.transport.write(data)
+        return self.head
+
+    def attach(self, sink: Sink) -> None:
+        """Hand the body to ``sink``: what already arrived at once, the rest read by read."""
+        self.sink = sink
+        if self._parts:
+            self._flush(sink)
+        if self.complete:
+            self._ended(sink)
+        elif self._failure is not None:
+            sink.broke(self._failure)
+
+    def close(self) -> None:
+        """Drop the connection: vLLM sees the disconnect and aborts what it was running."""
+        self.closed = True
+        self._disarm()
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- transport events -------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not registered as asyncio.Transport subclasses.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_read = self.clock()
+        self.answered = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamBroke(f"vLLM's answer is not HTTP: {type(exc).__name__}"))
+            self.close()
+            return
+        sink = self.sink
+        if sink is not None:
+            if self._parts:
+                self._flush(sink)
+            if self.complete:
+                self._ended(sink)
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._disarm()
+        self.upstream.forget(self)
+        if not self.complete:
+            self._fail(UpstreamBroke(str(exc) if exc else "vLLM closed the connection"))
+
+    # -- parser callbacks -------------------------------------------------------------------
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (103 Early Hints): the real one follows
+            self.reason, self.headers = b"", []
+            return
+        self.status = status
+        if self.no_body:
+            # The answer to a HEAD has no body whatever its headers say; the parser cannot be
+            # told so, so the connection is not reused.
+            self.complete = True
+        head = self.head
+        if head is not None and not head.done():
+            head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if not self.complete:
+            self._parts.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.status:  # not the end of an interim answer
+            self.complete = True
+            self.reusable = not self.no_body and self.parser.should_keep_alive()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _flush(self, sink: Sink) -> None:
+        parts, self._parts = self._parts, []
+        sink.feed(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _ended(self, sink: Sink) -> None:
+        self._disarm()
+        self.sink = None
+        sink.end()
+
+    def _fail(self, cause: BaseException) -> None:
+        if self._failure is not None or self.complete:
+            return
+        self._failure = cause
+        self._disarm()
+        head = self.head
+        if head is not None and not head.done():
+            head.set_exception(cause)
+        elif self.sink is not None:
+            sink, self.sink = self.sink, None
+            sink.broke(cause)
+
+    def _arm(self, delay: float) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._check)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        """The read timeout: re-armed for what is left of it, so a read costs no timer."""
+        self._timer = None
+        quiet = self.clock() - self.last_read
+        timeout = self.upstream.timeout
+        if quiet < timeout:
+            self._arm(timeout - quiet)
+            return
+        self._fail(TimeoutError(f"no byte from vLLM in {timeout:g}s"))
+        self.close()
+
+
+class Upstream:
+    """The keep-alive pool to one vLLM; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        *,
+        idle: float = UPSTREAM_IDLE,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"vLLM URL must be http(s)://host[:port]: {url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.netloc = parts.netloc.rsplit("@", 1)[-1].encode()
+        self.prefix = parts.path.rstrip("/").encode()
+        self.timeout = timeout
+        self.idle = idle
+        self.retries = 0
+        self.clock = clock or time.monotonic
+        self._free: list[UpstreamConnection] = []
+        self._waiting: set[UpstreamConnection] = set()
+        self._cut = False
+
+    async def send(self, data: bytes, *, no_body: bool = False) -> UpstreamConnection:
+        """Send a whole request; the connection once vLLM's head is in. Raises
+        :class:`Unreachable`, :class:`UpstreamBroke`, :class:`TimeoutError` or :class:`Cut`."""
+        loop = asyncio.get_running_loop()
+        conn = self._pooled() or await self._connect()
+        began = loop.time()
+        try:
+            return await self._exchange(conn, data, no_body)
+        except UpstreamBroke as exc:
+            if self._cut or conn.answered or loop.time() - began > STALE_WITHIN:
+                raise
+            self.retries += 1
+            log.debug("vLLM closed the connection before answering (%s); one more try", exc)
+        return await self._exchange(await self._connect(), data, no_body)
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """A connection whose exchange ended cleanly goes back to the pool."""
+        if conn.closed or not conn.reusable or self._cut:
+            conn.close()
+            return
+        conn.sink = None
+        self._free.append(conn)
+        conn._idle = asyncio.get_running_loop().call_later(self.idle, conn.close)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        if conn in self._free:
+            self._free.remove(conn)
+
+    def cut(self) -> None:
+        """The grace period is over: end every request vLLM has not answered yet."""
+        self._cut = True
+        for conn in list(self._waiting):
+            conn._fail(Cut())
+            conn.close()
+
+    def close(self) -> None:
+        for conn in self._free:
+            conn.close()
+        self._free.clear()
+
+    async def _exchange(
+        self, conn: UpstreamConnection, data: bytes, no_body: bool
+    ) -> UpstreamConnection:
+        self._waiting.add(conn)
+        try:
+            await conn.start(data, no_body=no_body)
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            self._waiting.discard(conn)
+        if self._cut:  # answered just before the cut, resumed after it
+            conn.close()
+            raise Cut()
+        return conn
+
+    def _pooled(self) -> UpstreamConnection | None:
+        while self._free:
+            conn = self._free.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self) -> UpstreamConnection:
+        if self._cut:
+            raise Cut()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.timeout):
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                )
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise Unreachable(str(exc)) from exc
+        return conn
