@@ -60,6 +60,7 @@ class Incoming:
         "keep_alive",
         "method",
         "path",
+        "refusal",
         "size",
         "target",
         "too_large",
@@ -77,6 +78,9 @@ class Incoming:
         self.keep_alive = True
         self.expect = False
         self.too_large = False
+        # The parser refused this request: answered with this in its turn, then the connection
+        # closes.
+        self.refusal: Answer | None = None
 
     def body_bytes(self) -> bytes:
         return self.body[0] if len(self.body) == 1 else b"".join(self.body)
@@ -104,7 +108,7 @@ class ClientConnection(asyncio.Protocol):
         self.queue: deque[Incoming] = deque()
         self.current: Incoming | None = None
         self.head_bytes = 0
-        self.refusal: str | None = None
+        self.limit_hit: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.closed = False
         # The exchange being answered wrote its last byte: a FIN now costs it nothing.
@@ -126,6 +130,7 @@ class ClientConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
+            # The upgrading request carries its refusal (on_headers_complete); read no more.
             self._refuse(bad_request(400, "protocol upgrades are not relayed"))
         except httptools.HttpParserError:
             # The parser's message quotes the client's bytes (a header value, a token): it is
@@ -181,6 +186,8 @@ class ClientConnection(asyncio.Protocol):
         request.version = parser.get_http_version().encode()
         request.keep_alive = parser.should_keep_alive()
         request.path = request.target.split(b"?", 1)[0]
+        if parser.should_upgrade():
+            request.refusal = bad_request(400, "protocol upgrades are not relayed")
         declared = content_length(request.headers)
         expect = header(request.headers, b"expect")
         request.expect = expect is not None and expect.lower() == b"100-continue"
@@ -274,28 +281,39 @@ class ClientConnection(asyncio.Protocol):
         self.queue.append(request)
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._serve())
-        if self.transport is not None:
-            self.read_paused = True
-            self.transport.pause_reading()
+        self._stop_reading()
 
     def _count_head(self, nbytes: int, line: int, what: str) -> None:
         self.head_bytes += nbytes
         if line > MAX_LINE:
-            self.refusal = f"a {what} exceeds {MAX_LINE} bytes"
+            self.limit_hit = f"a {what} exceeds {MAX_LINE} bytes"
         elif self.head_bytes > MAX_HEAD:
-            self.refusal = f"the request head exceeds {MAX_HEAD} bytes"
+            self.limit_hit = f"the request head exceeds {MAX_HEAD} bytes"
         else:
             return
-        raise httptools.HttpParserError(self.refusal)  # ends the parse; answered below
+        raise httptools.HttpParserError(self.limit_hit)  # ends the parse; answered below
 
     def _refuse(self, answer: Answer) -> None:
-        if self.refusal is not None:
-            answer = bad_request(400, self.refusal)
+        """The parser refused the bytes: answered in turn, after the requests before them; the
+        connection is read no more and closes after the answer."""
+        if self.limit_hit is not None:
+            answer = bad_request(400, self.limit_hit)
         # The parser's own message quotes the client's bytes; only the peer is logged.
         log.debug("bad request from %s: %s", self._peer(), answer.status)
+        request, self.current = self.current or Incoming(), None
+        if request.refusal is None:
+            request.refusal = answer
+        request.keep_alive = False
+        if request not in self.queue:
+            self.queue.append(request)
+        self._stop_reading()
         if self.task is None:
-            self.write(answer.encode(b"1.1", close=True))
-        self.close()
+            self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    def _stop_reading(self) -> None:
+        if self.transport is not None and not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
 
     def _peer(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport else None

@@ -219,7 +219,9 @@ class Proxy:
     # -- one request -------------------------------------------------------------------------
     async def handle(self, client: ClientConnection, request: Incoming) -> None:
         """Answer ``request``; the client connection calls this for each, in order."""
-        if request.too_large:
+        if request.refusal is not None:
+            client.answer(request.refusal, request)
+        elif request.too_large:
             if request.method == b"POST" and request.path in _ACCOUNTED:
                 # Settled unread: its model is unknown.
                 ex = Exchange(started=self.clock(), too_large=True)

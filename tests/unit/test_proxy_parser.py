@@ -1,0 +1,124 @@
+"""The proxy port's own HTTP parser against hostile requests and a broken vLLM.
+
+Each protection named in SECURITY.md for the relay's parser has a test here that fails without
+it: request smuggling (Content-Length with Transfer-Encoding), upgrades, heads too long in one
+line or in all, a pipelining client that never reads, a connection that never completes a
+request, and a vLLM whose answer is not HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import pytest
+
+from kvtax.serve.proxy import client as client_module
+from kvtax_dev.testbed.engine import free_port
+from tests.unit.test_proxy_http import STREAM, WHOLE, Start, closed, post, raw_request, read_reply
+
+pytest_plugins = ["tests.unit.test_proxy_http"]
+
+
+async def test_content_length_with_transfer_encoding_is_refused_not_smuggled(
+    start: Start,
+) -> None:
+    rig = await start()
+    body = json.dumps(WHOLE).encode()
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    request = raw_request(
+        "POST",
+        "/v1/completions",
+        chunked + smuggled,
+        headers=[("Content-Length", str(len(chunked))), ("Transfer-Encoding", "chunked")],
+    )
+    reader, writer = await rig.connect()
+    writer.write(request)
+    reply = await read_reply(reader)
+    assert reply.status == 400
+    assert await closed(reader)
+    assert rig.seen == []  # vLLM saw neither request
+
+
+async def test_an_upgrade_is_refused(start: Start) -> None:
+    rig = await start()
+    reply = await rig.exchange(
+        raw_request("GET", "/v1/realtime", headers=[("Connection", "Upgrade"), ("Upgrade", "x")])
+    )
+    assert reply.status == 400
+    assert rig.seen == []
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [("X-Long", "a" * 9000)],  # one line over 8,190 bytes
+        [(f"X-H{i}", "a" * 8000) for i in range(10)],  # each line fits, the head does not
+    ],
+    ids=["one long line", "a long head"],
+)
+async def test_a_head_past_the_limits_is_a_400(
+    start: Start, headers: list[tuple[str, str]]
+) -> None:
+    rig = await start()
+    reply = await rig.exchange(raw_request("GET", "/v1/models", headers=headers))
+    assert reply.status == 400
+    assert "exceeds" in reply.json()["error"]["message"]
+    assert rig.seen == []
+
+
+async def test_a_client_that_pipelines_without_reading_is_stopped_being_read(
+    start: Start,
+) -> None:
+    # Without the bound, every pipelined request would be read, parsed and held at once.
+    rig = await start()
+    rig.vllm.hang = 1.0  # the first answer takes a while: the rest queue behind it
+    reader, writer = await rig.connect()
+    for _ in range(40):  # one request per read
+        writer.write(post("/v1/completions", WHOLE))
+        await writer.drain()
+        await asyncio.sleep(0.005)
+    [conn] = list(rig.proxy._clients)
+    assert conn.read_paused
+    assert len(conn.queue) <= client_module.MAX_PIPELINED + 1
+    rig.vllm.hang = 0.0
+    replies = [await read_reply(reader) for _ in range(40)]  # reading resumes as they drain
+    assert {r.status for r in replies} == {200}
+
+
+async def test_a_connection_that_completes_no_request_is_closed(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "KEEPALIVE", 0.2)
+    rig = await start()
+    reader, writer = await rig.connect()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    assert await closed(reader)
+    assert rig.seen == []
+
+
+async def test_a_vllm_whose_answer_is_not_http_is_vllm_s_error(start: Start) -> None:
+    rig = await start()
+
+    async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+            await writer.drain()
+            with contextlib.suppress(ConnectionError):
+                await reader.read()
+        finally:
+            writer.close()
+
+    port = free_port()
+    server = await asyncio.start_server(not_http, "127.0.0.1", port)
+    try:
+        rig.proxy.upstream.port = port
+        reply = await rig.exchange(post("/v1/completions", STREAM))
+        assert reply.status == 502
+        assert reply.json()["error"]["type"] == "upstream_unavailable"
+    finally:
+        server.close()
+        await server.wait_closed()
