@@ -122,3 +122,29 @@ async def test_a_vllm_whose_answer_is_not_http_is_vllm_s_error(start: Start) -> 
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def _raw_upstream(answer: bytes) -> asyncio.Server:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_a_body_that_runs_to_vllm_s_close_reaches_the_client_whole(start: Start) -> None:
+    # Without the rule, the close that ends such a body looked like vLLM breaking off, and the
+    # client's connection was broken before the body could look complete.
+    rig = await start()
+    server = await _raw_upstream(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nhello")
+    try:
+        rig.proxy.upstream.port = server.sockets[0].getsockname()[1]
+        reply = await rig.exchange(raw_request("GET", "/version"))
+        assert (reply.status, reply.body) == (200, b"hello")
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -215,9 +215,10 @@ class ClientConnection(asyncio.Protocol):
 
     # -- writing ----------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
-        if not self.closed:
-            assert self.transport is not None
-            self.transport.write(data)
+        transport = self.transport
+        # uvloop refuses a write to a transport that is closing; the bytes have nowhere to go.
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
 
     def answer(self, answer: Answer, request: Incoming) -> None:
         """Write one of kvtax's own responses; close the connection after it if it must."""

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from kvtax.serve.proxy.wire import Headers
+from kvtax.serve.proxy.wire import Headers, header
 
 __all__ = [
     "STALE_WITHIN",
@@ -105,6 +105,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.head: asyncio.Future[None] | None = None
         self.sink: Sink | None = None
         self.no_body = False
+        self.until_close = False
         self.last_read = 0.0
         self._parts: list[bytes] = []
         self._failure: BaseException | None = None
@@ -119,7 +120,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._idle.cancel()
             self._idle = None
         self.status, self.reason, self.headers = 0, b"", []
-        self.reusable = self.complete = self.answered = False
+        self.reusable = self.complete = self.answered = self.until_close = False
         self.no_body = no_body
         self.sink, self._parts, self._failure = None, [], None
         self.head = asyncio.get_running_loop().create_future()
@@ -138,6 +139,10 @@ class UpstreamConnection(asyncio.Protocol):
             self._ended(sink)
         elif self._failure is not None:
             sink.broke(self._failure)
+
+    def idle_for(self, seconds: float) -> None:
+        """Back in the pool: closed after ``seconds`` unless reused first."""
+        self._idle = asyncio.get_running_loop().call_later(seconds, self.close)
 
     def close(self) -> None:
         """Drop the connection: vLLM sees the disconnect and aborts what it was running."""
@@ -174,7 +179,12 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = True
         self._disarm()
         self.upstream.forget(self)
-        if not self.complete:
+        if not self.complete and self.until_close and exc is None:
+            self.complete = True  # the close ends such a body; the connection is not reused
+            sink = self.sink
+            if sink is not None:
+                self._ended(sink)
+        elif not self.complete:
             self._fail(UpstreamBroke(str(exc) if exc else "vLLM closed the connection"))
 
     # -- parser callbacks -------------------------------------------------------------------
@@ -190,6 +200,13 @@ class UpstreamConnection(asyncio.Protocol):
             self.reason, self.headers = b"", []
             return
         self.status = status
+        # A body with neither length nor chunks runs to the connection's close (HTTP/1.0 style).
+        self.until_close = (
+            status not in (204, 304)
+            and not self.no_body
+            and header(self.headers, b"content-length") is None
+            and header(self.headers, b"transfer-encoding") is None
+        )
         if self.no_body:
             # The answer to a HEAD has no body whatever its headers say; the parser cannot be
             # told so, so the connection is not reused.
@@ -299,7 +316,7 @@ class Upstream:
             return
         conn.sink = None
         self._free.append(conn)
-        conn._idle = asyncio.get_running_loop().call_later(self.idle, conn.close)
+        conn.idle_for(self.idle)
 
     def forget(self, conn: UpstreamConnection) -> None:
         if conn in self._free:
