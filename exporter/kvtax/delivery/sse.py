@@ -40,9 +40,16 @@ _USAGE_KEY = b',"usage":{'
 _USAGE_ANY = b'"usage"'
 _DATA = b"data: {"
 _DONE = b"data: [DONE]"
-_FINAL_CHOICES = b'"choices":[]'
+# The top-level choices: "]" right after the bracket is the usage-only chunk, else the first
+# choice's index.
+_CHOICES = re.compile(rb'"choices":\[(?:(\])|\{"index":(\d+))')
+# vLLM's usage object exactly as vLLM writes it, read in one match; any other form (spaces,
+# another key order, details) is found by counting braces and read by a JSON parse.
+_VLLM_USAGE = re.compile(
+    rb',"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,"completion_tokens":(\d+)'
+    rb'(?:,"prompt_tokens_details":(?:null|\{"cached_tokens":\d+\}))?\}'
+)
 _TERMINAL = b'"finish_reason":"'
-_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
 _FINGERPRINT = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*")')
 _NL = b"\n"
 
@@ -100,13 +107,11 @@ class Relayed:
     completion_tokens: int
 
 
-def _usage_span(line: bytes) -> tuple[int, int] | None:
-    """Start and end of ``,"usage":{...}`` in a data line, or None. A literal ``,"usage":{``
-    cannot occur inside a JSON string (its quotes would be escaped), and usage holds no strings
-    with braces, so counting braces finds its end; the JSON parse that follows checks it."""
-    start = line.rfind(_USAGE_KEY)
-    if start < 0:
-        return None
+def _usage_span(line: bytes, start: int) -> tuple[int, int] | None:
+    """Start and end of ``,"usage":{...}`` found at ``start`` in a data line, or None. A literal
+    ``,"usage":{`` cannot occur inside a JSON string (its quotes would be escaped), and usage
+    holds no strings with braces, so counting braces finds its end; the JSON parse that follows
+    checks it."""
     pos = start + len(_USAGE_KEY)
     depth = 1
     while depth:
@@ -258,29 +263,51 @@ class StreamRewriter:
             self._skip_blank = False
             if not line.rstrip(b"\r"):
                 return
-        if not line.startswith(_DATA) or _USAGE_ANY not in line:
-            if line.rstrip(b"\r") == _DONE:
-                self._flush(None, out)
-                self.done = True
-            if self._held:  # keep the order: what follows a held line waits with it
-                self._held.append((line + _NL, 0, None, 0, False))
-            else:
-                out.append(line + _NL)
-            return
-        span = _usage_span(line)
+        if line.startswith(_DATA):
+            # vLLM's usage is the last key of its event: a search from the end finds it at once.
+            start = line.rfind(_USAGE_KEY)
+            if start >= 0:
+                exact = _VLLM_USAGE.match(line, start)
+                if exact is not None:
+                    span = (start, exact.end())
+                    self._counted(line, span, int(exact.group(2)), int(exact.group(1)), out)
+                else:
+                    self._usage_line(line, _usage_span(line, start), out)
+                return
+            if _USAGE_ANY in line:
+                self._usage_line(line, None, out)
+                return
+        elif line.rstrip(b"\r") == _DONE:
+            self._flush(None, out)
+            self.done = True
+        if self._held:  # keep the order: what follows a held line waits with it
+            self._held.append((line + _NL, 0, None, 0, False))
+        else:
+            out.append(line + _NL)
+
+    def _usage_line(self, line: bytes, span: tuple[int, int] | None, out: list[bytes]) -> None:
         parsed = _parse_usage(line, span)
         if parsed is None:
             self.unparsed += 1
             self._flush(None, out)
             out.append(line + _NL)
             return
+        self._counted(line, span, parsed[0], parsed[1], out)
+
+    def _counted(
+        self, line: bytes, span: tuple[int, int] | None, tokens: int, prompt: int, out: list[bytes]
+    ) -> None:
+        """A data line whose usage was read: ``tokens`` completion, ``prompt`` prompt tokens."""
         self.usage_lines += 1
-        tokens, prompt = parsed
-        self.prompt_tokens = max(self.prompt_tokens, prompt)
-        if _FINAL_CHOICES in line:
+        if prompt > self.prompt_tokens:
+            self.prompt_tokens = prompt
+        # The top-level choices come before the usage: one search finds them, and whether the
+        # chunk is the usage-only one ("choices":[]).
+        choices = _CHOICES.search(line, 0, span[0] if span is not None else len(line))
+        if choices is not None and choices.group(1):
             self._final(line, tokens, out)
         else:
-            self._chunk(line, span, tokens, out)
+            self._chunk(line, span, tokens, choices, out)
 
     def _final(self, line: bytes, tokens: int, out: list[bytes]) -> None:
         """The trailing usage-only chunk: the exact total over all choices."""
@@ -296,10 +323,16 @@ class StreamRewriter:
         self._skip_blank = True
 
     def _chunk(
-        self, line: bytes, span: tuple[int, int] | None, tokens: int, out: list[bytes]
+        self,
+        line: bytes,
+        span: tuple[int, int] | None,
+        tokens: int,
+        choices: re.Match[bytes] | None,
+        out: list[bytes],
     ) -> None:
-        index = _INDEX.search(line)
-        choice = int(index.group(1)) if index else 0
+        """An ordinary chunk; ``choices`` is where its choices list opened, if found."""
+        index = choices.group(2) if choices is not None else None
+        choice = int(index) if index else 0
         self._seen[choice] = tokens
         if self.wish.continuous or span is None:
             # Continuous usage was asked for, or the usage is in a form we cannot cut cleanly.
@@ -307,11 +340,13 @@ class StreamRewriter:
             return
         start, end = span
         trimmed = line[:start] + line[end:] + _NL
-        terminal = _TERMINAL in line
-        if not self.wish.include_usage and (terminal or self._held):
-            # vLLM stamps system_fingerprint on terminal chunks only when no usage chunk
-            # follows; hold them (and, to keep the order, what comes after) until the usage
-            # chunk tells us the fingerprint.
-            self._held.append((trimmed, start, choice, tokens, terminal))
-            return
+        if not self.wish.include_usage:
+            after = choices.end() if choices is not None else 0
+            terminal = line.find(_TERMINAL, after, start) >= 0
+            if terminal or self._held:
+                # vLLM stamps system_fingerprint on terminal chunks only when no usage chunk
+                # follows; hold them (and, to keep the order, what comes after) until the
+                # usage chunk tells us the fingerprint.
+                self._held.append((trimmed, start, choice, tokens, terminal))
+                return
         self._emit(trimmed, choice, tokens, out)
