@@ -299,8 +299,7 @@ class StreamRewriter:
     ) -> None:
         """A data line whose usage was read: ``tokens`` completion, ``prompt`` prompt tokens."""
         self.usage_lines += 1
-        if prompt > self.prompt_tokens:
-            self.prompt_tokens = prompt
+        self.prompt_tokens = max(self.prompt_tokens, prompt)
         # The top-level choices come before the usage: one search finds them, and whether the
         # chunk is the usage-only one ("choices":[]).
         choices = _CHOICES.search(line, 0, span[0] if span is not None else len(line))
