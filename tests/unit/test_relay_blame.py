@@ -58,7 +58,7 @@ def _settings() -> RelaySettings:
 
 def _stream(client: _Client, ex: Exchange) -> StreamSink:
     wish = UsageWish(include_usage=False, continuous=False)
-    return StreamSink(client, "chunked", ex, wish, _settings())  # type: ignore[arg-type]
+    return StreamSink(client, "chunked", b"", ex, wish=wish, relay=_settings())  # type: ignore[arg-type]
 
 
 async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
@@ -77,7 +77,7 @@ async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
 async def test_a_client_that_hung_up_mid_body_is_not_blamed_on_vllm() -> None:
     ex = Exchange(started=0.0, model="m", status=200)
     client = _Client()
-    sink = BodySink(client, "length", ex, lambda: 0.0)  # type: ignore[arg-type]
+    sink = BodySink(client, "length", b"", ex, lambda: 0.0)  # type: ignore[arg-type]
     sink.feed(b'{"id":"c","choices":[')
     client.closed = True
     ex.client_gone = True
@@ -114,7 +114,7 @@ async def test_vllm_breaking_off_mid_body_breaks_the_client_connection() -> None
     # A body cut short must never look complete: the client's connection is closed mid-body.
     ex = Exchange(started=0.0, model="m", status=200)
     client = _Client()
-    sink = BodySink(client, "length", ex, lambda: 0.0)  # type: ignore[arg-type]
+    sink = BodySink(client, "length", b"", ex, lambda: 0.0)  # type: ignore[arg-type]
     sink.feed(b'{"id":"c","choices":[')
     sink.broke(UpstreamBroke("vLLM went away"))
     assert client.closed

@@ -102,7 +102,7 @@ class AckTracker:
 
     __slots__ = ("_base", "_pending", "_probe", "_sent", "confirmed", "written_tokens")
 
-    def __init__(self, transport: asyncio.BaseTransport | None) -> None:
+    def __init__(self, transport: asyncio.BaseTransport | None, *, unsent: int = 0) -> None:
         self._probe = _probe_for(transport)
         self._sent = 0
         self._base = 0
@@ -120,8 +120,9 @@ class AckTracker:
                 self._drop_probe()
             else:
                 # Everything written on this connection before our first byte: earlier
-                # responses (keep-alive), and our own headers still queued or buffered.
-                self._base = acked + queued + buffered
+                # responses (keep-alive), and our own headers, queued, buffered or (``unsent``)
+                # about to be written ahead of the body.
+                self._base = acked + queued + buffered + unsent
 
     def wrote(self, nbytes: int, tokens: int) -> None:
         """A write of ``nbytes`` finished; its bytes bring the client up to ``tokens``."""

@@ -250,8 +250,8 @@ class Proxy:
         except Cut:
             client.answer(shutting_down(), request)
             return
-        framing = self._respond_head(client, request, conn, rewritten=False)
-        sink = PlainSink(client, framing)
+        framing, head = self._respond_head(request, conn, rewritten=False)
+        sink = PlainSink(client, framing, head)
         await self._relay(client, conn, sink)
 
     async def _accounted(self, client: ClientConnection, request: Incoming) -> None:
@@ -377,13 +377,13 @@ class Proxy:
         if ok and ex.model is not None:
             self.ledger.names.learn(ex.model)
         stream = wish is not None and ok and _is_sse(conn)
-        framing = self._respond_head(client, request, conn, rewritten=stream)
+        framing, head = self._respond_head(request, conn, rewritten=stream)
         sink: StreamSink | BodySink
         if stream:
             assert wish is not None
-            sink = StreamSink(client, framing, ex, wish, self.relay)
+            sink = StreamSink(client, framing, head, ex, wish=wish, relay=self.relay)
         else:
-            sink = BodySink(client, framing, ex, self.clock)
+            sink = BodySink(client, framing, head, ex, self.clock)
         self._open[id(ex)] = (ex, conn)
         try:
             await self._relay(client, conn, sink, settle=False)
@@ -434,13 +434,10 @@ class Proxy:
 
     @staticmethod
     def _respond_head(
-        client: ClientConnection,
-        request: Incoming,
-        conn: UpstreamConnection,
-        *,
-        rewritten: bool,
-    ) -> Framing:
-        """Write vLLM's status and headers to the client; the body's framing to use."""
+        request: Incoming, conn: UpstreamConnection, *, rewritten: bool
+    ) -> tuple[Framing, bytes]:
+        """The body's framing for the client, and vLLM's status and headers for it (written
+        with the first bytes of the body that are in by then)."""
         status = conn.status
         length = None if rewritten else _length(conn)
         framing: Framing
@@ -461,12 +458,10 @@ class Proxy:
             given = header(conn.headers, b"content-length")
             if given is not None:
                 headers.append((b"Content-Length", given))
-        client.write(
-            response_head(
-                request.version, status, conn.reason, headers, framing, close=close, length=length
-            )
+        head = response_head(
+            request.version, status, conn.reason, headers, framing, close=close, length=length
         )
-        return framing
+        return framing, head
 
 
 def _length(conn: UpstreamConnection) -> int | None:

@@ -19,8 +19,8 @@ proxy decides the outcome.
 
 Example::
 
-    sink = StreamSink(client, ex, wish, framing="chunked", relay=settings)
-    conn.attach(sink)
+    sink = StreamSink(client, "chunked", head, ex, wish=wish, relay=settings)
+    conn.attach(sink)           # feed() and end() per read, each read's bytes in one flush()
     await sink.done
 """
 
@@ -56,28 +56,42 @@ class RelaySettings:
 
 
 class _Sink:
-    """Framing and the end of a body, shared by the three sinks."""
+    """Framing, batching and the end of a body, shared by the three sinks.
 
-    def __init__(self, client: ClientConnection, framing: Framing) -> None:
+    What one read of vLLM's brings (the response head first, then the body's bytes, and its end
+    when the read ends it) is gathered and written in one ``transport.write`` by :meth:`flush`,
+    which the upstream connection calls once per read.
+    """
+
+    def __init__(self, client: ClientConnection, framing: Framing, head: bytes) -> None:
         self.client = client
         self.chunked = framing == "chunked"
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._out: list[bytes] = [head]
+
+    def flush(self) -> None:
+        out = self._out
+        if out:
+            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
 
     def _send(self, payload: bytes) -> int:
-        """Write ``payload`` framed; the bytes that went on the wire."""
+        """Queue ``payload`` framed; the bytes it puts on the wire."""
         if self.chunked:
             payload = b"%x\r\n%b\r\n" % (len(payload), payload)
-        self.client.write(payload)
+        self._out.append(payload)
         return len(payload)
 
     def _close_body(self) -> None:
         if self.chunked:
-            self.client.write(LAST_CHUNK)
+            self._out.append(LAST_CHUNK)
+        self.flush()
         self.client.answered = True
         self._resolve()
 
     def _break_client(self) -> None:
         """End the client's connection mid-body, so a body cut short never looks complete."""
+        self.flush()
         self.client.answered = True
         self.client.close()
         self._resolve()
@@ -105,14 +119,19 @@ class BodySink(_Sink):
     """An accounted answer that is not a stream: relayed as it arrives, its usage read."""
 
     def __init__(
-        self, client: ClientConnection, framing: Framing, ex: Exchange, clock: Callable[[], float]
+        self,
+        client: ClientConnection,
+        framing: Framing,
+        head: bytes,
+        ex: Exchange,
+        clock: Callable[[], float],
     ) -> None:
-        super().__init__(client, framing)
+        super().__init__(client, framing, head)
         self.ex = ex
         self.clock = clock
         status = ex.status or 0
         self.scanner = UsageScanner() if status < 300 else None
-        ex.acks = AckTracker(client.transport)
+        ex.acks = AckTracker(client.transport, unsent=len(head))
 
     def feed(self, data: bytes) -> None:
         if not data:
@@ -144,17 +163,19 @@ class StreamSink(_Sink):
         self,
         client: ClientConnection,
         framing: Framing,
+        head: bytes,
         ex: Exchange,
+        *,
         wish: UsageWish,
         relay: RelaySettings,
     ) -> None:
-        super().__init__(client, framing)
+        super().__init__(client, framing, head)
         self.ex = ex
         self.relay = relay
         self.clock = relay.clock
         self.rewriter = ex.rewriter = StreamRewriter(wish, budget=relay.held)
         self.timing = ex.timing = StreamTiming(ex.started, relay.stall_factor, relay.stall_min)
-        self.acks = ex.acks = AckTracker(client.transport)
+        self.acks = ex.acks = AckTracker(client.transport, unsent=len(head))
 
     def feed(self, data: bytes) -> None:
         rewriter = self.rewriter

@@ -78,11 +78,14 @@ class Cut(Exception):
 
 
 class Sink(Protocol):
-    """Where a response body goes, read by read."""
+    """Where a response body goes, read by read: ``feed`` and ``end`` gather, ``flush`` writes
+    what one read brought; ``broke`` ends the body and writes."""
 
     def feed(self, data: bytes) -> None: ...
 
     def end(self) -> None: ...
+
+    def flush(self) -> None: ...
 
     def broke(self, cause: BaseException) -> None: ...
 
@@ -139,6 +142,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._ended(sink)
         elif self._failure is not None:
             sink.broke(self._failure)
+        else:
+            sink.flush()
 
     def idle_for(self, seconds: float) -> None:
         """Back in the pool: closed after ``seconds`` unless reused first."""
@@ -170,7 +175,9 @@ class UpstreamConnection(asyncio.Protocol):
             if self._parts:
                 self._flush(sink)
             if self.complete:
-                self._ended(sink)
+                self._ended(sink)  # writes what this read brought, and the body's end
+            else:
+                sink.flush()
 
     def eof_received(self) -> bool | None:
         return None
