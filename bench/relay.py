@@ -1,27 +1,50 @@
-"""Benchmark: the stream relay side by side — direct, through kvtax, through nginx — in one run.
+"""Benchmark: the stream relay beside nginx and a bare pass-through, in interleaved rounds.
 
-All three modes stream from the same synthetic vLLM-shaped upstream (:mod:`bench.sse_upstream`).
-On a 2-core machine the relay under test (a ``kvtax serve`` process, or nginx with one worker and
-``proxy_buffering off``) is pinned to core 0; the upstream and this load generator share core 1,
-in every mode, so "direct" carries the same client and upstream cost and the difference is the
-relay's. The client asks for no usage, the common case and the costlier one for kvtax (it asks
-vLLM for usage on every chunk and must cut it out again).
+Four modes stream from the same synthetic vLLM-shaped upstream (:mod:`bench.sse_upstream`):
+``direct`` (no relay: the baseline of every "added" figure), ``kvtax`` (a ``kvtax serve``
+process), ``nginx`` (one worker, ``proxy_buffering off``, keep-alive to the upstream: the
+reference) and ``passthrough`` (:mod:`bench.passthrough`, a bare TCP splice on uvloop: the floor,
+what plain Python costs to relay a stream). On a 2-core machine each relay is pinned to core 0;
+the upstream and this load generator share core 1 in every mode, so "direct" carries the same
+client and upstream cost and the difference is the relay's. The client asks for no usage, the
+common case and the costlier one for kvtax (it asks vLLM for usage on every chunk and must cut
+it out again).
 
-For 1, 64 and 512 concurrent streams it measures:
+At each concurrency (1, 64 and 512 streams by default) the run makes R rounds, and each round
+measures every mode once, in an order that rotates from round to round, so that drift and other
+jobs on the machine hit all modes alike. One mode's turn is three measurements:
 
-- a paced run (100 chunks, 10 ms apart, all streams in step like a decode batch): time to first
-  byte p50/p99 and the p99 gap between chunks as the client sees them, reported as the added
-  time over direct;
-- an unpaced run (chunks as fast as the sockets take them): chunks/s the client received, and
-  chunks per CPU-second the relay itself used (from /proc). The relay is pinned to one core, so
-  both are rates on one core; the first is also bounded by the client and upstream on core 1;
-- the relay's peak RSS (kvtax: its process; nginx: master + worker) from /proc.
+- paced: streams of 100 token chunks and ``[DONE]``, 10 ms apart, all streams in step like a
+  decode batch, on connections opened beforehand: time to first byte and the gaps between reads
+  as the client sees them, and the relay's CPU time per event;
+- unpaced: events as fast as the sockets take them: events per CPU-second of the relay;
+- short streams: waves of as many concurrent streams as the concurrency (64 in the targets), of
+  4 events each (3 token chunks and ``[DONE]``), unpaced, each on a new client connection, so
+  that the per-request work (accept, request head, upstream request, response head) dominates:
+  the relay's CPU time per request.
+
+The relay's CPU time is the run time of its processes, all threads, from /proc
+(``task/*/schedstat``, in ns): kvtax's main process (not its parse worker), nginx's master and
+worker, the pass-through. Its RSS is sampled every 50 ms. The report gives the median over the
+rounds of each CPU figure, percentiles of the samples of all rounds pooled, the peak RSS of all
+rounds, then the issue's targets for kvtax against nginx in this run, met or not, with the
+pass-through's figure beside each.
+
+Flags:
+
+- ``--streams N[,N...]``: the concurrencies to run, comma-separated (default 1,64,512). The
+  targets need 64 and 512; a target whose concurrency did not run is reported as not checked.
+- ``--rounds R``: rounds at each concurrency (default 3).
+- ``--quick``: fewer events and requests per measurement: a check that it all works.
+- ``--out FILE``: also write the report to FILE.
+- ``--kvtax-arg FLAG``: one extra flag for ``kvtax serve`` (repeat for several), e.g.
+  ``--kvtax-arg=--scrape.interval=1h``.
 
 Run from the repository root (nginx from Debian's nginx-light), alone on the machine: take the
 end-to-end lock so no vLLM engine competes for the two cores::
 
     flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.relay --out bench/results/relay.md
-    .venv/bin/python -m bench.relay --quick    # fewer chunks
+    .venv/bin/python -m bench.relay --quick --streams 64    # one concurrency, a quick check
 """
 
 from __future__ import annotations
@@ -29,23 +52,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 RELAY_CORE, LOAD_CORE = 0, 1
 CONCURRENCY = (1, 64, 512)
+ROUNDS = 3
 PACED_CHUNKS, PACED_INTERVAL = 100, 0.010
+# Token chunks of a short stream: with [DONE], 4 events.
+SHORT_CHUNKS = 3
+MODES = ("direct", "kvtax", "nginx", "passthrough")
+RELAYS = MODES[1:]
 NGINX_CONF = """
 daemon off;
 worker_processes 1;
@@ -118,13 +148,15 @@ def _rss_kib(pids: list[int]) -> int:
 
 
 def _cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of the processes, from /proc/<pid>/stat."""
-    ticks = 0
+    """Run time of the processes' threads, from /proc/<pid>/task/*/schedstat (ns, where
+    /proc/<pid>/stat counts 10 ms ticks: too coarse for nginx's few hundred ms a turn)."""
+    ns = 0
     for pid in pids:
         with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    ns += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+    return ns / 1e9
 
 
 def _children(pid: int) -> list[int]:
@@ -141,21 +173,28 @@ class Relay:
 
 
 @contextlib.contextmanager
-def relays(quick: bool, kvtax_args: tuple[str, ...] = ()) -> Iterator[list[Relay]]:
+def relays(kvtax_args: tuple[str, ...] = ()) -> Iterator[list[Relay]]:
+    """Start the upstream and the three relays; yield the four modes, in MODES' order."""
     work = Path(tempfile.mkdtemp(prefix="kvtax-bench-relay-"))
     procs: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, args: list[str], port: int, core: int) -> subprocess.Popen[bytes]:
+        proc = _spawn(args, core, work / f"{name}.log")
+        procs.append(proc)
+        _wait_port(port, proc, work / f"{name}.log")
+        return proc
+
     try:
         upstream_port = _port()
-        up = _spawn(
+        start(
+            "upstream",
             [sys.executable, "-m", "bench.sse_upstream", f"--port={upstream_port}"],
+            upstream_port,
             LOAD_CORE,
-            work / "upstream.log",
         )
-        procs.append(up)
-        _wait_port(upstream_port, up, work / "upstream.log")
-
         kvtax_port, web_port = _port(), _port()
-        kvtax = _spawn(
+        kvtax = start(
+            "kvtax",
             [
                 sys.executable,
                 "-m",
@@ -167,25 +206,33 @@ def relays(quick: bool, kvtax_args: tuple[str, ...] = ()) -> Iterator[list[Relay
                 "--log.level=warning",
                 *kvtax_args,
             ],
+            kvtax_port,
             RELAY_CORE,
-            work / "kvtax.log",
         )
-        procs.append(kvtax)
-        _wait_port(kvtax_port, kvtax, work / "kvtax.log")
-
         nginx_port = _port()
         (work / "nginx.conf").write_text(
             NGINX_CONF.format(dir=work, upstream=upstream_port, port=nginx_port)
         )
         nginx_bin = shutil.which("nginx") or "/usr/sbin/nginx"
-        nginx = _spawn(
+        nginx = start(
+            "nginx",
             [nginx_bin, "-p", str(work), "-c", str(work / "nginx.conf"), "-e", str(work / "e.log")],
+            nginx_port,
             RELAY_CORE,
-            work / "nginx.log",
         )
-        procs.append(nginx)
-        _wait_port(nginx_port, nginx, work / "nginx.log")
-
+        floor_port = _port()
+        floor = start(
+            "passthrough",
+            [
+                sys.executable,
+                "-m",
+                "bench.passthrough",
+                f"--port={floor_port}",
+                f"--upstream-port={upstream_port}",
+            ],
+            floor_port,
+            RELAY_CORE,
+        )
         yield [
             Relay("direct", f"http://127.0.0.1:{upstream_port}", lambda: []),
             Relay("kvtax", f"http://127.0.0.1:{kvtax_port}", lambda: [kvtax.pid]),
@@ -194,6 +241,7 @@ def relays(quick: bool, kvtax_args: tuple[str, ...] = ()) -> Iterator[list[Relay
                 f"http://127.0.0.1:{nginx_port}",
                 lambda: [nginx.pid, *_children(nginx.pid)],
             ),
+            Relay("passthrough", f"http://127.0.0.1:{floor_port}", lambda: [floor.pid]),
         ]
     finally:
         for proc in reversed(procs):
@@ -210,12 +258,14 @@ def relays(quick: bool, kvtax_args: tuple[str, ...] = ()) -> Iterator[list[Relay
 class StreamStats:
     ttfb: float
     gaps: list[float]
-    chunks: int
+    events: int
 
 
 async def _stream(
     session: aiohttp.ClientSession, url: str, chunks: int, interval: float
 ) -> StreamStats:
+    """One streamed completion of ``chunks`` token chunks; the gaps between reads are kept
+    for paced streams only (an unpaced stream's reads are back to back)."""
     body = {
         "model": "bench",
         "prompt": "x",
@@ -232,13 +282,14 @@ async def _stream(
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, resp.status
         async for data in resp.content.iter_any():
-            now = time.perf_counter()
             if last is None:
-                ttfb = now - started
-            else:
+                last = time.perf_counter()
+                ttfb = last - started
+            elif interval:
+                now = time.perf_counter()
                 gaps.append(now - last)
-            last = now
-            joined = tail + data
+                last = now
+            joined = tail + data if tail else data
             events += joined.count(b"\n\n")
             tail = b"\n" if joined.endswith(b"\n") and not joined.endswith(b"\n\n") else b""
     # Every token chunk and [DONE] arrived: the relay lost nothing.
@@ -246,17 +297,12 @@ async def _stream(
     return StreamStats(ttfb, gaps, events)
 
 
-async def _run(
-    url: str, streams: int, chunks: int, interval: float
-) -> tuple[list[StreamStats], float]:
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(_stream(session, url, 2, 0.0) for _ in range(min(streams, 8))))
-        started = time.perf_counter()
-        stats = await asyncio.gather(
-            *(_stream(session, url, chunks, interval) for _ in range(streams))
-        )
-        return list(stats), time.perf_counter() - started
+async def _wave(
+    session: aiohttp.ClientSession, url: str, streams: int, chunks: int, interval: float
+) -> list[StreamStats]:
+    return list(
+        await asyncio.gather(*(_stream(session, url, chunks, interval) for _ in range(streams)))
+    )
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -264,150 +310,318 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _sample_rss(relay: Relay, peak: list[int], stop: asyncio.Event) -> None:
+@dataclass
+class Turn:
+    """One mode's measurements in one round, at one concurrency."""
+
+    ttfbs: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    paced_events: int = 0
+    paced_cpu: float = 0.0
+    unpaced_events: int = 0
+    unpaced_cpu: float = 0.0
+    unpaced_wall: float = 0.0
+    short_requests: int = 0
+    short_cpu: float = 0.0
+    rss_kib: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much each measurement of one turn does."""
+
+    paced_waves: int
+    paced_chunks: int
+    unpaced_chunks: int
+    short_waves: int
+
+    @classmethod
+    def of(cls, streams: int, rounds: int, quick: bool) -> Plan:
+        # Paced: at least 64 streams' worth of samples over all rounds, so a p99 means
+        # something at 1 stream too. Unpaced: a budget of events over all rounds.
+        waves = max(3, 64 // streams) // (4 if quick else 1) or 1
+        budget = 60_000 if quick else 200_000
+        requests = 256 if quick else 1024
+        return cls(
+            paced_waves=math.ceil(waves / rounds),
+            paced_chunks=PACED_CHUNKS // (2 if quick else 1),
+            unpaced_chunks=max(100, budget // rounds // streams),
+            short_waves=max(2, requests // streams),
+        )
+
+
+async def _sample_rss(relay: Relay, turn: Turn, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        peak[0] = max(peak[0], _rss_kib(relay.pids()))
+        turn.rss_kib = max(turn.rss_kib, _rss_kib(relay.pids()))
         await asyncio.sleep(0.05)
 
 
-async def measure(relay: Relay, streams: int, quick: bool) -> dict[str, float]:
-    peak = [_rss_kib(relay.pids())]
-    idle = peak[0]
+async def measure(relay: Relay, streams: int, plan: Plan) -> Turn:
+    turn = Turn()
     stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample_rss(relay, peak, stop))
-    paced: list[StreamStats] = []
-    paced_cpu_before = _cpu_seconds(relay.pids())
-    # At least 64 streams' worth of samples, so a p99 means something at 1 stream too.
-    for _ in range(max(3, 64 // streams) // (4 if quick else 1) or 1):
-        stats, _ = await _run(
-            relay.url, streams, PACED_CHUNKS // (2 if quick else 1), PACED_INTERVAL
+    sampler = asyncio.create_task(_sample_rss(relay, turn, stop))
+
+    def cpu() -> float:
+        return _cpu_seconds(relay.pids())
+
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            # Open the streams' connections (and the relay's upstream ones) beforehand: the
+            # paced and unpaced runs measure the streams, the short run the connections.
+            await _wave(session, relay.url, streams, 2, 0.0)
+            before = cpu()
+            for _ in range(plan.paced_waves):
+                for s in await _wave(
+                    session, relay.url, streams, plan.paced_chunks, PACED_INTERVAL
+                ):
+                    turn.ttfbs.append(s.ttfb)
+                    turn.gaps += s.gaps
+                    turn.paced_events += s.events
+            turn.paced_cpu = cpu() - before
+            before, started = cpu(), time.perf_counter()
+            unpaced = await _wave(session, relay.url, streams, plan.unpaced_chunks, 0.0)
+            turn.unpaced_cpu, turn.unpaced_wall = cpu() - before, time.perf_counter() - started
+            turn.unpaced_events = sum(s.events for s in unpaced)
+        # A new connection for every request: force_close closes each after its response.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            before = cpu()
+            for _ in range(plan.short_waves):
+                await _wave(session, relay.url, streams, SHORT_CHUNKS, 0.0)
+            turn.short_cpu = cpu() - before
+            turn.short_requests = plan.short_waves * streams
+    finally:
+        stop.set()
+        await sampler
+    return turn
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One mode at one concurrency over all rounds: CPU figures are medians of the rounds'
+    (their spread in ``*_rounds``), percentiles are of all rounds' samples pooled."""
+
+    cpu_us_per_event: float
+    cpu_ms_per_request: float
+    events_per_cpu_s: float
+    events_per_s: float
+    ttfb_p50: float
+    ttfb_p99: float
+    gap_p99: float
+    rss_mib: float
+    cpu_us_per_event_rounds: tuple[float, ...]
+    cpu_ms_per_request_rounds: tuple[float, ...]
+    events_per_cpu_s_rounds: tuple[float, ...]
+
+    @classmethod
+    def of(cls, turns: list[Turn]) -> Figures:
+        def per(num: float, den: float) -> float:
+            return num / den if den > 0 else math.nan
+
+        us = tuple(per(t.paced_cpu * 1e6, t.paced_events) for t in turns)
+        ms = tuple(per(t.short_cpu * 1e3, t.short_requests) for t in turns)
+        rate = tuple(per(t.unpaced_events, t.unpaced_cpu) for t in turns)
+        ttfbs = [x for t in turns for x in t.ttfbs]
+        gaps = [x for t in turns for x in t.gaps]
+        return cls(
+            cpu_us_per_event=statistics.median(us),
+            cpu_ms_per_request=statistics.median(ms),
+            events_per_cpu_s=statistics.median(rate),
+            events_per_s=statistics.median(per(t.unpaced_events, t.unpaced_wall) for t in turns),
+            ttfb_p50=_pct(ttfbs, 0.5),
+            ttfb_p99=_pct(ttfbs, 0.99),
+            gap_p99=_pct(gaps, 0.99),
+            rss_mib=max(t.rss_kib for t in turns) / 1024,
+            cpu_us_per_event_rounds=us,
+            cpu_ms_per_request_rounds=ms,
+            events_per_cpu_s_rounds=rate,
         )
-        paced += stats
-    paced_cpu = _cpu_seconds(relay.pids()) - paced_cpu_before
-    budget = 60_000 if quick else 200_000
-    fast_chunks = max(100, budget // streams)
-    cpu_before = _cpu_seconds(relay.pids())
-    unpaced, wall = await _run(relay.url, streams, fast_chunks, 0.0)
-    cpu = _cpu_seconds(relay.pids()) - cpu_before
-    stop.set()
-    await sampler
-    ttfbs = [s.ttfb for s in paced]
-    gaps = [g for s in paced for g in s.gaps]
-    return {
-        "ttfb_p50": _pct(ttfbs, 0.5),
-        "ttfb_p99": _pct(ttfbs, 0.99),
-        "gap_p50": _pct(gaps, 0.5),
-        "gap_p99": _pct(gaps, 0.99),
-        # Paced chunks arrive one per read, so each costs a full read-parse-write cycle.
-        "paced_chunks_per_cpu_s": (
-            sum(s.chunks for s in paced) / paced_cpu if paced_cpu > 0 else float("nan")
-        ),
-        "chunks_per_s": sum(s.chunks for s in unpaced) / wall,
-        # Chunks per second of the relay's own CPU time: its rate on one fully busy core.
-        "chunks_per_cpu_s": sum(s.chunks for s in unpaced) / cpu if cpu > 0 else float("nan"),
-        "rss_mib": peak[0] / 1024,
-        "rss_idle_mib": idle / 1024,
-    }
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:+.2f}"
+Results = dict[tuple[str, int], Figures]
 
 
-def _cpu_us(r: dict[str, float]) -> float:
-    """Relay CPU time per chunk in the paced run, in microseconds: the cost of one relayed
-    chunk when every chunk is its own read and write, as in a decoding batch."""
-    return 1e6 / r["paced_chunks_per_cpu_s"]
+def _added(results: Results, name: str, streams: int, key: str) -> float:
+    """The mode's figure minus direct's at the same concurrency, in ms."""
+    mode, base = results[(name, streams)], results[("direct", streams)]
+    return float(getattr(mode, key) - getattr(base, key)) * 1000
 
 
-def report(results: dict[tuple[str, int], dict[str, float]]) -> str:
+def _spread(values: tuple[float, ...], fmt: str) -> str:
+    return "/".join(format(v, fmt) for v in values)
+
+
+def report(results: Results, rounds: int) -> str:
     ran = sorted({s for _, s in results})
     lines = [
-        "| streams | relay | added TTFB p50 ms | added TTFB p99 ms | added gap p99 ms "
-        "| CPU µs per chunk (paced) | x nginx | chunks/s received (unpaced) "
-        "| chunks per relay CPU-s (unpaced) | relay RSS peak MiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"Medians of {rounds} interleaved rounds; percentiles of all rounds' samples pooled.",
+        "",
+        "| streams | relay | CPU µs per event (paced) | x nginx "
+        "| CPU ms per request (short) | x nginx | events per relay CPU-s (unpaced) | x nginx "
+        "| added TTFB p50 ms | added TTFB p99 ms | added gap p99 ms | RSS peak MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for streams in ran:
-        base, nginx = results[("direct", streams)], results[("nginx", streams)]
-        for name in ("direct", "kvtax", "nginx"):
+        nginx = results[("nginx", streams)]
+        for name in RELAYS:
             r = results[(name, streams)]
-            relay = name != "direct"
-            rss = f"{r['rss_mib']:.1f}" if relay else "-"
-            per_cpu = f"{r['chunks_per_cpu_s']:,.0f}" if relay else "-"
-            cpu_us = f"{_cpu_us(r):.1f}" if relay else "-"
-            ratio = f"{_cpu_us(r) / _cpu_us(nginx):.2f}" if relay else "-"
             lines.append(
-                f"| {streams} | {name} | {_ms(r['ttfb_p50'] - base['ttfb_p50'])} "
-                f"| {_ms(r['ttfb_p99'] - base['ttfb_p99'])} "
-                f"| {_ms(r['gap_p99'] - base['gap_p99'])} | {cpu_us} | {ratio} "
-                f"| {r['chunks_per_s']:,.0f} | {per_cpu} | {rss} |"
+                f"| {streams} | {name} | {r.cpu_us_per_event:.1f} "
+                f"| {r.cpu_us_per_event / nginx.cpu_us_per_event:.2f} "
+                f"| {r.cpu_ms_per_request:.3f} "
+                f"| {r.cpu_ms_per_request / nginx.cpu_ms_per_request:.2f} "
+                f"| {r.events_per_cpu_s:,.0f} | {r.events_per_cpu_s / nginx.events_per_cpu_s:.2f} "
+                f"| {_added(results, name, streams, 'ttfb_p50'):+.2f} "
+                f"| {_added(results, name, streams, 'ttfb_p99'):+.2f} "
+                f"| {_added(results, name, streams, 'gap_p99'):+.2f} | {r.rss_mib:.1f} |"
             )
-    lines.append("")
-    lines.append(
-        "Direct baselines (absolute): "
-        + "; ".join(
-            f"{s} streams: TTFB p50 {results[('direct', s)]['ttfb_p50'] * 1000:.2f} ms, "
-            f"gap p99 {results[('direct', s)]['gap_p99'] * 1000:.2f} ms"
-            for s in ran
+    lines += ["", "Direct (absolute):"]
+    for streams in ran:
+        d = results[("direct", streams)]
+        lines.append(
+            f"- {streams} streams: TTFB p50 {d.ttfb_p50 * 1000:.2f} ms, "
+            f"p99 {d.ttfb_p99 * 1000:.2f} ms, gap p99 {d.gap_p99 * 1000:.2f} ms, "
+            f"{d.events_per_s:,.0f} events/s received (unpaced)"
         )
-    )
+    lines += ["", "Per round (CPU µs per event / ms per request / events per CPU-s):"]
+    for streams in ran:
+        for name in RELAYS:
+            r = results[(name, streams)]
+            lines.append(
+                f"- {streams} {name}: {_spread(r.cpu_us_per_event_rounds, '.1f')}; "
+                f"{_spread(r.cpu_ms_per_request_rounds, '.3f')}; "
+                f"{_spread(r.events_per_cpu_s_rounds, ',.0f')}"
+            )
     return "\n".join([*lines, "", *_targets(results, ran)])
 
 
-def _targets(results: dict[tuple[str, int], dict[str, float]], ran: list[int]) -> list[str]:
-    """The issue's targets, for the concurrencies that ran."""
+@dataclass(frozen=True)
+class Target:
+    """One of the issue's targets for kvtax: a figure at a concurrency, and its limit."""
 
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "NOT met"
+    streams: int
+    what: str
+    key: str  # a Figures field
+    against: str  # "nginx": a ratio to nginx's; "direct": added ms over direct's; "": as is
+    limit: float
+    at_least: bool = False
 
-    def added(streams: int, key: str) -> float:
-        return (results[("kvtax", streams)][key] - results[("direct", streams)][key]) * 1000
+    def value(self, results: Results, name: str) -> float:
+        figure = float(getattr(results[(name, self.streams)], self.key))
+        if self.against == "nginx":
+            return figure / float(getattr(results[("nginx", self.streams)], self.key))
+        if self.against == "direct":
+            return _added(results, name, self.streams, self.key)
+        return figure
 
-    out = ["Targets (kvtax, side by side with nginx on the same upstream):"]
-    if 64 in ran:
-        ttfb, gap = added(64, "ttfb_p50"), added(64, "gap_p99")
-        ratio = _cpu_us(results[("kvtax", 64)]) / _cpu_us(results[("nginx", 64)])
-        out += [
-            f"- 64 streams, added TTFB p50 <= 5 ms: {ttfb:+.2f} ms, {verdict(ttfb <= 5)}",
-            f"- 64 streams, added p99 gap <= 1 ms: {gap:+.2f} ms, {verdict(gap <= 1)}",
-            f"- 64 streams, CPU per chunk <= 1.5x nginx: {ratio:.2f}x, {verdict(ratio <= 1.5)}",
-        ]
-    if 512 in ran:
-        gap = added(512, "gap_p99")
-        rss = results[("kvtax", 512)]["rss_mib"] * 1.048576
-        out += [
-            f"- 512 streams, added p99 gap <= 5 ms: {gap:+.2f} ms, {verdict(gap <= 5)}",
-            f"- RSS < 150 MB at 512 streams: {rss:.1f} MB, {verdict(rss < 150)}",
-        ]
+    def line(self, results: Results) -> str:
+        unit = {"nginx": "x", "direct": " ms", "": " MiB"}[self.against]
+        fmt = "+.2f" if self.against == "direct" else ".2f"
+        kvtax, floor = self.value(results, "kvtax"), self.value(results, "passthrough")
+        met = kvtax >= self.limit if self.at_least else kvtax <= self.limit
+        return (
+            f"- {self.streams} {self.what} {'>=' if self.at_least else '<='} {self.limit:g}"
+            f"{unit}{' nginx' if self.against == 'nginx' else ''}: kvtax {kvtax:{fmt}}{unit} "
+            f"(pass-through {floor:{fmt}}{unit}): **{'met' if met else 'NOT met'}**"
+        )
+
+
+TARGETS = (
+    Target(64, "paced streams, CPU per event", "cpu_us_per_event", "nginx", 1.3),
+    Target(64, "paced streams, added TTFB p50", "ttfb_p50", "direct", 5),
+    Target(64, "paced streams, added TTFB p99", "ttfb_p99", "direct", 15),
+    Target(64, "paced streams, added p99 gap", "gap_p99", "direct", 1),
+    Target(64, "short streams (4 events), CPU per request", "cpu_ms_per_request", "nginx", 1.5),
+    Target(64, "unpaced streams, events per CPU-s", "events_per_cpu_s", "nginx", 0.8, True),
+    Target(512, "paced streams, added p99 gap", "gap_p99", "direct", 5),
+    Target(512, "paced streams, added TTFB p99", "ttfb_p99", "direct", 50),
+    Target(512, "paced streams, RSS peak", "rss_mib", "", 128),
+)
+
+
+def _targets(results: Results, ran: list[int]) -> list[str]:
+    """The issue's targets, kvtax against nginx in this same run, the floor beside."""
+    out = ["## Targets", ""]
+    for target in TARGETS:
+        if target.streams in ran:
+            out.append(target.line(results))
+        else:
+            out.append(
+                f"- {target.streams} {target.what}: not checked, {target.streams} did not run"
+            )
     return out
 
 
 async def main_async(
-    quick: bool, concurrency: tuple[int, ...] = CONCURRENCY, kvtax_args: tuple[str, ...] = ()
+    quick: bool,
+    concurrency: tuple[int, ...] = CONCURRENCY,
+    kvtax_args: tuple[str, ...] = (),
+    rounds: int = ROUNDS,
 ) -> str:
-    results: dict[tuple[str, int], dict[str, float]] = {}
-    with relays(quick, kvtax_args) as modes:
-        for streams in concurrency:
-            # Interleave the modes at each concurrency so drift hits all three alike.
-            for relay in modes:
-                results[(relay.name, streams)] = await measure(relay, streams, quick)
-                print(
-                    f"{relay.name:6} {streams:4} streams: {results[(relay.name, streams)]}",
-                    file=sys.stderr,
-                )
-    return report(results)
+    turns: dict[tuple[str, int], list[Turn]] = {}
+    with relays(kvtax_args) as modes:
+        for streams in sorted(concurrency):
+            plan = Plan.of(streams, rounds, quick)
+            for r in range(rounds):
+                # Rotate the order each round, so that no mode always follows the same one.
+                for relay in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                    turn = await measure(relay, streams, plan)
+                    turns.setdefault((relay.name, streams), []).append(turn)
+                    one = Figures.of([turn])
+                    cost = (
+                        f"{one.cpu_us_per_event:.1f} µs/event paced, "
+                        f"{one.cpu_ms_per_request:.3f} ms/request short, "
+                        f"{one.events_per_cpu_s:,.0f} events/CPU-s unpaced, "
+                        f"RSS {one.rss_mib:.1f} MiB, "
+                        if relay.name != "direct"
+                        else ""
+                    )
+                    print(
+                        f"round {r + 1}/{rounds}, {streams} streams, {relay.name}: {cost}"
+                        f"TTFB p50 {one.ttfb_p50 * 1000:.2f} ms, "
+                        f"gap p99 {one.gap_p99 * 1000:.2f} ms",
+                        file=sys.stderr,
+                    )
+    return report({key: Figures.of(ts) for key, ts in turns.items()}, rounds)
+
+
+def _concurrencies(value: str) -> tuple[int, ...]:
+    streams = tuple(int(x) for x in value.split(","))
+    if not streams or min(streams) < 1:
+        raise argparse.ArgumentTypeError(f"concurrencies must be positive integers: {value!r}")
+    return streams
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value!r}")
+    return n
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, help="Also write the table to this file.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="Fewer events and requests per measurement: a check that the run works.",
+    )
+    parser.add_argument("--out", type=Path, help="Also write the report to this file.")
     parser.add_argument(
         "--streams",
-        type=lambda v: tuple(int(x) for x in v.split(",")),
+        type=_concurrencies,
         default=CONCURRENCY,
-        help="Concurrencies to run, comma-separated (default 1,64,512; the report needs all).",
+        help="Concurrencies to run, comma-separated (default 1,64,512; the targets need 64 "
+        "and 512).",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_positive,
+        default=ROUNDS,
+        help=f"Rounds at each concurrency, each measuring every mode once in a rotating order "
+        f"(default {ROUNDS}).",
     )
     parser.add_argument(
         "--kvtax-arg",
@@ -419,7 +633,7 @@ def main() -> None:
     args = parser.parse_args()
     _more_files()
     os.sched_setaffinity(0, {LOAD_CORE})
-    table = asyncio.run(main_async(args.quick, args.streams, tuple(args.kvtax_arg)))
+    table = asyncio.run(main_async(args.quick, args.streams, tuple(args.kvtax_arg), args.rounds))
     print(table)
     if args.out:
         args.out.write_text(table + "\n")
