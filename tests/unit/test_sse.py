@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
@@ -176,3 +177,67 @@ def test_usage_that_is_not_a_usage_object_is_counted_as_unparsed() -> None:
     assert out == bad + b"data: [DONE]\n\n"  # passed untouched
     assert rw.unparsed == 1
     assert rw.usage_lines == 0
+
+
+def _state(rw: StreamRewriter) -> tuple[object, ...]:
+    return (
+        rw.completion_tokens,
+        rw.upstream_completion_tokens,
+        rw.prompt_tokens,
+        rw.final_completion_tokens,
+        rw.usage_lines,
+        rw.unparsed,
+        rw.done,
+    )
+
+
+def _random_stream(rng: random.Random) -> list[bytes]:
+    """A stream of 1-2 choices in vLLM's shapes, with a few foreign ones, cut into reads."""
+    events: list[bytes] = []
+    counts = [0, 0]
+    for _ in range(rng.randint(1, 12)):
+        choice = rng.randint(0, 1)
+        counts[choice] += rng.randint(1, 3)
+        shape = rng.random()
+        if shape < 0.75:
+            events.append(_chunk("t", counts[choice], index=choice))
+        elif shape < 0.85:  # another key order: not vLLM's compact usage
+            events.append(
+                b'data: {"id":"c","usage":{"completion_tokens":%d,"prompt_tokens":4},'
+                b'"choices":[{"index":%d,"text":"x"}]}\n\n' % (counts[choice], choice)
+            )
+        elif shape < 0.92:
+            events.append(b": keep-alive comment\n\n")
+        else:
+            events.append(_chunk("!", counts[choice], finish="stop", index=choice))
+    events += [_final(sum(counts)), b"data: [DONE]\n\n"]
+    body = b"".join(events)
+    reads: list[bytes] = []
+    while body:  # reads cut at event ends mostly, anywhere sometimes
+        if rng.random() < 0.7:
+            ends = max(1, rng.randint(1, 3) * len(events[0]))
+            cut = body.find(b"\n\n", min(ends, len(body) - 1))
+            cut = len(body) if cut < 0 else cut + 2
+        else:
+            cut = rng.randint(1, len(body))
+        reads.append(body[:cut])
+        body = body[cut:]
+    return reads
+
+
+@pytest.mark.parametrize(
+    "wish", [UsageWish(), UsageWish(include_usage=True), UsageWish(True, True)], ids=str
+)
+def test_whole_events_in_one_pass_give_what_the_line_path_gives(
+    wish: UsageWish, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The one-pass path for reads of whole vLLM events must change nothing but the cost: the
+    # same bytes to the client and the same counts as line by line, on any stream and any cuts.
+    rng = random.Random(20261201)
+    streams = [_random_stream(rng) for _ in range(400)]
+    fast = [_run(wish, reads) for reads in streams]
+    monkeypatch.setattr(StreamRewriter, "_whole_events", lambda self, data: None)
+    slow = [_run(wish, reads) for reads in streams]
+    for (fast_out, fast_rw), (slow_out, slow_rw) in zip(fast, slow, strict=True):
+        assert fast_out == slow_out
+        assert _state(fast_rw) == _state(slow_rw)

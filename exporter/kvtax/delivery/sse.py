@@ -52,6 +52,7 @@ _VLLM_USAGE = re.compile(
 _TERMINAL = b'"finish_reason":"'
 _FINGERPRINT = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*")')
 _NL = b"\n"
+_EVENT_END = b"\n\n"
 
 # A data line of vLLM's is a few hundred bytes; one this long is not worth holding to trim.
 MAX_LINE = 256 * 1024
@@ -172,6 +173,9 @@ class StreamRewriter:
         return max(sum(self._seen.values()), self.final_completion_tokens or 0)
 
     def feed(self, data: bytes) -> Relayed:
+        whole = self._whole_events(data)
+        if whole is not None:
+            return whole
         out: list[bytes] = []
         if self._raw:
             data = self._pass_raw(data, out)
@@ -189,6 +193,46 @@ class StreamRewriter:
             if end + 1 < len(data):
                 self._hold(data[end + 1 :], out)
         return Relayed(b"".join(out), self.completion_tokens)
+
+    def _whole_events(self, data: bytes) -> Relayed | None:
+        """The common read, taken in one pass: whole ordinary events (each a data line whose
+        last key is vLLM's own usage, then a blank line) with nothing held. None, before any
+        state changed, sends anything else through the line-by-line path below, which gives the
+        same result for such events."""
+        if self._buffer or self._raw or self._held or self._skip_blank:
+            return None
+        events = data.split(_EVENT_END)
+        if events.pop() or not events:  # bytes after the last event's end, or no event
+            return None
+        wish = self.wish
+        keep_terminal = wish.continuous or wish.include_usage
+        cuts: list[tuple[int, int, int, int, bytes]] = []
+        for event in events:
+            end = len(event) - 1  # the event's closing brace
+            if not event.startswith(_DATA) or _NL in event:
+                return None
+            start = event.rfind(_USAGE_KEY, 0, end)
+            exact = _VLLM_USAGE.match(event, start) if start >= 0 else None
+            if exact is None or exact.end() != end:
+                return None
+            choices = _CHOICES.search(event, 0, start)
+            if choices is None or choices.group(2) is None:
+                return None  # the usage-only chunk, or choices in another shape
+            if not keep_terminal and event.find(_TERMINAL, choices.end(), start) >= 0:
+                return None  # a terminal chunk waits for the fingerprint
+            cuts.append((start, end, int(exact.group(2)), int(exact.group(1)), choices.group(2)))
+        out: list[bytes] = []
+        emitted = self._emitted
+        for event, (start, end, tokens, prompt, index) in zip(events, cuts, strict=True):
+            choice = int(index)
+            self.usage_lines += 1
+            self.prompt_tokens = max(self.prompt_tokens, prompt)
+            self._seen[choice] = tokens
+            emitted[choice] = tokens
+            if not wish.continuous:
+                out += (event[:start], event[end:], _EVENT_END)
+        self.completion_tokens = sum(emitted.values())
+        return Relayed(data if wish.continuous else b"".join(out), self.completion_tokens)
 
     def finish(self) -> Relayed:
         """End of the upstream stream: release held lines and any unterminated tail."""
