@@ -89,7 +89,7 @@ from importlib.util import find_spec
 # The same parts tests/unit/test_wheel_contents.py refuses in the wheel.
 harness = {"kvtax_dev", "testbed", "demo", "preview", "promapi"}
 modules = [f.as_posix() for f in files("kvtax") or [] if f.suffix == ".py"]
-assert "kvtax/serve/proxy.py" in modules, "the kvtax distribution lists no runtime modules"
+assert "kvtax/serve/proxy/proxy.py" in modules, "the kvtax distribution lists no runtime modules"
 found = [m for m in modules if harness & set(m.removesuffix(".py").split("/"))]
 assert not found, f"harness modules installed: {found}"
 assert find_spec("kvtax_dev") is None, "kvtax_dev is importable from the image's venv"

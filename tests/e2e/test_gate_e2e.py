@@ -121,9 +121,11 @@ async def _scenario(engine: VllmEngine, kvtax: KvtaxProcess) -> dict[str, Any]:
         if scrapes >= SETTLE_SCRAPES + QUIET_SCRAPES:
             break
         await asyncio.sleep(0.5)
-    final = await asyncio.to_thread(kvtax.metrics)
     stop.set()
     await asyncio.gather(*clients)
+    # Read once every client has stopped, so the gate's counters and the clients' tallies
+    # cover the same requests (a 429 answered between the two would miss one side).
+    final = await asyncio.to_thread(kvtax.metrics)
     return {
         "thrash": thrash,
         "direct": direct,
