@@ -242,6 +242,10 @@ class ClientConnection(asyncio.Protocol):
             self.read_paused = True
             assert self.transport is not None
             self.transport.pause_reading()
+        self._start()
+
+    def _start(self) -> None:
+        """Run the queue's task, unless it runs already."""
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._serve())
 
@@ -280,8 +284,7 @@ class ClientConnection(asyncio.Protocol):
         if self.current is request:
             self.current = None
         self.queue.append(request)
-        if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._serve())
+        self._start()
         self._stop_reading()
 
     def _count_head(self, nbytes: int, line: int, what: str) -> None:
@@ -308,8 +311,7 @@ class ClientConnection(asyncio.Protocol):
         if request not in self.queue:
             self.queue.append(request)
         self._stop_reading()
-        if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._serve())
+        self._start()
 
     def _stop_reading(self) -> None:
         if self.transport is not None and not self.read_paused:

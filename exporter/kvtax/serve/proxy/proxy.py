@@ -68,7 +68,15 @@ from kvtax.serve.proxy.upstream import (
     UpstreamBroke,
     UpstreamConnection,
 )
-from kvtax.serve.proxy.wire import Answer, Framing, forwarded, header, request_head, response_head
+from kvtax.serve.proxy.wire import (
+    Answer,
+    Framing,
+    content_length,
+    forwarded,
+    header,
+    request_head,
+    response_head,
+)
 
 __all__ = ["ACCOUNTED_PATHS", "UPSTREAM_IDLE", "Proxy", "ProxySettings"]
 
@@ -465,10 +473,10 @@ class Proxy:
 
 
 def _length(conn: UpstreamConnection) -> int | None:
-    value = header(conn.headers, b"content-length")
-    if value is None or header(conn.headers, b"transfer-encoding") is not None:
+    """vLLM's Content-Length, unless chunks delimit the body."""
+    if header(conn.headers, b"transfer-encoding") is not None:
         return None
-    return int(value) if value.strip().isdigit() else None
+    return content_length(conn.headers)
 
 
 def _is_sse(conn: UpstreamConnection) -> bool:

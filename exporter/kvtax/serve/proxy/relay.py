@@ -38,7 +38,7 @@ from kvtax.serve.proxy.acks import AckTracker
 from kvtax.serve.proxy.answers import SHUTTING_DOWN
 from kvtax.serve.proxy.client import ClientConnection
 from kvtax.serve.proxy.exchange import Exchange, Phase
-from kvtax.serve.proxy.wire import LAST_CHUNK, Framing
+from kvtax.serve.proxy.wire import LAST_CHUNK, Framing, chunk
 
 __all__ = ["BodySink", "PlainSink", "RelaySettings", "StreamSink"]
 
@@ -78,7 +78,7 @@ class _Sink:
     def _send(self, payload: bytes) -> int:
         """Queue ``payload`` framed; the bytes it puts on the wire."""
         if self.chunked:
-            payload = b"%x\r\n%b\r\n" % (len(payload), payload)
+            payload = chunk(payload)
         self._out.append(payload)
         return len(payload)
 
