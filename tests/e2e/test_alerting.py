@@ -24,6 +24,7 @@ from kvtax.rules import TEST_PROFILE, per_pod
 from kvtax.rules.alertmanager import alertmanager_config
 from kvtax.rules.recording import METHOD_PREFERENCE
 from kvtax.rules.render import alerts_yaml, dump, recording_yaml
+from kvtax.serve.values import parse_duration
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import RequestResult, drive
 from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
@@ -90,6 +91,9 @@ def test_preemption_alert_reaches_the_webhook(vllm_engine: VllmEngine, tmp_path:
                 load.start()
                 try:
                     received, tax_seen, series_per_poll = _wait_for_alert(hook, prom)
+                    # The tax is a ratio of rates over the window: its first positive sample
+                    # can trail the alert, which reads vLLM's own counter directly.
+                    _watch_tax(prom, load, tax_seen, series_per_poll)
                 finally:
                     load.join(HANG_GUARD_S)
                 assert not load.is_alive(), "the overload did not finish"
@@ -151,6 +155,34 @@ def _preemptions_after(engine: VllmEngine) -> float:
     )
 
 
+def _poll_tax(
+    prom: PrometheusProcess, tax_seen: list[tuple[dict[str, str], float]], series: list[int]
+) -> None:
+    taxes = prom.query(TAX)
+    series.append(len(taxes))
+    tax_seen += [(r["metric"], float(r["value"][1])) for r in taxes if float(r["value"][1]) > 0]
+
+
+def _watch_tax(
+    prom: PrometheusProcess,
+    load: threading.Thread,
+    tax_seen: list[tuple[dict[str, str], float]],
+    series: list[int],
+) -> None:
+    """Poll the tax record until it shows recompute, or until the overload ended and one rate
+    window more has passed (after that, no recompute of this load can still enter it)."""
+    window_s = parse_duration(TEST_PROFILE.rate_window)
+    ended: float | None = None
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not tax_seen and time.monotonic() < deadline:
+        _poll_tax(prom, tax_seen, series)
+        if ended is None and not load.is_alive():
+            ended = time.monotonic()
+        if ended is not None and time.monotonic() - ended > window_s:
+            return
+        time.sleep(0.5)
+
+
 def _wait_for_alert(
     hook: WebhookReceiver, prom: PrometheusProcess
 ) -> tuple[list[Notification], list[tuple[dict[str, str], float]], list[int]]:
@@ -160,9 +192,7 @@ def _wait_for_alert(
     series_per_poll = [0]
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
-        taxes = prom.query(TAX)
-        series_per_poll.append(len(taxes))
-        tax_seen += [(r["metric"], float(r["value"][1])) for r in taxes if float(r["value"][1]) > 0]
+        _poll_tax(prom, tax_seen, series_per_poll)
         received = hook.received
         if _preempting(received):
             return received, tax_seen, series_per_poll
