@@ -136,6 +136,22 @@ def ensure_tiny_model(venv: Path, directory: Path) -> Path:
     return directory
 
 
+ENGINE_STARTS_ENV = "KVTAX_ENGINE_STARTS_LOG"
+
+
+def _record_start(engine: VllmEngine) -> None:
+    """One line per engine start in the file ``$KVTAX_ENGINE_STARTS_LOG`` names, if any:
+    scripts/test counts them for the suite's report. Appended, so engines started by child
+    processes (the demo's) count too."""
+    path = os.environ.get(ENGINE_STARTS_ENV)
+    if not path:
+        return
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(
+            f"{engine.startup_seconds:.1f}s {engine.model_name} {' '.join(engine.extra_args)}\n"
+        )
+
+
 class VllmEngine:
     """A real vLLM OpenAI server on a tiny model with a deliberately small KV pool.
 
@@ -240,6 +256,7 @@ class VllmEngine:
             raise
         self.startup_seconds = time.monotonic() - began
         _progress(f"engine healthy after {self.startup_seconds:.1f} s")
+        _record_start(self)
         return self
 
     def healthy(self) -> bool:
