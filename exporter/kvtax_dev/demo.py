@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dev_env
-from .demo_view import PhaseResult, phase_result, render_status, render_summary
+from .demo_view import PhaseResult, phase_result, render_status, render_summary, window_holds
 from .testbed.engine import VllmEngine
 from .testbed.load import drive
 from .testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
@@ -51,6 +51,8 @@ class Phase:
 PHASES = (Phase("overload", 64, 64, 500), Phase("calm", 4, 8, 200))
 SHORT_PHASES = (Phase("overload", 32, 32, 300), Phase("calm", 2, 4, 100))
 CONFIGURED_MAX_NUM_SEQS = 64
+# kvtax's sliding window: its thrash state and sizing in the live view cover this span.
+WINDOW_S = 20
 PREEMPTION_ALERT = "KvtaxVllmPreempting"
 
 
@@ -105,7 +107,7 @@ def _stack(args: argparse.Namespace) -> Iterator[_Stack]:
             KvtaxProcess(
                 engine.url,
                 proxy=True,
-                window="20s",
+                window=f"{WINDOW_S}s",
                 extra_args=[f"--max-num-seqs={CONFIGURED_MAX_NUM_SEQS}"],
                 log_path=workdir / "kvtax.log",
             )
@@ -201,11 +203,26 @@ def _previews(running: _Stack, since: float, out: Path) -> Path | None:
 
 
 async def _run_phase(
-    kvtax: KvtaxProcess, engine: VllmEngine, phase: Phase, live: _Live
+    kvtax: KvtaxProcess,
+    engine: VllmEngine,
+    phase: Phase,
+    live: _Live,
+    previous: tuple[str, float] | None,
 ) -> tuple[PhaseResult, dict[str, float]]:
+    """Drive one phase with the live view; ``previous`` is the earlier phase's name and the
+    monotonic time its closing counters were read, so the view knows what kvtax's window holds."""
     assert kvtax.proxy_url is not None
     before = await asyncio.to_thread(kvtax.metrics)
     started = time.monotonic()
+
+    def status(now: dict[str, float], elapsed: float) -> list[str]:
+        holds = (
+            window_holds(previous[0], time.monotonic() - previous[1], WINDOW_S)
+            if previous is not None
+            else None
+        )
+        return render_status(phase.name, elapsed, before, now, window_s=WINDOW_S, holds=holds)
+
     load = asyncio.create_task(
         drive(
             kvtax.proxy_url,
@@ -219,7 +236,7 @@ async def _run_phase(
     while not load.done():
         with contextlib.suppress(OSError):  # a missed frame is fine; the next poll catches up
             metrics = await asyncio.to_thread(kvtax.metrics)
-            live.show(render_status(metrics, phase.name, time.monotonic() - started))
+            live.show(status(metrics, time.monotonic() - started))
         await asyncio.wait({load}, timeout=1.0)
     await load
     seconds = time.monotonic() - started
@@ -227,7 +244,7 @@ async def _run_phase(
     # second: let two scrapes land before reading the phase's counters.
     await asyncio.sleep(2.5)
     after = await asyncio.to_thread(kvtax.metrics)
-    live.show(render_status(after, phase.name, seconds))
+    live.show(status(after, seconds))
     live.release()
     return phase_result(phase.name, seconds, before, after), after
 
@@ -242,13 +259,17 @@ def run_demo(args: argparse.Namespace) -> int:
         with _stack(args) as running:
             results = []
             last: dict[str, float] = {}
+            previous: tuple[str, float] | None = None
             for phase in phases:
                 _progress(
                     f"phase {phase.name}: {phase.requests} streams, {phase.concurrency} at "
                     f"a time, {phase.max_tokens} tokens each"
                 )
-                result, last = asyncio.run(_run_phase(running.kvtax, running.engine, phase, live))
+                result, last = asyncio.run(
+                    _run_phase(running.kvtax, running.engine, phase, live, previous)
+                )
                 results.append(result)
+                previous = (phase.name, time.monotonic())
             metrics_url = running.kvtax.metrics_url
             if running.prometheus is not None:
                 _progress("waiting for the preemption alert to reach Alertmanager's receiver")

@@ -2,6 +2,8 @@
 
 Every number comes from kvtax: its counters on ``/metrics``, its window gauges, and the tax
 formula and best-method rule of :mod:`kvtax.figures.derive`. Nothing here is computed twice.
+The live view and the summary show a phase's figures the same way, from counter deltas since the
+phase began; kvtax's sliding-window gauges appear only under the window's own label.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from kvtax.expose.publish import RECOMPUTED_COUNTERS
 from kvtax.figures.derive import best_method, tax_ratio
 from kvtax.figures.recompute import METHODS
 
-__all__ = ["PhaseResult", "phase_result", "render_status", "render_summary"]
+__all__ = ["PhaseResult", "phase_result", "render_status", "render_summary", "window_holds"]
 
 THRASH = {0: "ok", 1: "at risk", 2: "THRASHING"}
 
@@ -49,16 +51,6 @@ def _tax_method(metrics: Mapping[str, float]) -> str:
     totals = {key: _get(metrics, RECOMPUTED_COUNTERS[method]) for method, key in METHODS}
     best = best_method({key: total for key, total in totals.items() if total is not None})
     return best[0] if best is not None else "estimated"
-
-
-def _published_tax(metrics: Mapping[str, float]) -> tuple[float | None, str | None]:
-    """kvtax's own window tax gauge (one series per model) and the method it names."""
-    for key, value in metrics.items():
-        base, _, rest = key.partition("{")
-        if base == "kvtax_preemption_tax_ratio":
-            method = rest.partition('method="')[2].partition('"')[0]
-            return value, method or None
-    return None, None
 
 
 def phase_result(
@@ -96,24 +88,58 @@ def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
     return f"{value:,.{digits}f}{unit}"
 
 
-def render_status(metrics: Mapping[str, float], phase: str, elapsed: float) -> list[str]:
-    """The live view's lines for one poll of kvtax's /metrics."""
-    tax, method = _published_tax(metrics)
-    state = _get(metrics, "kvtax_thrash_state")
-    usage = _get(metrics, "kvtax_kv_cache_usage_ratio")
-    return [
+def window_holds(previous: str | None, since_previous_end: float, window_s: float) -> str | None:
+    """The earlier phase kvtax's sliding window still holds, if any.
+
+    ``since_previous_end`` is the time since the demo last read the previous phase's counters
+    (after its settle): once a whole window has passed since then, the window holds this phase
+    alone, and before the first phase it holds nothing but an idle engine.
+    """
+    if previous is None or since_previous_end >= window_s:
+        return None
+    return previous
+
+
+def render_status(
+    phase: str,
+    elapsed: float,
+    before: Mapping[str, float],
+    now: Mapping[str, float],
+    *,
+    window_s: float,
+    holds: str | None = None,
+) -> list[str]:
+    """The live view's lines for one poll of kvtax's /metrics.
+
+    Each line names the span its figures cover. The phase's own figures come from counter
+    deltas since the phase began, by :func:`phase_result`, exactly as the summary computes
+    them; kvtax's sliding-window judgements (thrash state, recommended ``max_num_seqs``) are
+    labelled with their window, and the thrash state is left out while the window still
+    ``holds`` an earlier phase, so that a calm phase never shows the overload's verdict.
+    """
+    r = phase_result(phase, elapsed, before, now)
+    state = _get(now, "kvtax_thrash_state")
+    usage = _get(now, "kvtax_kv_cache_usage_ratio")
+    rate = None if r.delivered is None or elapsed <= 0 else r.delivered / elapsed
+    # No recompute counter on the page yet (no engine data): no tax, rather than a 0.
+    published = _get(now, RECOMPUTED_COUNTERS[r.method]) is not None
+    tax = f"{r.tax * 100:.1f} % ({r.method})" if published else "-"
+    # While the window still holds an earlier phase, its verdict is that phase's, not this one's.
+    shown = None if holds is not None else state
+    thrash = THRASH.get(int(shown), "?") if shown is not None else "-"
+    lines = [
         f"phase {phase:<9} {elapsed:5.0f}s   vLLM up: "
-        f"{'yes' if _get(metrics, 'kvtax_vllm_up') == 1.0 else 'no'}",
-        f"  goodput          {_fmt(_get(metrics, 'kvtax_goodput_tokens_per_second'), ' tok/s')}"
-        f"   engine generated "
-        f"{_fmt(_get(metrics, 'kvtax_engine_generation_tokens_total'), ' tok')}",
-        f"  preemption tax   {_fmt(None if tax is None else tax * 100, ' %', 1)} ({method or '-'})"
-        f"   KV usage {_fmt(None if usage is None else usage * 100, ' %')}",
-        f"  preemptions      {_fmt(_get(metrics, 'kvtax_engine_preemptions_total'))}"
-        f"   recommended max_num_seqs "
-        f"{_fmt(_get(metrics, 'kvtax_recommended_max_num_seqs'))}"
-        f"   thrash state {THRASH.get(int(state), '?') if state is not None else '-'}",
+        f"{'yes' if _get(now, 'kvtax_vllm_up') == 1.0 else 'no'}"
+        f"   KV usage now {_fmt(None if usage is None else usage * 100, ' %')}",
+        f"  {phase}, last {elapsed:.1f} s: tax {tax}   recomputed {_fmt(r.recomputed, ' tok')}",
+        f"    preemptions {_fmt(r.preemptions)}   generated {_fmt(r.generated, ' tok')}"
+        f"   delivered {_fmt(r.delivered, ' tok')} ({_fmt(rate, ' tok/s')})",
+        f"  kvtax, last {window_s:.0f} s: recommended max_num_seqs "
+        f"{_fmt(_get(now, 'kvtax_recommended_max_num_seqs'))}   thrash state {thrash}",
     ]
+    if holds is not None:
+        lines.append(f"    (the window still holds {holds}: its thrash state is not {phase}'s)")
+    return lines
 
 
 def render_summary(

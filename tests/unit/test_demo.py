@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtax_dev.demo_view import PhaseResult, phase_result, render_status, render_summary
+from kvtax_dev.demo_view import (
+    PhaseResult,
+    phase_result,
+    render_status,
+    render_summary,
+    window_holds,
+)
 
 M = 'model_name="tiny-llama"'
 
@@ -51,19 +57,76 @@ def test_phase_takes_the_stall_estimate_only_when_nothing_better_exists() -> Non
     assert r.tax == pytest.approx(50 / 150)
 
 
-def test_status_lines_show_the_figures_that_exist() -> None:
-    metrics = {
+def _window(tax: float, state: float, **values: float) -> dict[str, float]:
+    """A /metrics page: counters, plus kvtax's sliding-window gauges as given."""
+    return {
+        **_page(**values),
         "kvtax_vllm_up": 1.0,
-        f'kvtax_preemption_tax_ratio{{method="measured",{M}}}': 0.267,
-        f"kvtax_recomputed_tokens_measured_total{{{M}}}": 5.0,
-        f"kvtax_thrash_state{{{M}}}": 2.0,
+        f'kvtax_preemption_tax_ratio{{method="measured",{M}}}': tax,
+        f"kvtax_thrash_state{{{M}}}": state,
         f"kvtax_kv_cache_usage_ratio{{{M}}}": 1.0,
+        f"kvtax_recommended_max_num_seqs{{{M}}}": 3.0,
     }
-    text = "\n".join(render_status(metrics, "overload", 8.0))
-    assert "26.7 % (measured)" in text
-    assert "THRASHING" in text
-    assert "KV usage 100 %" in text
-    assert "goodput          -" in text  # absent, not zero
+
+
+def test_status_lines_show_the_phase_figures_and_label_the_window() -> None:
+    before = _window(0.0, 0.0, gen=0, pc=0, pre=0, rm=0, d=0)
+    now = _window(0.267, 2.0, gen=1000, pc=100, pre=10, rm=400, d=800)
+    text = "\n".join(render_status("overload", 8.0, before, now, window_s=20))
+    assert "overload, last 8.0 s:" in text
+    assert f"tax {400 / 1500 * 100:.1f} % (measured)" in text  # the phase's own, not the gauge
+    assert "preemptions 10" in text
+    assert "delivered 800 tok (100 tok/s)" in text
+    assert "kvtax, last 20 s:" in text
+    assert "thrash state THRASHING" in text  # the window holds this phase only
+    assert "recommended max_num_seqs 3" in text
+    assert "KV usage now 100 %" in text
+
+
+def test_status_shows_absent_figures_as_absent_not_zero() -> None:
+    page = {"kvtax_vllm_up": 0.0}
+    text = "\n".join(render_status("overload", 1.0, page, page, window_s=20))
+    assert "vLLM up: no" in text
+    assert "delivered - (-)" in text
+    assert "KV usage now -" in text
+    assert "tax -" in text
+    assert "thrash state -" in text
+
+
+def test_calm_after_overload_never_shows_the_overloads_tax_or_thrashing() -> None:
+    """Issue 21 item 16: kvtax's window still holds the overload while the calm phase runs."""
+    start = _window(0.0, 0.0, gen=0, pc=0, pre=0, rm=0, d=0)
+    overload_end = _window(0.288, 2.0, gen=32000, pc=1000, pre=224, rm=13416, d=32000)
+    overload = render_status("overload", 14.5, start, overload_end, window_s=20)
+    assert any("THRASHING" in line for line in overload)
+    summary = phase_result("overload", 14.5, start, overload_end)
+    assert f"tax {summary.tax * 100:.1f} %" in "\n".join(overload)  # the screen is the summary
+
+    # The calm phase: its own counters move (no recompute, no preemption) while every
+    # sliding-window gauge still carries the overload, poll after poll.
+    frames = []
+    for i, elapsed in enumerate((1.0, 2.0, 4.5)):
+        now = _window(
+            0.288, 2.0, gen=32000 + 400 * (i + 1), pc=1000 + 50 * (i + 1), pre=224, rm=13416,
+            d=32000 + 400 * (i + 1),
+        )  # fmt: skip
+        holds = window_holds("overload", elapsed, 20)
+        frames.append(render_status("calm", elapsed, overload_end, now, window_s=20, holds=holds))
+        assert phase_result("calm", elapsed, overload_end, now).recomputed == 0
+    for frame in frames:
+        text = "\n".join(frame)
+        assert "THRASHING" not in text
+        assert "tax 0.0 % (measured)" in text
+        assert "28.8" not in text
+        assert "thrash state -" in text
+        assert "the window still holds overload" in text
+
+
+def test_the_window_holds_the_previous_phase_until_a_whole_window_has_passed() -> None:
+    assert window_holds(None, 0.0, 20) is None  # the first phase: nothing before it
+    assert window_holds("overload", 0.0, 20) == "overload"
+    assert window_holds("overload", 19.9, 20) == "overload"
+    assert window_holds("overload", 20.0, 20) is None
 
 
 def test_summary_names_the_recommendation_and_where_things_are() -> None:
