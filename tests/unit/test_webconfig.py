@@ -11,7 +11,6 @@ import base64
 import ssl
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,8 @@ from kvtax.serve.config import ConfigError, load_config
 from kvtax.serve.sidecar import Sidecar
 from kvtax.serve.webconfig import (
     BCRYPT_THREADS,
+    MAX_PENDING,
+    PER_USER_CHECKS,
     VERIFIED_MAX,
     BasicAuth,
     WebSecurity,
@@ -130,6 +131,45 @@ def test_a_bad_file_names_the_key(document: dict[str, Any], named: str) -> None:
     assert named in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "hashed",
+    [
+        "$2y$10$thisisnotavalidbcrypthash",  # the issue's: bcrypt refuses it at every login
+        HASH[:-1],  # cut short by a copy and paste
+        HASH + "x",  # one character too many
+        HASH[:-1] + "z",  # a last character no bcrypt hash ends with
+        HASH[:28] + "z" + HASH[29:],  # a salt bcrypt refuses ("Invalid salt")
+        "$2b$03$" + HASH[7:],  # below bcrypt's lowest cost
+        "$2b$32$" + HASH[7:],  # above its highest
+        "$2b$10$" + "!" * 53,  # not bcrypt's base64
+    ],
+    ids=["issue", "short", "long", "last-char", "salt", "cost-03", "cost-32", "alphabet"],
+)
+def test_a_malformed_bcrypt_hash_is_refused_at_start_naming_the_user(
+    tmp_path: Path, hashed: str
+) -> None:
+    # Protection: accepted, such a hash makes every login of the user a silent 401.
+    path = write(tmp_path, f"basic_auth_users:\n  alice: '{HASH}'\n  bob: '{hashed}'\n")
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    message = str(caught.value)
+    assert "basic_auth_users.bob: user 'bob' has a malformed bcrypt hash" in message
+    assert hashed not in message  # a secret's digest is never quoted
+
+
+def test_every_well_formed_bcrypt_variant_is_accepted(tmp_path: Path) -> None:
+    hashes = {
+        "a": "$2a$" + HASH[4:],
+        "b": "$2b$" + HASH[4:],
+        "y": "$2y$" + HASH[4:],
+        "costly": bcrypt.hashpw(b"x", bcrypt.gensalt(rounds=5)).decode(),
+    }
+    lines = "".join(f"  {user}: '{hashed}'\n" for user, hashed in hashes.items())
+    security = load(write(tmp_path, "basic_auth_users:\n" + lines))
+    assert security.basic_auth is not None
+    assert set(security.basic_auth.users) == set(hashes)
+
+
 def test_a_missing_certificate_names_the_key(tmp_path: Path) -> None:
     path = write(tmp_path, "tls_server_config: {cert_file: nope.crt, key_file: nope.key}\n")
     with pytest.raises(ConfigError, match="cert_file/key_file"):
@@ -200,6 +240,132 @@ async def test_an_unknown_user_costs_the_same_bcrypt_check_and_never_gets_in(
     auth = BasicAuth({"prometheus": HASH.encode()})
     assert not await auth.check(basic("someone", "s3cret"))
     assert asked == [b"s3cret"]
+
+
+async def test_an_unknown_name_is_checked_against_the_costliest_hash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Protection: checked against the first (cheapest) hash, an unknown name is answered
+    # faster than a wrong password of the costly user, and the time tells that name exists.
+    cheap = bcrypt.hashpw(b"a", bcrypt.gensalt(rounds=4))
+    costly = bcrypt.hashpw(b"b", bcrypt.gensalt(rounds=6))
+    checked: list[bytes] = []
+    monkeypatch.setattr(bcrypt, "checkpw", lambda password, hashed: checked.append(hashed))
+    for users in ({"cheap": cheap, "costly": costly}, {"costly": costly, "cheap": cheap}):
+        checked.clear()
+        auth = BasicAuth(users)
+        assert await auth.verdict(basic("nobody", "b")) == "denied"
+        assert await auth.verdict(basic("costly", "wrong")) == "denied"
+        assert checked == [costly, costly]
+
+
+class BlockedBcrypt:
+    """bcrypt.checkpw held until :meth:`release`: every check it was asked for, in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.asked: list[bytes] = []
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        real = bcrypt.checkpw
+
+        def checkpw(password: bytes, hashed: bytes) -> bool:
+            with self.lock:
+                self.asked.append(password)
+            self.gate.wait(timeout=30.0)  # released by the test; the bound only frees a thread
+            return bool(real(password, hashed))
+
+        monkeypatch.setattr(bcrypt, "checkpw", checkpw)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+async def _steps(n: int = 20) -> None:
+    """Let the loop run every task that can go on without a thread's answer."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_guesses_past_the_per_user_bound_are_busy_at_once_and_a_known_login_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Protection: without a bound, 200 guesses queue 200 bcrypt checks and the real user's
+    # login waits behind all of them (56 s on 2 threads); without the remembered check, it
+    # waits for a free thread even then.
+    auth = BasicAuth({"prometheus": HASH.encode(), "other": HASH.encode()})
+    assert await auth.verdict(basic("prometheus", "s3cret")) == "ok"  # verified once
+    blocked = BlockedBcrypt(monkeypatch)
+    try:
+        held = [
+            asyncio.ensure_future(auth.verdict(basic("prometheus", f"guess{n}")))
+            for n in range(PER_USER_CHECKS)
+        ]
+        await _steps()
+        extra = [
+            asyncio.ensure_future(auth.verdict(basic("prometheus", f"more{n}"))) for n in range(200)
+        ]
+        await _steps()
+        assert all(task.done() for task in extra)
+        assert {task.result() for task in extra} == {"busy"}
+        assert not any(task.done() for task in held)
+        # The real user, verified before, is answered from memory: no bcrypt call, no wait.
+        assert await auth.verdict(basic("prometheus", "s3cret")) == "ok"
+        # Another user's login is not refused for the first user's guesses.
+        other = asyncio.ensure_future(auth.verdict(basic("other", "s3cret")))
+        await _steps()
+        assert not other.done()
+        assert len(blocked.asked) <= BCRYPT_THREADS
+    finally:
+        blocked.release()
+    assert [await task for task in held] == ["denied"] * PER_USER_CHECKS
+    assert await other == "ok"
+    assert sorted(blocked.asked) == sorted(
+        [f"guess{n}".encode() for n in range(PER_USER_CHECKS)] + [b"s3cret"]
+    )
+
+
+async def test_pending_checks_of_all_names_together_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Protection: a guesser that varies the name fills no queue past MAX_PENDING either.
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    blocked = BlockedBcrypt(monkeypatch)
+    try:
+        tasks = [
+            asyncio.ensure_future(auth.verdict(basic(f"name{n}", "guess")))
+            for n in range(MAX_PENDING + 50)
+        ]
+        await _steps()
+        busy = [task for task in tasks if task.done()]
+        assert len(busy) == 50
+        assert {task.result() for task in busy} == {"busy"}
+    finally:
+        blocked.release()
+    assert {await task for task in tasks} == {"busy", "denied"}
+    assert len(blocked.asked) == MAX_PENDING
+
+
+async def test_a_busy_login_is_a_429_and_healthz_never_waits(
+    aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = await aiohttp_client(basic_auth_sidecar().web_app())
+    blocked = BlockedBcrypt(monkeypatch)
+    try:
+        guesses = [
+            asyncio.ensure_future(
+                client.get("/metrics", headers={"Authorization": basic("prometheus", f"g{n}")})
+            )
+            for n in range(PER_USER_CHECKS)
+        ]
+        while len(blocked.asked) < min(PER_USER_CHECKS, BCRYPT_THREADS):
+            await asyncio.sleep(0.01)
+        resp = await client.get("/metrics", headers={"Authorization": basic("prometheus", "x")})
+        assert resp.status == 429
+        assert resp.headers["Retry-After"] == "1"
+        assert (await client.get("/healthz")).status == 200
+    finally:
+        blocked.release()
+    assert [(await g).status for g in guesses] == [401] * PER_USER_CHECKS
 
 
 async def test_the_remembered_checks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,7 +446,7 @@ async def test_the_event_loop_serves_other_requests_while_bcrypt_runs(
 
 
 @pytest.fixture
-def web_file(tmp_path: Path, certs: Certs) -> Iterator[Path]:
+def web_file(tmp_path: Path, certs: Certs) -> Path:
     return write(
         tmp_path,
         f"tls_server_config:\n"

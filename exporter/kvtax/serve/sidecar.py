@@ -9,7 +9,13 @@ proxy's running streams and pairs the ledger's totals with the engine's in the w
 ``/metrics`` only reads. :func:`kvtax.serve.wiring.build` passes each part what it needs.
 
 The page is parsed in a worker process (:class:`~kvtax.serve.parsepool.ParsePool`), so a big page
-never holds up the event loop that also relays the proxy's streams.
+never holds up the event loop that also relays the proxy's streams. For the same reason kvtax's
+own page is rendered at most once per turn of that loop: a render costs milliseconds, and a
+burst of scrapers (200 at once) shares one render instead of holding a relayed stream for each.
+
+The web port never inflates a request body (its server runs with ``auto_decompress`` off): the
+push route refuses a compressed body with 415 (:mod:`kvtax.serve.sources`), and a body refused
+for any other reason, or never read, is never decoded.
 
 Example::
 
@@ -135,6 +141,9 @@ class Sidecar:
         self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
         self._first: asyncio.Task[None] | None = None
+        # kvtax's own page as rendered in this turn of the loop; None: render anew when asked.
+        self._page: bytes | None = None
+        self.renders = 0
         # Set on SIGTERM: /readyz fails so the Service stops sending new requests.
         self.draining = False
 
@@ -155,6 +164,7 @@ class Sidecar:
             self.health.rejected[reason] += count
         snap = self.window.observe(parsed, self._ledger_totals(parsed))
         self.figures = derive_all(self.window, self.settings)
+        self._page = None  # the next GET of /metrics shows the new figures
         return snap
 
     def _ledger_totals(self, parsed: VllmSnapshot) -> Mapping[str, LedgerTotals]:
@@ -209,6 +219,7 @@ class Sidecar:
                 self.health.engine = "v0" if snap.is_v0 else "v1"
             finally:
                 self.health.last_duration = time.perf_counter() - started
+                self._page = None  # up, errors and figures changed: render anew when asked
 
     def _note_metrics_missing(self, missing: bool) -> None:
         """Log the moment vLLM's page loses (or regains) every series kvtax reads."""
@@ -272,9 +283,28 @@ class Sidecar:
             return False, f"the proxy cannot reach vLLM: {failure.reason}: {failure.detail}"
         return True, "ok"
 
+    def page(self) -> bytes:
+        """kvtax's /metrics page, rendered at most once per turn of the event loop.
+
+        Scrapers that ask in the same turn (a burst of them lands in one or a few turns) share
+        one render; the next turn renders anew, so a page never shows counters older than the
+        turn it was asked in, and a test or a scraper that reads right after a change sees it.
+        """
+        if self._page is None:
+            self._page = generate_latest(self.registry)
+            self.renders += 1
+            try:
+                asyncio.get_running_loop().call_soon(self._drop_page)
+            except RuntimeError:  # no loop (a direct call): nothing would drop it, so keep none
+                page, self._page = self._page, None
+                return page
+        return self._page
+
+    def _drop_page(self) -> None:
+        self._page = None
+
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=self.page(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -293,10 +323,19 @@ class Sidecar:
 
         @web.middleware
         async def basic_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if request.path in open_paths or await security.authorized(
-                request.headers.get("Authorization")
-            ):
+            if request.path in open_paths:
                 return await handler(request)
+            verdict = await security.verdict(request.headers.get("Authorization"))
+            if verdict == "ok":
+                return await handler(request)
+            if verdict == "busy":
+                # This user name has its share of bcrypt checks pending (someone is guessing):
+                # answered at once rather than queued behind them.
+                return web.Response(
+                    status=429,
+                    text="Too Many Requests: logins of this user are being checked; retry\n",
+                    headers={"Retry-After": "1"},
+                )
             return web.Response(
                 status=401,
                 text="Unauthorized\n",
@@ -312,10 +351,17 @@ class Sidecar:
             app.router.add_route(method, path, handler)
         return app
 
+    def web_runner(self) -> web.AppRunner:
+        """The web port's server. It never inflates a request body: with aiohttp's default, a
+        gzip body is inflated as it arrives, before any handler refused it, and what a handler
+        left unread (a 401, a 413) is read on for 10 s after the answer ("lingering"), which
+        inflated a 1 MiB gzip bomb to 1 GiB on the loop the proxy relays on."""
+        return web.AppRunner(self.web_app(), access_log=None, auto_decompress=False)
+
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         host, port = self.config.web_listen_address
-        self._runner = web.AppRunner(self.web_app(), access_log=None)
+        self._runner = self.web_runner()
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=self.security.ssl_context)
         await site.start()

@@ -2,7 +2,11 @@
 
 :func:`push_handler` serves ``POST /api/v1/delivered`` on kvtax's web port. It requires a bearer
 token, or refuses every push when none is configured, unless unauthenticated pushes are allowed
-explicitly; it answers every problem with a 4xx and an OpenAI-style JSON message.
+explicitly; it answers every problem with a 4xx and an OpenAI-style JSON message. A report is
+plain JSON: a body with a Content-Encoding other than ``identity`` (gzip, deflate, br, zstd) is
+refused with 415 before a byte of it is read, and only once the token passed, so kvtax never
+inflates a body (a 1 MiB gzip bomb inflates to 1 GiB); the web port's server does not inflate
+either (:meth:`kvtax.serve.sidecar.Sidecar.web_runner`).
 :class:`GatewayPoller` reads a gateway's Prometheus counter on the scrape interval and turns its
 reset-corrected increases into ledger increments (source ``gateway``). It does not follow
 redirects: a redirect is an error, so a foreign page is never taken for the gateway's. Parsing
@@ -90,6 +94,12 @@ def _refusal(
     return check
 
 
+def _encoded(request: web.Request) -> bool:
+    """Whether the body carries a Content-Encoding other than ``identity`` (RFC 9110 8.4)."""
+    codings = ",".join(request.headers.getall("Content-Encoding", ()))
+    return any(c.strip().lower() not in ("", "identity") for c in codings.split(","))
+
+
 def push_handler(
     ledger: DeliveryLedger, token: str | None, *, allow_unauthenticated: bool = False
 ) -> Handler:
@@ -103,7 +113,16 @@ def push_handler(
     async def handle(request: web.Request) -> web.StreamResponse:
         refusal = refuse(request.headers.get("Authorization", ""))
         if refusal is not None:
-            return refusal
+            return refusal  # before the body is read: a refused body is never decoded
+        if _encoded(request):
+            response = openai_error(
+                415,
+                "the body must not be compressed: send the report as plain JSON "
+                "(no Content-Encoding, or identity)",
+                "invalid_request_error",
+            )
+            response.headers["Accept-Encoding"] = "identity"  # RFC 7694
+            return response
         try:
             body = await read_bounded(request.content, MAX_PUSH_BODY, request.content_length)
         except BodyTooLarge as exc:

@@ -22,11 +22,23 @@ slow by design, so a check runs in a thread (never on the event loop that relays
 streams), at most :data:`BCRYPT_THREADS` at once, and a user's good password is remembered (as a
 keyed digest, never the password) so that Prometheus' scrape every few seconds costs one check.
 
+Guessing can neither queue without end nor tell which names exist:
+
+- each user name (known or not) has at most :data:`PER_USER_CHECKS` checks running or waiting,
+  and all names together :data:`MAX_PENDING`; a login past either bound is answered ``busy``
+  (429) at once, without a bcrypt check. A user whose password was checked before is answered
+  from memory, so a flood of wrong guesses for that user never locks the real one out;
+- an unknown name is checked against the configured hash of the highest cost, so it takes as
+  long as the slowest known user's wrong password (the result is ignored);
+- a hash that is not a well-formed bcrypt hash is refused at start, naming its user: bcrypt
+  would refuse it at every login, and every login would be a silent 401.
+
 Example::
 
     security = load(Path("web.yml"))
     security.ssl_context       # for aiohttp's TCPSite
     await security.authorized("Basic cHJvbWV0aGV1czpzZWNyZXQ=")  # True or False
+    await security.verdict("Basic cHJvbWV0aGV1czpzZWNyZXQ=")     # "ok", "denied" or "busy"
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import asyncio
 import base64
 import binascii
 import hmac
+import re
 import secrets
 import ssl
 from collections import OrderedDict
@@ -42,7 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -50,9 +63,12 @@ from .values import ConfigError
 
 __all__ = [
     "BCRYPT_THREADS",
+    "MAX_PENDING",
+    "PER_USER_CHECKS",
     "VERIFIED_MAX",
     "BasicAuth",
     "TlsSettings",
+    "Verdict",
     "WebSecurity",
     "load",
     "parse",
@@ -67,6 +83,22 @@ BCRYPT_THREADS = 2
 # credentials on every scrape, and each bcrypt check costs ~0.1 s of CPU at cost 10. Only
 # successes are kept, so a guesser cannot fill it; the oldest entry goes first.
 VERIFIED_MAX = 64
+# bcrypt checks one user name (known or not) may have running or waiting for a thread, and all
+# names together. Past them a login is answered "busy" (429) at once: 200 wrong guesses for one
+# user then queue 2 checks, not 200, and a login of anyone else waits behind at most
+# MAX_PENDING checks instead of every guess sent.
+PER_USER_CHECKS = 2
+MAX_PENDING = 16
+
+Verdict = Literal["ok", "denied", "busy"]
+
+# A bcrypt hash as htpasswd -B, the toolkit and the bcrypt libraries write it: the variant, a
+# cost of 04-31, 22 characters of salt and 31 of hash in bcrypt's base64. The last character of
+# each encodes only its top bits (16 bytes of salt in 22 characters, 23 of hash in 31), so it
+# is one of a few; any other ending is a typo that no password can ever match.
+_BCRYPT = re.compile(
+    r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{21}[.Oeu][./A-Za-z0-9]{30}[.CGKOSWaeimquy26]"
+)
 
 _TLS_VERSIONS: Mapping[str, ssl.TLSVersion] = MappingProxyType(
     {
@@ -123,34 +155,60 @@ class BasicAuth:
         repr=False,
         compare=False,
     )
+    # Checks running or waiting, by the user name the client gave; a name leaves at 0.
+    _pending: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def decoy(self) -> bytes:
+        """The hash an unknown name is checked against: the configured one of the highest
+        cost, so an unknown name costs what the slowest known user's wrong password costs."""
+        return max(self.users.values(), key=_cost)
 
     async def check(self, header: str | None) -> bool:
         """True when ``header`` (an Authorization value) names a user and its password."""
+        return await self.verdict(header) == "ok"
+
+    async def verdict(self, header: str | None) -> Verdict:
+        """``ok`` for a user and its password, ``denied`` for anything else, ``busy`` when the
+        name (or all names together) already has as many bcrypt checks pending as allowed:
+        answered at once, without one."""
         credentials = _credentials(header)
-        if credentials is None:
-            return False
+        if credentials is None or not self.users:
+            return "denied"
         user, password = credentials
         hashed = self.users.get(user)
-        if hashed is None:
-            if not self.users:
-                return False
-            # The same bcrypt work as for a known user, against one of theirs, so the time of
-            # the answer does not tell which user names exist (exporter-toolkit does the same
-            # with a dummy hash). Its result is ignored: an unknown user never gets in.
-            async with self._threads:
-                await asyncio.to_thread(_checkpw, password, next(iter(self.users.values())))
-            return False
         key = (user, hmac.digest(self._digest_key, password, "sha256"))
-        if key in self._verified:
+        if hashed is not None and key in self._verified:
             self._verified.move_to_end(key)
-            return True
-        async with self._threads:
-            good = await asyncio.to_thread(_checkpw, password, hashed)
-        if good:
-            self._verified[key] = None
-            if len(self._verified) > VERIFIED_MAX:
-                self._verified.popitem(last=False)
-        return good
+            return "ok"
+        pending = self._pending
+        if pending.get(user, 0) >= PER_USER_CHECKS or sum(pending.values()) >= MAX_PENDING:
+            return "busy"
+        pending[user] = pending.get(user, 0) + 1
+        try:
+            async with self._threads:
+                # An unknown name gets the same bcrypt work as the costliest known user, so the
+                # time of the answer does not tell which names exist (exporter-toolkit checks a
+                # dummy hash). Its result is ignored: an unknown name never gets in.
+                checked = self.decoy if hashed is None else hashed
+                good = await asyncio.to_thread(_checkpw, password, checked)
+        finally:
+            left = pending[user] - 1
+            if left:
+                pending[user] = left
+            else:
+                del pending[user]
+        if hashed is None or not good:
+            return "denied"
+        self._verified[key] = None
+        if len(self._verified) > VERIFIED_MAX:
+            self._verified.popitem(last=False)
+        return "ok"
+
+
+def _cost(hashed: bytes) -> int:
+    """The cost of a checked bcrypt hash (``$2y$10$...`` -> 10)."""
+    return int(hashed[4:6])
 
 
 def _credentials(header: str | None) -> tuple[str, bytes] | None:
@@ -200,7 +258,11 @@ class WebSecurity:
 
     async def authorized(self, header: str | None) -> bool:
         """True when no basic auth is configured, or ``header`` carries a valid user."""
-        return self.basic_auth is None or await self.basic_auth.check(header)
+        return await self.verdict(header) == "ok"
+
+    async def verdict(self, header: str | None) -> Verdict:
+        """``ok`` without basic auth; else :meth:`BasicAuth.verdict` of ``header``."""
+        return "ok" if self.basic_auth is None else await self.basic_auth.verdict(header)
 
 
 def _fail(file: Path, key: str, why: str) -> ConfigError:
@@ -280,6 +342,15 @@ def _users(raw: Any, file: Path) -> BasicAuth:
             raise _fail(file, key, "a user name must be non-empty text without ':'")
         if not isinstance(hashed, str) or not hashed.startswith(("$2a$", "$2b$", "$2y$")):
             raise _fail(file, key, "must be a bcrypt hash ($2a$, $2b$ or $2y$...)")
+        if _BCRYPT.fullmatch(hashed) is None:
+            # The hash itself is never quoted: it is a secret's digest.
+            raise _fail(
+                file,
+                key,
+                f"user {user!r} has a malformed bcrypt hash: expected $2y$<cost 04-31>$ and 53 "
+                "characters of bcrypt's base64, as htpasswd -B or bcrypt.hashpw write it; "
+                "bcrypt would refuse it and every login of this user would fail",
+            )
         hashes[user] = hashed.encode("ascii")
     return BasicAuth(MappingProxyType(hashes))
 
