@@ -1,26 +1,71 @@
 """An in-process stand-in for vLLM's OpenAI server, for proxy tests that need faults.
 
 It streams the way vLLM 0.32 does: ``data: <json>\\n\\n`` events, cumulative usage on every chunk
-only with ``continuous_usage_stats``, ``system_fingerprint`` on the terminal chunk only when no
-usage chunk follows, then a usage-only chunk when ``include_usage`` was asked, then ``[DONE]``.
-Knobs on :class:`FakeVllm` make it answer an error status (400, 500), hang before answering,
-or stream slowly.
+(per choice) only with ``continuous_usage_stats``, ``system_fingerprint`` on the terminal chunk
+only when no usage chunk follows, then a usage-only chunk when ``include_usage`` was asked, then
+``[DONE]``. It reads a request the way vLLM's request models do: a pydantic model in lax mode
+(``"stream": "true"`` streams, ``"n": "2"`` is 2, ``"stream": "maybe"`` is a 400), with vLLM's
+rule that ``stream_options`` needs a stream. ``n`` choices per prompt, a list of prompts, chat
+shapes (``delta``, and tool calls for a request with ``tools``) as vLLM writes them.
+
+Knobs on :class:`FakeVllm` make it answer an error status (400, 500; ``fail`` per prompt),
+hang before answering, stream slowly, frame events with no space after ``data:`` (``tight``),
+or gzip its answers (``gzip``: when the client accepts it; ``"always"``: whatever it asked).
+``served`` makes it serve only those names, the first being its default and the name in every
+answer (vLLM's ``--served-model-name``), 404 for any other; unset, it answers any model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 FINGERPRINT = "vllm-0.32.0-fake1234"
+ROOT = "/models/fake"
 
 
 def _dump(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Request(BaseModel):
+    """The fields of vLLM's CompletionRequest / ChatCompletionRequest this fake acts on."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    n: int | None = 1
+    max_tokens: int | None = None
+    prompt: str | list[str] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_need_a_stream(cls, data: Any) -> Any:
+        # vLLM's own check, on the raw values.
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return data
+
+
+def _gzip(data: bytes) -> bytes:
+    """Deterministic gzip (no timestamp), so two answers compare byte for byte."""
+    packer = zlib.compressobj(6, zlib.DEFLATED, 31)
+    return packer.compress(data) + packer.flush()
 
 
 @dataclass
@@ -34,6 +79,10 @@ class FakeVllm:
     active: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    served: tuple[str, ...] | None = None
+    fail: dict[str, int] = field(default_factory=dict)
+    tight: bool = False
+    gzip: Literal["off", "on", "always"] = "off"
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -50,9 +99,14 @@ class FakeVllm:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": "m"}]}, headers={"X-Upstream": "yes"}
-        )
+        if self.served is None:
+            data: list[dict[str, Any]] = [{"id": "m"}]
+        else:  # as vLLM lists them: each served name, then adapters with their parent
+            data = [
+                {"id": name, "object": "model", "root": ROOT, "parent": None}
+                for name in self.served
+            ]
+        return web.json_response({"object": "list", "data": data}, headers={"X-Upstream": "yes"})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.active += 1
@@ -61,6 +115,18 @@ class FakeVllm:
         finally:
             self.active -= 1
 
+    def _error(self, status: int, message: str = "boom") -> web.Response:
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+        error = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        return web.json_response(error, status=status)
+
+    def _packs(self, request: web.Request) -> bool:
+        if self.gzip == "always":
+            return True
+        # No Accept-Encoding at all means any coding is acceptable (RFC 9110 12.5.3).
+        accepted = request.headers.get("Accept-Encoding", "gzip")
+        return self.gzip == "on" and "gzip" in accepted
+
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
@@ -68,71 +134,137 @@ class FakeVllm:
         if self.hang:
             await asyncio.sleep(self.hang)
         if self.status != 200:
-            kind = "BadRequestError" if self.status < 500 else "InternalServerError"
-            error = {"error": {"message": "boom", "type": kind, "code": self.status}}
-            return web.json_response(error, status=self.status)
-        prompt = 3
-        if not body.get("stream"):
-            usage = {"prompt_tokens": prompt, "total_tokens": prompt + self.tokens}
-            usage["completion_tokens"] = self.tokens
-            return web.json_response(
-                {
-                    "id": "cmpl-1",
-                    "object": "text_completion",
-                    "model": body["model"],
-                    "choices": [{"index": 0, "text": "x" * self.tokens, "finish_reason": "length"}],
-                    "usage": usage,
-                }
-            )
-        options = body.get("stream_options") or {}
-        include = bool(options.get("include_usage"))
-        continuous = include and bool(options.get("continuous_usage_stats"))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            return self._error(self.status)
+        try:
+            req = _Request.model_validate(body)
+        except ValidationError as exc:
+            return self._error(400, f"validation: {exc.error_count()} error(s)")
+        if self.served is None:
+            model = req.model or "m"
+        elif not req.model or req.model in self.served:
+            model = self.served[0]  # vLLM answers with its first served name
+        else:
+            return self._error(404, f"The model `{req.model}` does not exist.")
+        prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt or ""]
+        for text in prompts:
+            if text in self.fail:
+                return self._error(self.fail[text])
+        n = req.n if req.n is not None else 1
+        if n < 1:
+            return self._error(400, "n must be at least 1.")
+        chat = request.path.endswith("/chat/completions")
+        choices = n * (1 if chat else len(prompts))
+        prompt = 3 * (1 if chat else len(prompts))
+        shape = _Shape(chat, bool(req.tools), model)
+        if not req.stream:
+            return self._whole(request, shape, choices, prompt)
+        options = req.stream_options
+        include = bool(options and options.include_usage)
+        continuous = include and bool(options and options.continuous_usage_stats)
+        headers = {"Content-Type": "text/event-stream"}
+        packer = None
+        if self._packs(request):
+            headers["Content-Encoding"] = "gzip"
+            packer = zlib.compressobj(6, zlib.DEFLATED, 31)
+        response = web.StreamResponse(headers=headers)
         await response.prepare(request)
-        sent = 0
-        while sent < self.tokens:
+        lead = b"data:" if self.tight else b"data: "
+
+        async def write(data: bytes, last: bool = False) -> None:
+            if packer is not None:
+                data = packer.compress(data) + (packer.flush() if last else b"")
+            if data:
+                await response.write(data)
+
+        sent = [0] * choices
+        while sum(sent) < self.tokens * choices:
             if self.delay:
                 await asyncio.sleep(self.delay)
-            step = min(self.per_chunk, self.tokens - sent)
-            sent += step
-            finish = "length" if sent == self.tokens else None
-            chunk: dict[str, Any] = {
-                "id": "cmpl-1",
-                "object": "text_completion",
-                "created": 1,
-                "model": body["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": 'ab"c}{' * step + "." * self.filler,
-                        "finish_reason": finish,
+            for index in range(choices):
+                step = min(self.per_chunk, self.tokens - sent[index])
+                sent[index] += step
+                finish = "length" if sent[index] == self.tokens else None
+                chunk = shape.chunk(index, step, finish, self.filler)
+                if continuous:
+                    chunk["usage"] = {
+                        "prompt_tokens": prompt,
+                        "total_tokens": prompt + sent[index],
+                        "completion_tokens": sent[index],
                     }
-                ],
-            }
-            if continuous:
-                chunk["usage"] = {
-                    "prompt_tokens": prompt,
-                    "total_tokens": prompt + sent,
-                    "completion_tokens": sent,
-                }
-            if finish and not include:
-                chunk["system_fingerprint"] = FINGERPRINT
-            await response.write(b"data: " + _dump(chunk) + b"\n\n")
+                if finish and not include:
+                    chunk["system_fingerprint"] = FINGERPRINT
+                await write(lead + _dump(chunk) + b"\n\n")
         if include:
-            final = {
-                "id": "cmpl-1",
-                "object": "text_completion",
-                "created": 1,
-                "model": body["model"],
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "total_tokens": prompt + sent,
-                    "completion_tokens": sent,
-                },
-                "system_fingerprint": FINGERPRINT,
+            final = shape.head()
+            final["choices"] = []
+            final["usage"] = {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + sum(sent),
+                "completion_tokens": sum(sent),
             }
-            await response.write(b"data: " + _dump(final) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+            final["system_fingerprint"] = FINGERPRINT
+            await write(lead + _dump(final) + b"\n\n")
+        await write(lead + b"[DONE]\n\n", last=True)
         await response.write_eof()
         return response
+
+    def _whole(
+        self, request: web.Request, shape: _Shape, choices: int, prompt: int
+    ) -> web.Response:
+        completion = self.tokens * choices
+        answer = shape.head(whole=True)
+        answer["choices"] = [shape.whole(i, self.tokens) for i in range(choices)]
+        answer["usage"] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+        }
+        data = _dump(answer)
+        headers = {"Content-Type": "application/json"}
+        if self._packs(request):
+            headers["Content-Encoding"] = "gzip"
+            data = _gzip(data)
+        return web.Response(body=data, headers=headers)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The JSON of one answer: completions or chat, with tool calls or text."""
+
+    chat: bool
+    tools: bool
+    model: str
+
+    def head(self, *, whole: bool = False) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if self.chat and not whole:
+            kind += ".chunk"
+        return {"id": "cmpl-1", "object": kind, "created": 1, "model": self.model}
+
+    def chunk(self, index: int, step: int, finish: str | None, filler: int) -> dict[str, Any]:
+        text = 'ab"c}{' * step + "." * filler
+        choice: dict[str, Any] = {"index": index}
+        if not self.chat:
+            choice["text"] = text
+        elif self.tools:
+            call = {"index": 0, "function": {"arguments": '{"usage":{' * step}}
+            choice["delta"] = {"tool_calls": [call]}
+        else:
+            choice["delta"] = {"content": text}
+        choice["finish_reason"] = finish
+        chunk = self.head()
+        chunk["choices"] = [choice]
+        return chunk
+
+    def whole(self, index: int, tokens: int) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": index, "text": "x" * tokens, "finish_reason": "length"}
+        message: dict[str, Any] = {"role": "assistant", "content": "x" * tokens}
+        if self.tools:
+            call = {
+                "id": "call-1",
+                "type": "function",
+                "function": {"name": "f", "arguments": "{}"},
+            }
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return {"index": index, "message": message, "finish_reason": "length"}

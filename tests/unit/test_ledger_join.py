@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtax.delivery.adapters import AdapterError, ServedNames, served_from_models
 from kvtax.delivery.intake import PushError, gateway_totals, parse_push
 from kvtax.delivery.ledger import (
     DeliveryCounts,
@@ -33,10 +34,40 @@ def _values(samples: object) -> dict[tuple[str, tuple[str, ...]], float]:
 
 def test_unknown_models_share_the_other_label() -> None:
     ledger = _ledger()
-    for name in ("m", "x", "y", None):
+    for name in ("m", "x", "y", "other"):
         ledger.settle(RequestRecord(name, "completed", delivered_tokens=2))
     assert ledger.models() == ["m", "other"]
     assert ledger.totals()["other"].delivered == 6
+
+
+def test_a_request_naming_no_model_counts_under_vllms_default_model() -> None:
+    # Protection: vLLM serves a request without `model` with its default model, but kvtax
+    # counted it as `other`, away from the engine series that did the work.
+    ledger = _ledger()  # one model on vLLM's /metrics: it is the default
+    ledger.settle(RequestRecord(None, "completed", delivered_tokens=2))
+    assert ledger.models() == ["m"]
+    names = ModelNames()
+    names.update(["a", "b"])  # two models and no /v1/models yet: nothing says which
+    assert names.label(None) == "other"
+    names.set_served("b", {})
+    assert names.label(None) == "b"
+
+
+def test_served_name_aliases_count_under_the_name_vllms_metrics_use() -> None:
+    # Protection: `--served-model-name llama chat` made `chat` a label of its own, with no
+    # engine series to join (vLLM's metrics say model_name="llama" for both).
+    names = ModelNames()
+    names.learn("chat")  # vLLM answered 2xx for the alias before /v1/models was read
+    names.set_served("llama", {"chat": "llama"})
+    names.set_adapters({"sql-lora": "chat"})  # an adapter whose parent is an alias
+    ledger = DeliveryLedger(names)
+    for name in ("llama", "chat", None, "sql-lora", "nope"):
+        ledger.settle(RequestRecord(name, "completed", delivered_tokens=1))
+    names.learn("chat")
+    assert ledger.models() == ["llama", "other"]
+    assert ledger.totals()["llama"].delivered == 4
+    assert ledger.adapter_counts() == {("llama", "sql-lora"): 1.0}
+    assert "chat" not in names
 
 
 def test_settle_counts_outcomes_tokens_slo_and_stalls() -> None:
@@ -200,3 +231,23 @@ def test_the_join_survives_a_vllm_restart() -> None:
     window.observe(_scrape(0.0, 0, 0, 0, 100), {})
     window.observe(_scrape(5.0, 10, 0, 0, 3), {"m": LedgerTotals(joined_requests=3)})
     assert derive_all(window, EngineSettings())["m"].coverage == pytest.approx(1.0)
+
+
+def test_served_names_come_from_vllms_model_list() -> None:
+    # vLLM 0.32 with `--served-model-name llama chat` and one LoRA adapter: every served name
+    # is its own entry with the model's path as root; the first is the metrics' model_name.
+    document = {
+        "object": "list",
+        "data": [
+            {"id": "llama", "root": "/models/llama", "parent": None},
+            {"id": "chat", "root": "/models/llama", "parent": None},
+            {"id": "sql-lora", "root": "/adapters/sql", "parent": "llama"},
+            {"id": "bare"},  # no root: stands for itself
+            "junk",
+        ],
+    }
+    served = served_from_models(document)
+    assert served == ServedNames("llama", {"chat": "llama"})
+    assert served_from_models({"data": []}) == ServedNames(None, {})
+    with pytest.raises(AdapterError):
+        served_from_models({"models": []})

@@ -43,15 +43,18 @@ def _run(wish: UsageWish, pieces: list[bytes]) -> tuple[bytes, StreamRewriter]:
 
 
 def test_with_usage_records_the_wish_and_asks_for_everything() -> None:
-    wish, upstream = with_usage({"model": "m", "stream": True, "stream_options": {"x": 1}})
+    asked = with_usage({"model": "m", "stream": True, "stream_options": {"x": 1}})
+    assert asked is not None
+    wish, upstream = asked
     assert wish == UsageWish(include_usage=False, continuous=False)
     assert upstream["stream_options"] == {
         "x": 1,
         "include_usage": True,
         "continuous_usage_stats": True,
     }
-    wish, _ = with_usage({"stream_options": {"continuous_usage_stats": True}})
-    assert wish == UsageWish(False, False)  # vLLM ignores continuous without include
+    asked = with_usage({"stream_options": {"continuous_usage_stats": True}})
+    assert asked is not None
+    assert asked[0] == UsageWish(False, False)  # vLLM ignores continuous without include
 
 
 def test_client_that_asked_for_everything_gets_the_bytes_unchanged() -> None:
@@ -179,6 +182,66 @@ def test_usage_that_is_not_a_usage_object_is_counted_as_unparsed() -> None:
     assert rw.usage_lines == 0
 
 
+def _tight(event: bytes) -> bytes:
+    """``event`` framed with no space after ``data:``, as the SSE spec allows."""
+    return event.replace(b"data: ", b"data:", 1)
+
+
+@pytest.mark.parametrize(
+    "wish", [UsageWish(), UsageWish(include_usage=True), UsageWish(True, True)], ids=str
+)
+@pytest.mark.parametrize("whole", [True, False], ids=["one-read", "byte-by-byte"])
+def test_data_without_a_space_is_read_and_trimmed_as_with_one(wish: UsageWish, whole: bool) -> None:
+    # Protection: `data:{` (no space, allowed by the SSE spec) was not read as a data line: 0
+    # tokens counted, and the usage the client did not ask for leaked into every chunk.
+    spaced = b"".join(UPSTREAM)
+    tight = b"".join(_tight(e) for e in UPSTREAM)
+    assert b"data: " not in tight
+    pieces = [tight] if whole else [bytes([b]) for b in tight]
+    out, rw = _run(wish, pieces)
+    reference, ref_rw = _run(wish, [spaced])
+    assert out == reference.replace(b"data: ", b"data:")
+    assert _state(rw) == _state(ref_rw)
+    assert rw.completion_tokens == 4
+    assert rw.done
+
+
+def test_data_after_more_whitespace_is_still_a_json_event() -> None:
+    # The spec strips one space; JSON allows the rest.
+    event = UPSTREAM[0].replace(b"data: ", b"data:  \t")
+    out, rw = _run(UsageWish(), [event])
+    assert rw.completion_tokens == 1
+    assert b'"usage"' not in out
+
+
+def test_with_usage_reads_the_flags_as_vllm_does() -> None:
+    # Protection: `include_usage: "true"` was read as false, so the usage chunk the client asked
+    # for (and vLLM would have sent it) was cut out.
+    payload: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": "true"}}
+    asked = with_usage(payload)
+    assert asked is not None
+    wish, upstream = asked
+    assert wish == UsageWish(include_usage=True, continuous=False)
+    # The client's own value stays as it wrote it; only what is missing is added.
+    assert upstream["stream_options"] == {"include_usage": "true", "continuous_usage_stats": True}
+    assert payload["stream_options"] == {"include_usage": "true"}  # not changed in place
+    every = {"stream_options": {"include_usage": 1, "continuous_usage_stats": "yes"}}
+    assert with_usage(every) == (UsageWish(True, True), every)  # nothing to add
+    assert with_usage({"stream_options": {"include_usage": "off"}}) == (
+        UsageWish(False, False),
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    ["yes", [], {"include_usage": "maybe"}, {"include_usage": True, "continuous_usage_stats": 2}],
+)
+def test_with_usage_leaves_options_vllm_refuses_alone(options: object) -> None:
+    # vLLM answers these with a 400: writing valid options over them would make it stream.
+    assert with_usage({"stream": True, "stream_options": options}) is None
+
+
 def _state(rw: StreamRewriter) -> tuple[object, ...]:
     return (
         rw.completion_tokens,
@@ -211,6 +274,8 @@ def _random_stream(rng: random.Random) -> list[bytes]:
         else:
             events.append(_chunk("!", counts[choice], finish="stop", index=choice))
     events += [_final(sum(counts)), b"data: [DONE]\n\n"]
+    # The space after "data:" is optional (SSE spec): some events come without it.
+    events = [_tight(e) if rng.random() < 0.3 else e for e in events]
     body = b"".join(events)
     reads: list[bytes] = []
     while body:  # reads cut at event ends mostly, anywhere sometimes

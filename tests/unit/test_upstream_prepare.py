@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import math
 
-from kvtax.serve.proxy.prepare import prepare
+import pytest
+
+from kvtax.delivery.sse import UsageWish
+from kvtax.serve.proxy.prepare import UNNAMED, prepare
 
 
 def test_the_json_read_stays_with_the_request() -> None:
@@ -47,3 +50,65 @@ def test_a_body_too_deep_for_either_parser_is_not_json() -> None:
     prepared = prepare(body)
     assert prepared.payload is None
     assert prepared.body == body
+
+
+@pytest.mark.parametrize("flag", ["true", 1, "yes", 1.0, "on", "1"])
+def test_stream_given_as_vllm_reads_it_is_accounted_as_a_stream(flag: object) -> None:
+    # Protection: `"stream": "true"` (or 1, "yes") streams on vLLM (pydantic's lax bool), but
+    # kvtax sent it unchanged and read no usage: 0 tokens counted, no TTFT or ITL.
+    prepared = prepare(json.dumps({"model": "m", "prompt": "hi", "stream": flag}).encode())
+    assert prepared.wish == UsageWish(include_usage=False, continuous=False)
+    sent = json.loads(prepared.body)
+    assert sent["stream"] == flag  # the client's own value goes on
+    assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+
+
+@pytest.mark.parametrize("flag", ["false", 0, "no", None, "maybe", 2, [], "off"])
+def test_what_vllm_does_not_stream_goes_as_it_came(flag: object) -> None:
+    body = json.dumps({"model": "m", "prompt": "hi", "stream": flag}).encode()
+    prepared = prepare(body)
+    assert prepared.wish is None
+    assert prepared.body == body
+
+
+def test_usage_the_client_asked_for_with_a_string_is_its_wish() -> None:
+    body = {"model": "m", "stream": "true", "stream_options": {"include_usage": "true"}}
+    prepared = prepare(json.dumps(body).encode())
+    assert prepared.wish == UsageWish(include_usage=True, continuous=False)
+    assert json.loads(prepared.body)["stream_options"] == {
+        "include_usage": "true",
+        "continuous_usage_stats": True,
+    }
+
+
+def test_a_stream_that_asked_for_everything_goes_byte_for_byte() -> None:
+    body = (
+        b'{"model":"m","stream":1,'
+        b'"stream_options":{"include_usage":"yes","continuous_usage_stats":true}}'
+    )
+    prepared = prepare(body)
+    assert prepared.wish == UsageWish(include_usage=True, continuous=True)
+    assert prepared.body is body
+
+
+def test_stream_options_vllm_refuses_are_not_overwritten() -> None:
+    # vLLM answers 400 for these; kvtax writing valid options over them would make vLLM stream.
+    for options in ("x", {"include_usage": "maybe"}):
+        body = json.dumps({"model": "m", "stream": True, "stream_options": options}).encode()
+        prepared = prepare(body)
+        assert prepared.wish is None
+        assert prepared.body == body
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [("m", "m"), (None, None), ("", None), (5, UNNAMED), (["m"], UNNAMED)],
+)
+def test_the_model_is_read_as_vllm_picks_it(model: object, name: str | None) -> None:
+    # No model, null or "" is vLLM's default model (None); a value vLLM's `str` field refuses
+    # is no model at all.
+    payload: dict[str, object] = {"prompt": "hi"}
+    if model is not None:
+        payload["model"] = model
+    assert prepare(json.dumps(payload).encode()).model == name
+    assert prepare(b"not json").model == UNNAMED

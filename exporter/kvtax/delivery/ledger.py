@@ -4,8 +4,10 @@ Pure counting, no I/O. The proxy settles one :class:`RequestRecord` per request;
 endpoint and a gateway's counter add :class:`DeliveryCounts` increments. Every counter only grows,
 so :meth:`DeliveryLedger.counts` hands the exposition plain values to publish as Prometheus
 counters and histograms, and the window reads :class:`LedgerTotals` at every scrape of vLLM.
-Model labels go through :class:`ModelNames`: only models vLLM serves get their own label,
-anything else is counted as ``other``, so a client cannot create series by inventing model names.
+Model labels go through :class:`ModelNames`: a request counts under the name vLLM's metrics use
+for the model that served it (its default model when the request names none, the first served
+name for an alias, the base model for an adapter); anything else is counted as ``other``, so a
+client cannot create series by inventing model names.
 
 Example::
 
@@ -64,26 +66,39 @@ DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 class ModelNames:
     """The bounded set of model labels: names vLLM reports, plus names vLLM answered with 2xx.
 
+    A request is labelled with the name vLLM's metrics use for the model that served it, so
+    that its tokens join the engine series that did the work:
+
+    - a request that names no model (None) is served by vLLM's default model (:meth:`default`);
+    - a ``--served-model-name`` alias is labelled with the first served name, the one vLLM's
+      metrics carry (:meth:`set_served`, from ``/v1/models``);
+    - a LoRA adapter (:meth:`set_adapters`) with its base model, whose engine series did the
+      work (see :mod:`kvtax.delivery.adapters`), and :meth:`adapter` names it for the
+      per-adapter counter;
+    - anything else vLLM does not serve is ``other``.
+
     ``limit`` caps learned names so a misbehaving upstream still cannot grow cardinality.
-    LoRA adapters (:meth:`set_adapters`) are not labels of their own: a request for one is
-    labelled with its base model, whose engine series did the work (see
-    :mod:`kvtax.delivery.adapters`), and :meth:`adapter` names it for the per-adapter counter.
     """
 
     def __init__(self, limit: int = 256) -> None:
         self._served: set[str] = set()
         self._limit = limit
         self._adapters: dict[str, str] = {}
+        self._aliases: dict[str, str] = {}
+        self._default: str | None = None  # from /v1/models
+        self._scraped: frozenset[str] = frozenset()  # names on the last scrape of /metrics
 
     def update(self, served: Iterable[str]) -> None:
         """Names seen on vLLM's /metrics (the scrape's model_name values)."""
-        for name in served:
+        scraped = frozenset(served)
+        self._scraped = scraped
+        for name in scraped:
             self.learn(name)
 
     def learn(self, name: str) -> None:
         """A name vLLM accepted (it answered 2xx for it), so vLLM serves it."""
-        if name in self._adapters:
-            return  # counted under its base model, never as a label of its own
+        if name in self._adapters or name in self._aliases:
+            return  # counted under the name vLLM's metrics use, never as a label of its own
         if name and name != OTHER and len(self._served) < self._limit:
             self._served.add(name)
 
@@ -93,18 +108,48 @@ class ModelNames:
         # A name learned before the map arrived is an adapter after all: no label of its own.
         self._served -= self._adapters.keys()
 
+    def set_served(self, default: str | None, aliases: Mapping[str, str]) -> None:
+        """vLLM's default model and its other served names -> that name (from /v1/models)."""
+        self._aliases = {a: n for a, n in aliases.items() if a != n}
+        # A name learned before the map arrived is an alias after all: no label of its own.
+        self._served -= self._aliases.keys()
+        self._default = self._aliases.get(default, default) if default else None
+        if self._default is not None:
+            self.learn(self._default)
+        for name in set(self._aliases.values()):
+            self.learn(name)
+
     @property
     def adapters(self) -> Mapping[str, str]:
         return dict(self._adapters)
+
+    @property
+    def aliases(self) -> Mapping[str, str]:
+        return dict(self._aliases)
+
+    @property
+    def default(self) -> str | None:
+        """The model serving a request that names none: vLLM's first served name, or the one
+        model on its /metrics until /v1/models has answered; None when neither tells."""
+        if self._default is not None:
+            return self._default
+        if len(self._scraped) == 1:
+            return next(iter(self._scraped))
+        return None
 
     def adapter(self, name: str | None) -> str | None:
         """The adapter ``name`` is, or None for a base model or an unknown name."""
         return name if name is not None and name in self._adapters else None
 
     def label(self, name: str | None) -> str:
-        if name is not None and name in self._adapters:
-            name = self._adapters[name]
-        return name if name is not None and name in self._served else OTHER
+        """The label of a request for ``name`` (None: the client named no model)."""
+        if name is None:
+            name = self.default
+            if name is None:
+                return OTHER
+        name = self._adapters.get(name, name)
+        name = self._aliases.get(name, name)
+        return name if name in self._served else OTHER
 
     def __contains__(self, name: object) -> bool:
         return name in self._served

@@ -10,11 +10,16 @@ where vLLM puts it when no usage chunk follows. Everything else passes byte for 
 made on the raw bytes, never by re-serializing JSON. Pure: no I/O, no clock.
 
 Working by line rather than by blank-line-separated event means an upstream that frames events
-with single newlines is still read. The usage object is located on the bytes and then verified
-with a real JSON parse; a data line whose usage cannot be parsed passes untouched and is counted
-(``unparsed``). A line longer than the hold limit, or one that would push every stream's held
-bytes over a shared :class:`HoldBudget`, is passed on raw as it arrives (``oversized``): memory
-stays bounded and the client is never held back, at the price of that line's usage.
+with single newlines is still read; a data line is read with or without the space after
+``data:``, which the SSE spec makes optional. :func:`with_usage` reads the client's
+``stream_options`` as vLLM does (pydantic's lax bool, :mod:`kvtax.delivery.lax`), once per
+request: nothing per event calls pydantic.
+
+The usage object is located on the bytes and then verified with a real JSON parse; a data line
+whose usage cannot be parsed passes untouched and is counted (``unparsed``). A line longer than
+the hold limit, or one that would push every stream's held bytes over a shared
+:class:`HoldBudget`, is passed on raw as it arrives (``oversized``): memory stays bounded and
+the client is never held back, at the price of that line's usage.
 
 Example::
 
@@ -32,14 +37,17 @@ from typing import Any
 
 import orjson
 
+from kvtax.delivery.lax import REFUSED, lax_bool
 from kvtax.delivery.usage import usage_tokens
 
 __all__ = ["HoldBudget", "Relayed", "StreamRewriter", "UsageWish", "with_usage"]
 
 _USAGE_KEY = b',"usage":{'
 _USAGE_ANY = b'"usage"'
-_DATA = b"data: {"
-_DONE = b"data: [DONE]"
+# A data line of a JSON event. The SSE spec makes the space after the colon optional: vLLM
+# writes it, other servers (and proxies in between) may not, and both must be read.
+_DATA = (b"data: {", b"data:{")
+_DONE = (b"data: [DONE]", b"data:[DONE]")
 # The top-level choices: "]" right after the bracket is the usage-only chunk, else the first
 # choice's index.
 _CHOICES = re.compile(rb'"choices":\[(?:(\])|\{"index":(\d+))')
@@ -85,17 +93,33 @@ class UsageWish:
     continuous: bool = False
 
 
-def with_usage(payload: dict[str, Any]) -> tuple[UsageWish, dict[str, Any]]:
-    """The client's wish, and a copy of a streaming request that asks vLLM for full usage."""
+def with_usage(payload: dict[str, Any]) -> tuple[UsageWish, dict[str, Any]] | None:
+    """The client's wish, and a streaming request that asks vLLM for full usage.
+
+    ``stream_options`` is read as vLLM reads it (pydantic's lax bool: ``"true"``, ``1`` and
+    ``"yes"`` are true). What the client set that already asks for usage stays as it wrote it;
+    only what is missing or false is set. When nothing is missing, ``payload`` itself comes
+    back (its bytes can go as they came). None when vLLM refuses the options as given (not an
+    object, or a flag that is not a bool): vLLM answers that request with a 400, and kvtax must
+    not turn it into an accepted one by writing valid options over it.
+    """
     options = payload.get("stream_options")
-    options = options if isinstance(options, dict) else {}
-    include = options.get("include_usage") is True
-    wish = UsageWish(include, include and options.get("continuous_usage_stats") is True)
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict):
+        return None
+    include = lax_bool(options.get("include_usage"), False)
+    continuous = lax_bool(options.get("continuous_usage_stats"), False)
+    if include is REFUSED or continuous is REFUSED:
+        return None
+    wish = UsageWish(bool(include), bool(include) and bool(continuous))
+    if include and continuous:
+        return wish, payload
     upstream = dict(payload)
     upstream["stream_options"] = {
         **options,
-        "include_usage": True,
-        "continuous_usage_stats": True,
+        "include_usage": options["include_usage"] if include else True,
+        "continuous_usage_stats": options["continuous_usage_stats"] if continuous else True,
     }
     return wish, upstream
 
@@ -136,6 +160,12 @@ def _parse_usage(line: bytes, span: tuple[int, int] | None) -> tuple[int, int] |
     except orjson.JSONDecodeError:
         return None
     return usage_tokens(event.get("usage")) if isinstance(event, dict) else None
+
+
+def _spaced_data(line: bytes) -> bool:
+    """A data line whose JSON follows more whitespace than one space (the spec strips one
+    space; JSON allows the rest). Only lines that are not ``data: {`` or ``data:{`` get here."""
+    return line.startswith(b"data:") and line[5:].lstrip(b" \t").startswith(b"{")
 
 
 class StreamRewriter:
@@ -307,7 +337,7 @@ class StreamRewriter:
             self._skip_blank = False
             if not line.rstrip(b"\r"):
                 return
-        if line.startswith(_DATA):
+        if line.startswith(_DATA) or _spaced_data(line):
             # vLLM's usage is the last key of its event: a search from the end finds it at once.
             start = line.rfind(_USAGE_KEY)
             if start >= 0:
@@ -321,7 +351,7 @@ class StreamRewriter:
             if _USAGE_ANY in line:
                 self._usage_line(line, None, out)
                 return
-        elif line.rstrip(b"\r") == _DONE:
+        elif line.rstrip(b"\r") in _DONE:
             self._flush(None, out)
             self.done = True
         if self._held:  # keep the order: what follows a held line waits with it

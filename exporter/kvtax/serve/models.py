@@ -1,15 +1,19 @@
-"""Reads vLLM's ``/v1/models`` now and then, to learn which served names are LoRA adapters.
+"""Reads vLLM's ``/v1/models`` now and then, to learn which names it serves and under what label.
 
-vLLM lists every LoRA adapter it serves in ``/v1/models`` with ``parent`` set to the base model.
-:class:`ModelsPoller` reads that list at start and every ``--delivery.models-refresh`` after, and
-hands :meth:`ModelNames.set_adapters <kvtax.delivery.ledger.ModelNames.set_adapters>` the
-adapters it found merged with those in ``--delivery.adapters`` (which win). Adapters change
-rarely (a deployment, or vLLM's runtime load endpoint), so the default refresh is minutes.
+vLLM lists every ``--served-model-name`` in ``/v1/models``, the first (its default, and the name
+its metrics use) first, and every LoRA adapter it serves with ``parent`` set to the base model.
+:class:`ModelsPoller` reads that list at start and every ``--delivery.models-refresh`` after. It
+hands :meth:`ModelNames.set_served <kvtax.delivery.ledger.ModelNames.set_served>` the default
+model and its aliases, and :meth:`ModelNames.set_adapters
+<kvtax.delivery.ledger.ModelNames.set_adapters>` the adapters it found merged with those in
+``--delivery.adapters`` (which win). Both change rarely (a deployment, or vLLM's runtime load
+endpoint), so the default refresh is minutes.
 
 It never stops kvtax: a vLLM that is down, slow, old (no ``parent`` field) or that answers
 something else leaves the last known map in place, logged once per run of failures. Redirects
 are not followed, and the body is read with a bound. Parsing is
-:func:`kvtax.delivery.adapters.adapters_from_models`.
+:func:`kvtax.delivery.adapters.adapters_from_models` and
+:func:`~kvtax.delivery.adapters.served_from_models`.
 
 Example::
 
@@ -25,7 +29,12 @@ import logging
 
 import aiohttp
 
-from kvtax.delivery.adapters import AdapterError, adapters_from_models, merge_adapters
+from kvtax.delivery.adapters import (
+    AdapterError,
+    adapters_from_models,
+    merge_adapters,
+    served_from_models,
+)
 from kvtax.delivery.ledger import ModelNames
 from kvtax.serve.bodies import read_bounded
 from kvtax.serve.poller import Poller
@@ -69,6 +78,8 @@ class ModelsPoller(Poller):
         except ValueError as exc:
             raise AdapterError("the body is not JSON") from exc
         self._discovered = adapters_from_models(document)
+        served = served_from_models(document)
+        self.names.set_served(served.default, served.aliases)
         self.names.set_adapters(merge_adapters(self.configured, self._discovered))
 
     async def read(self, session: aiohttp.ClientSession) -> None:

@@ -21,9 +21,14 @@ from typing import Any
 
 import orjson
 
+from kvtax.delivery.lax import lax_bool
+from kvtax.delivery.ledger import OTHER
 from kvtax.delivery.sse import UsageWish, with_usage
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["UNNAMED", "Prepared", "prepare"]
+
+# The model of a request vLLM refuses before it picks a model: counted as ``other``.
+UNNAMED = OTHER
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,7 @@ class Prepared:
     vLLM and the JSON they hold (``payload``; None when the body is not JSON), which the
     admission gate sizes without reading the body again."""
 
+    # None: the client named no model, and vLLM's default model serves it.
     model: str | None
     wish: UsageWish | None
     body: bytes
@@ -86,19 +92,36 @@ def prepare(body: bytes) -> Prepared:
 
     A stream's body is rewritten to ask vLLM for usage (the wish says what the client asked
     for); any other body goes as it came, and vLLM answers the 400 for one that is not JSON.
+    Fields are read as vLLM reads them (:mod:`kvtax.delivery.lax`): ``"stream": "true"``, ``1``
+    or ``"yes"`` stream. The model is None when the client named none (vLLM serves its default
+    model); :data:`UNNAMED` when ``model`` is there but not a name vLLM accepts (vLLM refuses the
+    request), or the body is not a JSON object.
     """
     try:
         payload, lenient = _loads(body)
     except ValueError:
-        return Prepared(None, None, body)
+        return Prepared(UNNAMED, None, body)
     if not isinstance(payload, dict):
-        return Prepared(None, None, body, payload, lenient)
-    model = payload.get("model")
-    name = model if isinstance(model, str) else None
-    if payload.get("stream") is not True:
+        return Prepared(UNNAMED, None, body, payload, lenient)
+    name = _model(payload.get("model"))
+    if lax_bool(payload.get("stream"), False) is not True:
         return Prepared(name, None, body, payload, lenient)
-    wish, upstream_payload = with_usage(payload)
+    asked = with_usage(payload)
+    if asked is None:  # options vLLM refuses: it answers 400, kvtax adds nothing
+        return Prepared(name, None, body, payload, lenient)
+    wish, upstream_payload = asked
+    if upstream_payload is payload:  # the client asked for all of it already
+        return Prepared(name, wish, body, payload, lenient)
     rewritten = _dumps(upstream_payload, lenient=lenient)
     if rewritten is None:  # too deep to write back: sent as it came, its usage not asked for
         return Prepared(name, None, body, payload, lenient)
     return Prepared(name, wish, rewritten, upstream_payload, lenient)
+
+
+def _model(value: Any) -> str | None:
+    """The served name a request's ``model`` means: None for vLLM's default model (absent,
+    null or empty: vLLM's ``if not model_name``), else the name, or :data:`UNNAMED` for a value
+    vLLM's ``str | None`` field refuses (a number, a list: pydantic does not make them str)."""
+    if value is None or value == "":
+        return None
+    return value if isinstance(value, str) else UNNAMED

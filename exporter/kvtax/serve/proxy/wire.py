@@ -84,8 +84,9 @@ def content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
 
 
 def forwarded(headers: Iterable[tuple[bytes, bytes]], *, identity: bool = False) -> Headers:
-    """``headers`` for the next hop, without the hop-by-hop ones; ``identity`` also drops
-    Accept-Encoding, so that an accounted response comes uncompressed and its usage is read."""
+    """``headers`` for the next hop, without the hop-by-hop ones; ``identity`` replaces
+    Accept-Encoding with ``identity``, so that an accounted response comes uncompressed and its
+    usage is read (no Accept-Encoding at all would mean any coding is acceptable)."""
     headers = list(headers)
     named: set[bytes] = set()
     for key, value in headers:
@@ -97,6 +98,8 @@ def forwarded(headers: Iterable[tuple[bytes, bytes]], *, identity: bool = False)
         if lower in _HOP or lower in named or (identity and lower == b"accept-encoding"):
             continue
         out.append((key, value))
+    if identity:
+        out.append((b"Accept-Encoding", b"identity"))
     return out
 
 

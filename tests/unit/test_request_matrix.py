@@ -1,0 +1,312 @@
+"""The same request shapes sent straight to a vLLM-like upstream and through kvtax's proxy.
+
+The fake (:class:`tests.unit.fake_vllm.FakeVllm`) reads requests the way vLLM's request models
+do (pydantic in lax mode), serves one model under two names (``--served-model-name tiny
+tiny-chat``: ``tiny`` is what its metrics say) and answers a request without ``model`` with
+its default. For every shape the client must get the same status, the same body bytes and the
+same end-to-end headers both ways, and kvtax's delivered counter must grow by exactly the
+tokens the client received, under the engine's model name. The client never says which relay
+is in place: only HTTP on loopback is used, so the matrix holds for any relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.serve.models import ModelsPoller
+from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax_dev.testbed.engine import free_port
+from tests.unit.fake_vllm import FakeVllm
+
+ENGINE = "tiny"  # the first served name: vLLM's metrics say model_name="tiny"
+ALIAS = "tiny-chat"
+TOKENS = 4
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# Headers that belong to one hop (and Date, which is the second the answer was written).
+_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "date",
+    "te",
+    "trailer",
+    "upgrade",
+}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _stream(**more: Any) -> dict[str, Any]:
+    return {"model": ENGINE, "prompt": "hi", "stream": True, **more}
+
+
+def _no_model(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != "model"}
+
+
+SHAPES: list[tuple[str, str, dict[str, Any]]] = [
+    ("stream-true", COMPLETIONS, _stream()),
+    ("stream-string-true", COMPLETIONS, _stream(stream="true")),
+    ("stream-1", COMPLETIONS, _stream(stream=1)),
+    ("stream-yes", COMPLETIONS, _stream(stream="yes")),
+    ("include-true", COMPLETIONS, _stream(stream_options={"include_usage": True})),
+    ("include-false", COMPLETIONS, _stream(stream_options={"include_usage": False})),
+    ("include-string-true", COMPLETIONS, _stream(stream_options={"include_usage": "true"})),
+    (
+        "include-and-continuous",
+        COMPLETIONS,
+        _stream(stream_options={"include_usage": True, "continuous_usage_stats": True}),
+    ),
+    (
+        "lax-everything",
+        COMPLETIONS,
+        _stream(stream="1", stream_options={"include_usage": "yes", "continuous_usage_stats": 1}),
+    ),
+    (
+        "continuous-without-include",
+        COMPLETIONS,
+        _stream(stream_options={"continuous_usage_stats": "true"}),
+    ),
+    ("no-model-stream", COMPLETIONS, _no_model(_stream())),
+    ("empty-model-stream", COMPLETIONS, _stream(model="")),
+    ("alias-stream", COMPLETIONS, _stream(model=ALIAS, stream="true")),
+    ("n-3", COMPLETIONS, _stream(n=3)),
+    ("n-string-2-include", COMPLETIONS, _stream(n="2", stream_options={"include_usage": "true"})),
+    ("prompt-list", COMPLETIONS, _stream(prompt=["a", "b"])),
+    ("prompt-list-n-2-whole", COMPLETIONS, {"model": ENGINE, "prompt": ["a", "b", "c"], "n": 2}),
+    ("chat-stream", CHAT, {"model": ALIAS, "messages": MESSAGES, "stream": "true"}),
+    (
+        "chat-tool-calls",
+        CHAT,
+        {
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "stream": 1,
+            "stream_options": {"include_usage": "true"},
+        },
+    ),
+    ("chat-whole", CHAT, {"model": ENGINE, "messages": MESSAGES}),
+    ("chat-whole-tools-alias", CHAT, {"model": ALIAS, "messages": MESSAGES, "tools": TOOLS}),
+    ("whole-no-model", COMPLETIONS, {"prompt": "hi", "max_tokens": "4"}),
+    ("stream-string-false", COMPLETIONS, _stream(stream="false")),
+    ("400-stream-maybe", COMPLETIONS, _stream(stream="maybe")),
+    (
+        "400-options-without-stream",
+        COMPLETIONS,
+        {"model": ENGINE, "prompt": "hi", "stream_options": {"include_usage": True}},
+    ),
+    ("400-include-maybe", COMPLETIONS, _stream(stream_options={"include_usage": "maybe"})),
+    ("400-options-not-an-object", COMPLETIONS, _stream(stream_options="yes")),
+    ("400-model-not-a-string", COMPLETIONS, _stream(model=7)),
+    ("404-unknown-model", COMPLETIONS, _stream(model="nope")),
+    ("500-stream", COMPLETIONS, _stream(prompt="boom")),
+    ("500-whole", CHAT, {"model": ENGINE, "messages": MESSAGES, "prompt": "boom"}),
+]
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+@dataclass
+class Rig:
+    vllm: FakeVllm
+    upstream: str
+    proxy: Proxy
+    url: str
+
+
+async def _serve(app: web.Application, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+Start = Callable[..., Any]
+
+
+@pytest.fixture
+async def start() -> AsyncIterator[Start]:
+    started: list[tuple[web.AppRunner, Proxy]] = []
+
+    async def start(**knobs: Any) -> Rig:
+        vllm = FakeVllm(tokens=TOKENS, served=(ENGINE, ALIAS), fail={"boom": 500}, **knobs)
+        port = free_port()
+        runner = await _serve(vllm.app(), port)
+        upstream = f"http://127.0.0.1:{port}"
+        names = ModelNames()  # no scrape yet: /v1/models alone says what is served
+        poller = ModelsPoller(names, url=upstream, configured=(), interval=300.0, timeout=10.0)
+        async with aiohttp.ClientSession() as session:
+            await poller.read(session)
+        proxy = Proxy(ProxySettings(upstream=upstream), DeliveryLedger(names))
+        proxy_port = free_port()
+        await proxy.start("127.0.0.1", proxy_port)
+        started.append((runner, proxy))
+        return Rig(vllm, upstream, proxy, f"http://127.0.0.1:{proxy_port}")
+
+    yield start
+    for runner, proxy in started:
+        await proxy.stop()
+        await runner.cleanup()
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
+    async with session.post(url, data=json.dumps(body).encode(), headers=_JSON) as resp:
+        raw = await resp.read()
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers]
+        return Answer(resp.status, headers, raw)
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _end_to_end(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return sorted((k.lower(), v) for k, v in headers if k.lower() not in _HOP)
+
+
+def _tokens_received(answer: Answer) -> int:
+    """The completion tokens in what the client got, read from its bytes: each fake token is
+    one ``ab"c}{`` of text or one ``{"usage":{`` of tool-call arguments; a whole answer says
+    its usage."""
+    if answer.status >= 300:
+        return 0
+    body = answer.body
+    if answer.headers and _header(answer, "content-encoding") == "gzip":
+        body = zlib.decompress(body, 31)
+    if not _header(answer, "content-type").startswith("text/event-stream"):
+        return int(json.loads(body)["usage"]["completion_tokens"])
+    total = 0
+    for event in body.split(b"\n\n"):
+        data = event.removeprefix(b"data:").strip()
+        if not data.startswith(b"{"):
+            continue
+        for choice in json.loads(data)["choices"]:
+            delta = choice.get("delta", {})
+            text = choice.get("text") or delta.get("content") or ""
+            calls = delta.get("tool_calls") or []
+            total += text.count('ab"c}{')
+            total += sum(c["function"]["arguments"].count('{"usage":{') for c in calls)
+    return total
+
+
+def _header(answer: Answer, name: str) -> str:
+    return next((v for k, v in answer.headers if k.lower() == name), "")
+
+
+async def _until(condition: Callable[[], bool], limit: float = 30.0) -> None:
+    """Wait for a condition that must become true; the limit only guards against hangs."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not condition() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert condition()
+
+
+def _delivered(proxy: Proxy) -> dict[str, float]:
+    return {label: t.delivered for label, t in proxy.ledger.totals().items()}
+
+
+def _ttft_count(proxy: Proxy) -> float:
+    counts = proxy.ledger.counts()
+    return sum(book.ttft.buckets[-1][1] for book in counts.values())
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["data-space", "data-no-space"])
+@pytest.mark.parametrize("per_chunk", [1, 3])
+async def test_every_request_shape_gets_the_same_bytes_and_is_counted_under_the_engine_name(
+    start: Start, tight: bool, per_chunk: int
+) -> None:
+    rig: Rig = await start(tight=tight, per_chunk=per_chunk)
+    assert len(SHAPES) >= 17
+    expected_total = 0
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        for name, path, body in SHAPES:
+            direct = await _send(session, rig.upstream + path, body)
+            before, ttft_before = _delivered(rig.proxy), _ttft_count(rig.proxy)
+            relayed = await _send(session, rig.url + path, body)
+            await _until(lambda: rig.proxy.in_flight == 0)
+            assert relayed.status == direct.status, name
+            assert relayed.body == direct.body, name
+            assert _end_to_end(relayed.headers) == _end_to_end(direct.headers), name
+            received = _tokens_received(relayed)
+            after = _delivered(rig.proxy)
+            grew = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+            assert grew == ({ENGINE: received} if received else {}), name
+            expected_total += received
+            streamed = relayed.status < 300 and _header(relayed, "content-type").startswith(
+                "text/event-stream"
+            )
+            # A stream (however `stream` was spelt) records its client-side TTFT.
+            assert _ttft_count(rig.proxy) == ttft_before + (1 if streamed else 0), name
+    assert expected_total > 0
+    totals = rig.proxy.ledger.totals()
+    assert totals[ENGINE].delivered == expected_total
+    assert ALIAS not in totals  # the alias has no engine series: never a label of its own
+    counts = rig.proxy.ledger.counts()
+    assert counts[ENGINE].usage_missing == 0
+    assert counts[ENGINE].outcomes["completed"] == sum(
+        1 for name, _, _ in SHAPES if name[0] not in "45"
+    )
+
+
+async def test_an_upstream_that_gzips_when_allowed_is_asked_for_identity(start: Start) -> None:
+    # Protection: kvtax dropped the client's Accept-Encoding, which means "any coding": an
+    # upstream that gzips then did, and kvtax counted 0 tokens while the usage it had asked for
+    # reached the client in every chunk.
+    rig: Rig = await start(gzip="on")
+    body = _stream(stream="true")
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        direct = await _send(session, rig.upstream + COMPLETIONS, body)
+        relayed = await _send(session, rig.url + COMPLETIONS, body)
+    await _until(lambda: rig.proxy.in_flight == 0)
+    assert _header(direct, "content-encoding") == "gzip"  # the client accepts gzip
+    assert rig.vllm.headers[-1]["Accept-Encoding"] == "identity"
+    assert _header(relayed, "content-encoding") == ""
+    assert relayed.body == zlib.decompress(direct.body, 31)
+    assert b'"usage"' not in relayed.body
+    assert rig.proxy.ledger.totals()[ENGINE].delivered == TOKENS
+
+
+@pytest.mark.parametrize("asked", [True, False], ids=["asked-for-usage", "asked-for-none"])
+async def test_an_upstream_that_gzips_anyway_passes_unread_counted_without_usage(
+    start: Start, asked: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig: Rig = await start(gzip="always")
+    options = {"include_usage": True, "continuous_usage_stats": True} if asked else {}
+    body = _stream(stream_options=options) if asked else _stream()
+    caplog.set_level(logging.WARNING, logger="kvtax.serve.proxy")
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        direct = await _send(session, rig.upstream + COMPLETIONS, body)
+        relayed = await _send(session, rig.url + COMPLETIONS, body)
+        await _send(session, rig.url + COMPLETIONS, body)
+    await _until(lambda: rig.proxy.in_flight == 0)
+    assert _header(relayed, "content-encoding") == "gzip"
+    if asked:  # kvtax added nothing: the bytes are vLLM's own, byte for byte
+        assert relayed.body == direct.body
+    else:  # the usage kvtax asked for is in it; kvtax could not cut it, and says so
+        assert b'"usage"' in zlib.decompress(relayed.body, 31)
+    counts = rig.proxy.ledger.counts()[ENGINE]
+    assert counts.delivered.get("proxy", 0.0) == 0
+    assert counts.usage_missing == 2
+    assert counts.outcomes["completed"] == 2
+    assert rig.proxy.encoded_streams == 2
+    warnings = [r.getMessage() for r in caplog.records if "Content-Encoding" in r.getMessage()]
+    assert len(warnings) == 1  # said once, not per request
+    assert ("did not" in warnings[0]) is not asked
