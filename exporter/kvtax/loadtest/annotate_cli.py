@@ -16,6 +16,7 @@ import gzip
 import json
 import signal
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,12 @@ from kvtax.loadtest.guidellm import read_guidellm
 from kvtax.loadtest.output import write_report
 from kvtax.loadtest.timeline import Scrape, Timeline
 
-__all__ = ["add_parser", "run"]
+__all__ = ["MAX_REPORT_BYTES", "add_parser", "run"]
+
+GIB = 2**30
+# The most JSON a report may hold, decompressed: guidellm's reports are megabytes, and reading a
+# gzip bomb whole would end in MemoryError. Read in a stream, and refused past this, naming it.
+MAX_REPORT_BYTES = GIB
 
 
 def add_parser(sub: Any) -> None:
@@ -43,7 +49,8 @@ def add_parser(sub: Any) -> None:
         nargs="?",
         type=Path,
         metavar="REPORT",
-        help="The tool's JSON report (guidellm 0.8; .json or .json.gz).",
+        help="The tool's JSON report (guidellm 0.8; .json or .json.gz; "
+        "at most 1 GiB of JSON once decompressed).",
     )
     p.add_argument(
         "--recording",
@@ -157,13 +164,33 @@ def _cancel(task: asyncio.Task[Any] | None) -> None:
 
 
 def _load_report(path: Path) -> Any:
+    """The report's JSON, read (and gunzipped, streaming) up to :data:`MAX_REPORT_BYTES`."""
+    limit = MAX_REPORT_BYTES
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
+            raw = f.read(limit + 1)
+    except (OSError, EOFError, zlib.error) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise InputError("REPORT", f"cannot read {path}: {why}") from None
+    if len(raw) > limit:
+        raise InputError(
+            "REPORT",
+            f"{path} holds more than {_size(limit)} of JSON"
+            f"{' once decompressed' if path.suffix == '.gz' else ''}, kvtax annotate's limit",
+        )
+    try:
         return json.loads(raw)
-    except OSError as exc:
-        raise InputError("REPORT", f"cannot read {path}: {exc.strerror or exc}") from None
-    except (ValueError, EOFError) as exc:
+    except RecursionError:
+        raise InputError("REPORT", f"{path} is JSON nested too deeply to read") from None
+    except ValueError as exc:
         raise InputError("REPORT", f"{path} is not JSON: {exc}") from None
+
+
+def _size(n: int) -> str:
+    for unit, name in ((GIB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= unit:
+            return f"{n / unit:g} {name}"
+    return f"{n} bytes"
 
 
 def _annotate(args: argparse.Namespace) -> int:

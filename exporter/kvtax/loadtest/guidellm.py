@@ -14,6 +14,7 @@ pydantic models in ``guidellm/benchmark/schemas``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,15 +53,28 @@ def _summary(
         if not isinstance(node, Mapping):
             return None
         node = node.get(key)
-    if isinstance(node, int | float) and not isinstance(node, bool):
-        return float(node) * scale
-    return None
+    value = _finite(node)
+    return None if value is None else value * scale
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a float when it is a finite JSON number, else None (NaN, infinities and
+    integers beyond a float's range included: they are no measurement)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _number(value: Any, field: str) -> float:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise InputError(field, f"missing or not a number ({value!r})")
+    number = _finite(value)
+    if number is None:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise InputError(field, f"missing or not a finite number ({shown})")
+    return number
 
 
 def read_guidellm(report: Any, field: str = "REPORT") -> list[ToolStep]:
@@ -79,19 +93,22 @@ def read_guidellm(report: Any, field: str = "REPORT") -> list[ToolStep]:
         end = _number(bench.get("end_time"), f"{where}.end_time")
         if end <= start:
             raise InputError(f"{where}.end_time", f"{end} is not after start_time {start}")
-        strategy = (bench.get("config") or {}).get("strategy") or {}
+        config = bench.get("config") or {}
+        if not isinstance(config, Mapping):
+            raise InputError(f"{where}.config", "is not an object")
+        strategy = config.get("strategy") or {}
         if not isinstance(strategy, Mapping):
             raise InputError(f"{where}.config.strategy", "is not an object")
-        kind = str(strategy.get("type_", "?"))
+        kind = str(strategy.get("type_", "?"))[:40]
         streams = strategy.get("streams")
-        rate = strategy.get("rate")
-        concurrency = float(streams) if isinstance(streams, int | float) else None
+        rate = _finite(strategy.get("rate"))
+        concurrency = _finite(streams)
         if kind == "synchronous":
             concurrency = 1.0
         label = kind
         if concurrency is not None:
             label = f"{kind}@{concurrency:g}"
-        elif kind in _RATE_KINDS and isinstance(rate, int | float):
+        elif kind in _RATE_KINDS and rate is not None:
             label = f"{kind}@{rate:g}/s"
         metrics = bench.get("metrics")
         if not isinstance(metrics, Mapping):
@@ -103,7 +120,7 @@ def read_guidellm(report: Any, field: str = "REPORT") -> list[ToolStep]:
                 start=start,
                 end=end,
                 concurrency=concurrency,
-                rate=float(rate) if isinstance(rate, int | float) else None,
+                rate=rate,
                 requests_per_s=_summary(metrics, "requests_per_second", ("mean",)),
                 output_tokens_per_s=_summary(metrics, "output_tokens_per_second", ("mean",)),
                 ttft_p50=_summary(metrics, "time_to_first_token_ms", ("median",), 1e-3),

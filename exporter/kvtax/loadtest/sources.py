@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import math
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +24,11 @@ from kvtax.engine.vocabulary import concept_for
 from kvtax.loadtest.errors import InputError
 from kvtax.loadtest.timeline import Scrape, keep_known
 
-__all__ = ["prometheus_scrapes", "read_recording", "record"]
+__all__ = ["MAX_LINE_CHARS", "prometheus_scrapes", "read_recording", "record"]
+
+# One recorded scrape is one line: a vLLM page cut to the series kvtax reads, kilobytes. A line
+# longer than this is not a scrape, and is refused before it fills memory.
+MAX_LINE_CHARS = 64 * 2**20
 
 
 def _open(path: Path, mode: str) -> IO[str]:
@@ -32,22 +38,46 @@ def _open(path: Path, mode: str) -> IO[str]:
 
 
 def read_recording(path: Path, field: str = "--recording") -> list[Scrape]:
+    """The scrapes of a recording; :class:`InputError` names the line that is wrong, or the
+    file when it cannot be read (not UTF-8, not gzip, cut short). Each line is read with a
+    bound, :data:`MAX_LINE_CHARS`, so a file without newlines cannot exhaust memory."""
     scrapes = []
+    n = 0
     try:
         with _open(path, "r") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    scrapes.append(Scrape(float(row["t"]), str(row["page"])))
-                except (ValueError, KeyError, TypeError):
-                    raise InputError(f"{field} line {n}", 'not a {"t", "page"} object') from None
+            while line := f.readline(MAX_LINE_CHARS + 1):
+                n += 1
+                if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
+                    raise InputError(
+                        f"{field} line {n}",
+                        f"longer than {MAX_LINE_CHARS // 2**20} Mi characters: not a scrape",
+                    )
+                if line.strip():
+                    scrapes.append(_scrape(line, f"{field} line {n}"))
     except OSError as exc:
         raise InputError(field, f"cannot read {path}: {exc.strerror or exc}") from None
-    except EOFError:
-        raise InputError(field, f"{path} is cut short") from None
+    except (EOFError, zlib.error):
+        raise InputError(field, f"{path} is cut short or not gzip") from None
+    except UnicodeDecodeError as exc:
+        # The decoder reads ahead in chunks: the byte is near, not necessarily on, line n + 1.
+        raise InputError(field, f"{path} is not UTF-8 text: {exc.reason}") from None
     return scrapes
+
+
+def _scrape(line: str, where: str) -> Scrape:
+    try:
+        row = json.loads(line)
+        t = float(row["t"])
+        page = row["page"]
+    except RecursionError:
+        raise InputError(where, "JSON nested too deeply to read") from None
+    except (ValueError, KeyError, TypeError, OverflowError):
+        raise InputError(where, 'not a {"t", "page"} object') from None
+    if not math.isfinite(t):
+        raise InputError(where, f"t is not a finite time ({t})")
+    if not isinstance(page, str):
+        raise InputError(where, "page is not text")
+    return Scrape(t, page)
 
 
 async def record(
@@ -101,11 +131,20 @@ async def prometheus_scrapes(url: str, start: float, end: float, step: float) ->
             body: Any = await resp.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise InputError("--prometheus", f"cannot query {api}: {exc}") from None
+    except RecursionError:
+        raise InputError("--prometheus", f"{api} answered JSON nested too deeply") from None
     if not isinstance(body, dict) or body.get("status") != "success":
         error = body.get("error") if isinstance(body, dict) else body
-        raise InputError("--prometheus", f"{api} answered an error: {error}")
+        raise InputError("--prometheus", f"{api} answered an error: {str(error)[:200]}")
+    try:
+        return _range_scrapes(body["data"]["result"])
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
+        raise InputError("--prometheus", f"{api} answered no Prometheus matrix") from None
+
+
+def _range_scrapes(result: Any) -> list[Scrape]:
     by_time: dict[float, list[str]] = defaultdict(list)
-    for series in body["data"]["result"]:
+    for series in result:
         labels = dict(series["metric"])
         name = labels.pop("__name__", "")
         if concept_for(name) is None:

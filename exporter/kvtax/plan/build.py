@@ -8,14 +8,16 @@ it to :func:`.report.plan_dict`. Bad input raises :class:`PlanError`.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtax.figures.derive import kv_capacity_tokens
 
 from .errors import PlanError
-from .inputs import read_pool, read_profile, read_shape
-from .modelcfg import KvShape, dtype_bytes
+from .inputs import config_file, read_pool, read_profile, read_shape
+from .modelcfg import MAX_TOKENS, KvShape, context_limit, dtype_bytes, show_number
 from .profile import LengthProfile, arrivals, trace
 from .report import plan_dict
 from .simtypes import Result, Settings
@@ -60,12 +62,68 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+# The largest value each float flag may take, and for some the smallest: argparse's float()
+# takes "nan", "inf" and "1e400", and a huge or tiny finite value still overflows the sizing or
+# the simulated trace. Memory up to 1 PiB; lengths from 1 token to vLLM's int32 max_model_len; a
+# rate from one request in 11 days; a step up to an hour.
+_MAX_GIB = float(2**20)
+_FLOAT_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "gpu_memory_gib": (None, _MAX_GIB),
+    "gpu_memory_utilization": (None, None),
+    "weights_gib": (None, _MAX_GIB),
+    "overhead_gib": (None, _MAX_GIB),
+    "kv_pool_gib": (None, _MAX_GIB),
+    "prompt_p50": (1.0, float(MAX_TOKENS)),
+    "prompt_p95": (1.0, float(MAX_TOKENS)),
+    "output_p50": (1.0, float(MAX_TOKENS)),
+    "output_p95": (1.0, float(MAX_TOKENS)),
+    "target_usage": (None, None),
+    "rate": (1e-6, 1e9),
+    "step_ms": (1e-3, 3_600_000.0),
+    "tax_target": (None, None),
+}
+
+# The largest value of each integer flag (argparse's int() takes any number of digits); the
+# model's own numbers (--layers and friends) are bounded with config.json's, in .modelcfg.
+_INT_MAX: dict[str, int] = {
+    "tensor_parallel_size": 1_000_000,
+    "block_size": MAX_TOKENS,
+    "num_blocks": MAX_TOKENS,
+    "max_num_batched_tokens": MAX_TOKENS,
+    "requests": 10_000_000,
+    "concurrency": 10_000_000,
+}
+
+
 def _check_ranges(args: argparse.Namespace) -> None:
     """Refuse out-of-range numbers before anything is read."""
+    for name, (low, high) in _FLOAT_RANGES.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if not math.isfinite(value):
+            raise PlanError(flag, f"must be a finite number, not {value}")
+        # Zero and below keep each flag's own message (positive, in (0, 1], ...).
+        if (low is not None and 0 < value < low) or (high is not None and value > high):
+            shown = f"from {_plain(low)} " if low is not None else ""
+            raise PlanError(flag, f"must be {shown}up to {_plain(high)}, not {value:g}")
+    for name, high_int in _INT_MAX.items():
+        number = getattr(args, name, None)
+        if number is not None and number > high_int:
+            flag = "--" + name.replace("_", "-")
+            raise PlanError(flag, f"must be at most {high_int:,}, not {show_number(number)}")
     if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
         raise PlanError("--gpu-memory-gib", f"must be positive, not {args.gpu_memory_gib:g}")
     if not 0 < args.target_usage <= 1:
         raise PlanError("--target-usage", f"must be in (0, 1], not {args.target_usage}")
+
+
+def _plain(bound: float | None) -> str:
+    """A bound as people write it: 1,048,576 rather than 1.04858e+06; 1e-06 stays."""
+    if bound is not None and bound >= 1 and bound.is_integer():
+        return f"{int(bound):,}"
+    return f"{bound:g}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +151,11 @@ def _size(
     fp8 = _size_at(args, shape, 1, pool) if width > 1 else None
     flags = None
     if profile is not None:
-        context = (config or {}).get("max_position_embeddings")
         flags = recommend(
             sizing,
             p95_length=profile.p95_length,
             target_usage=args.target_usage,
-            context_limit=context if isinstance(context, int) else None,
+            context_limit=context_limit(config or {}, str(config_file(args.model or Path()))),
         )
     return _Sized(sizing, fp8, flags)
 
@@ -133,8 +190,12 @@ def _candidates(text: str) -> list[int]:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
         raise PlanError("--what-if", f"expects integers separated by commas, not {text!r}") from exc
-    if not values or any(v <= 0 for v in values):
-        raise PlanError("--what-if", f"expects positive integers, not {text!r}")
+    if not values or any(not 0 < v <= _INT_MAX["concurrency"] for v in values):
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise PlanError(
+            "--what-if",
+            f"expects positive integers up to {_INT_MAX['concurrency']:,}, not {shown!r}",
+        )
     return sorted(set(values))
 
 

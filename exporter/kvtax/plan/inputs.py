@@ -9,7 +9,6 @@ that is wrong.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +17,22 @@ from kvtax.engine.vocabulary import CONCEPTS
 
 from . import fetch
 from .errors import PlanError
+from .files import read_json
 from .modelcfg import KvShape, shape_from_config, shape_from_flags
 from .profile import LengthProfile, profile_from_histograms, profile_from_kvtax_page
 from .sizing import GIB, pool_bytes
 from .weights import weight_bytes
 
-__all__ = ["read_pool", "read_profile", "read_shape"]
+__all__ = ["config_file", "read_pool", "read_profile", "read_shape"]
 
 
 def read_shape(args: argparse.Namespace) -> tuple[KvShape | None, dict[str, Any] | None]:
     """The KV shape from ``--model`` (with its config.json) or ``--layers`` and friends."""
     if args.model is not None:
-        path: Path = args.model
-        file = path / "config.json" if path.is_dir() else path
+        file = config_file(args.model)
         if not file.is_file():
             raise PlanError("--model", f"no config.json at {file}")
-        try:
-            config = json.loads(file.read_text())
-        except (OSError, ValueError) as exc:
-            raise PlanError(str(file), f"not a readable JSON file: {exc}") from exc
+        config = read_json(file)
         if not isinstance(config, dict):
             raise PlanError(str(file), "is not a JSON object")
         return shape_from_config(config, source=str(file)), config
@@ -56,6 +52,11 @@ def read_shape(args: argparse.Namespace) -> tuple[KvShape | None, dict[str, Any]
         sliding_window=args.sliding_window,
     )
     return shape, None
+
+
+def config_file(model: Path) -> Path:
+    """The config.json ``--model`` names: the file itself, or the one in the directory."""
+    return model / "config.json" if model.is_dir() else model
 
 
 def read_pool(args: argparse.Namespace) -> int | None:

@@ -29,10 +29,14 @@ from .errors import PlanError
 
 __all__ = [
     "DTYPE_BYTES",
+    "MAX_CONFIG_INT",
+    "MAX_TOKENS",
     "KvShape",
+    "context_limit",
     "dtype_bytes",
     "shape_from_config",
     "shape_from_flags",
+    "show_number",
 ]
 
 # Bytes per element of every dtype spelling vLLM's --dtype, --kv-cache-dtype and config.json use.
@@ -105,36 +109,96 @@ class KvShape:
         return min(tensor_parallel, self.kv_heads)
 
 
-def _opt_int(cfg: Mapping[str, Any], key: str, source: str) -> int | None:
+# The largest value of each config.json (and flag) number kvtax plan believes: far above any
+# published model (the largest have under 200 layers, 128 heads, head_dim 256 and a hidden size
+# of 32,768), yet small enough that every product sizing takes stays exact and finite. A larger
+# number is a corrupt or hostile file, refused naming the key, never an OverflowError.
+MAX_CONFIG_INT: Mapping[str, int] = {
+    "num_hidden_layers": 100_000,
+    "num_attention_heads": 1_000_000,
+    "num_key_value_heads": 1_000_000,
+    "head_dim": 1_000_000,
+    "hidden_size": 100_000_000,
+    "kv_lora_rank": 1_000_000,
+    "qk_rope_head_dim": 1_000_000,
+    "attn_layer_period": 100_000,
+    "attn_layer_offset": 100_000,
+}
+# Token counts (a sliding window, the model's context): vLLM's max_model_len is an int32.
+MAX_TOKENS = 2**31 - 1
+
+
+def show_number(value: object) -> str:
+    """``value`` for an error line: a huge integer by its digit count, not 400 digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:
+        digits = len(str(abs(value))) if abs(value).bit_length() < 14_000 else "thousands of"
+        return f"an integer of {digits} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bound(key: str) -> int:
+    return MAX_CONFIG_INT.get(key, MAX_TOKENS)
+
+
+def _opt_int(
+    cfg: Mapping[str, Any], key: str, source: str, prefix: str = "", *, minimum: int = 1
+) -> int | None:
+    """``cfg[key]`` as an integer from ``minimum`` to its bound; None when absent."""
     value = cfg.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanError(source, f"{key} must be a positive integer, not {value!r}")
+    top = _bound(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= top:
+        kind = "a positive integer" if minimum == 1 else f"an integer from {minimum}"
+        raise PlanError(
+            source, f"{prefix}{key} must be {kind} up to {top:,}, not {show_number(value)}"
+        )
     return value
 
 
-def _int(cfg: Mapping[str, Any], key: str, source: str) -> int:
-    value = _opt_int(cfg, key, source)
+def _int(cfg: Mapping[str, Any], key: str, source: str, prefix: str = "") -> int:
+    value = _opt_int(cfg, key, source, prefix)
     if value is None:
-        raise PlanError(source, f"{key} is missing")
+        raise PlanError(source, f"{prefix}{key} is missing")
     return value
 
 
-def _layer_types(cfg: Mapping[str, Any], layers: int, source: str) -> list[str] | None:
+def context_limit(config: Mapping[str, Any], source: str) -> int | None:
+    """The model's ``max_position_embeddings`` when it is an integer (None otherwise, as for
+    configs that leave it out); a :class:`PlanError` when it is not positive. A huge one is
+    harmless: the pool caps ``--max-model-len`` below it."""
+    value = config.get("max_position_embeddings")
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    if value <= 0:
+        raise PlanError(
+            source, f"max_position_embeddings must be a positive integer, not {show_number(value)}"
+        )
+    return value
+
+
+def _layer_types(
+    cfg: Mapping[str, Any], layers: int, source: str, prefix: str = ""
+) -> list[str] | None:
     """Per-layer attention kind, from whichever spelling the config uses; None if uniform."""
     types = cfg.get("layer_types")
     if isinstance(types, list):
         if len(types) != layers:
             raise PlanError(
-                source, f"layer_types has {len(types)} entries for {layers} num_hidden_layers"
+                source,
+                f"{prefix}layer_types has {len(types)} entries for {layers} num_hidden_layers",
             )
         return [str(t) for t in types]
     for key in ("layers_block_type", "hybrid_override_pattern", "block_types"):
-        if cfg.get(key):
-            return [str(t) for t in cfg[key]] if isinstance(cfg[key], list) else list(cfg[key])
+        value = cfg.get(key)
+        if value:
+            if not isinstance(value, list | str):
+                raise PlanError(source, f"{prefix}{key} must be a list or a string")
+            return [str(t) for t in value]
     if cfg.get("attn_layer_period") is not None:  # Jamba: attention every Nth layer, else Mamba
-        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        period = _int(cfg, "attn_layer_period", source, prefix)
+        offset = _opt_int(cfg, "attn_layer_offset", source, prefix, minimum=0) or 0
         return ["attention" if i % period == offset else "mamba" for i in range(layers)]
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
@@ -158,18 +222,19 @@ def shape_from_config(config: Mapping[str, Any], *, source: str = "config.json")
     # Multimodal wrappers keep the language model's settings under text_config.
     text = config.get("text_config")
     cfg: Mapping[str, Any] = text if isinstance(text, Mapping) else config
-    layers = _int(cfg, "num_hidden_layers", source)
-    heads = _int(cfg, "num_attention_heads", source)
-    types = _layer_types(cfg, layers, source)
+    at = "text_config." if cfg is text else ""
+    layers = _int(cfg, "num_hidden_layers", source, at)
+    heads = _int(cfg, "num_attention_heads", source, at)
+    types = _layer_types(cfg, layers, source, at)
     if types is not None:
         _refuse_hybrid(types, layers, source)
     sliding = 0 if types is None else sum(t in _SLIDING_TYPES for t in types)
-    window = _opt_int(cfg, "sliding_window", source) if sliding else None
+    window = _opt_int(cfg, "sliding_window", source, at) if sliding else None
     dtype = str(
         cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
     )
     dtype_bytes(dtype, f"{source}: torch_dtype")
-    kv = _heads(cfg, heads, source)
+    kv = _heads(cfg, heads, source, at)
     return KvShape(
         name=model_type or ("mla" if kv.mla else "model"),
         full_layers=layers - sliding,
@@ -214,19 +279,25 @@ class _Heads:
     mla: bool
 
 
-def _heads(cfg: Mapping[str, Any], heads: int, source: str) -> _Heads:
+def _heads(cfg: Mapping[str, Any], heads: int, source: str, at: str = "") -> _Heads:
     """MLA's shared latent when the config has ``kv_lora_rank``, else K and V per KV head."""
     if cfg.get("kv_lora_rank"):
-        rank = _int(cfg, "kv_lora_rank", source)
-        rope = _int(cfg, "qk_rope_head_dim", source)
+        rank = _int(cfg, "kv_lora_rank", source, at)
+        rope = _int(cfg, "qk_rope_head_dim", source, at)
         return _Heads(per_layer=rank + rope, kv_heads=1, head_dim=rank + rope, mla=True)
-    kv_heads = _opt_int(cfg, "num_key_value_heads", source)
+    kv_heads = _opt_int(cfg, "num_key_value_heads", source, at)
     if kv_heads is None:
         # Falcon's multi_query flag means one KV head; otherwise no key means plain MHA.
         kv_heads = 1 if cfg.get("multi_query") else heads
-    head_dim = _opt_int(cfg, "head_dim", source)
+    head_dim = _opt_int(cfg, "head_dim", source, at)
     if head_dim is None:
-        hidden = _int(cfg, "hidden_size", source)
+        hidden = _int(cfg, "hidden_size", source, at)
+        if hidden < heads:
+            raise PlanError(
+                source,
+                f"{at}hidden_size {hidden} is smaller than {at}num_attention_heads {heads}: "
+                "no head_dim to derive (give head_dim)",
+            )
         head_dim = hidden // heads
     return _Heads(
         per_layer=2 * kv_heads * head_dim, kv_heads=kv_heads, head_dim=head_dim, mla=False
@@ -243,13 +314,25 @@ def shape_from_flags(
     sliding_window: int | None = None,
 ) -> KvShape:
     """A GQA/MQA/MHA shape from numbers given by hand (``--layers`` and friends)."""
-    for flag, value in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim)):
-        if value <= 0:
-            raise PlanError(flag, f"must be a positive integer, not {value}")
+    for flag, key, value in (
+        ("--layers", "num_hidden_layers", layers),
+        ("--kv-heads", "num_key_value_heads", kv_heads),
+        ("--head-dim", "head_dim", head_dim),
+    ):
+        if not 0 < value <= _bound(key):
+            top = _bound(key)
+            raise PlanError(
+                flag, f"must be a positive integer up to {top:,}, not {show_number(value)}"
+            )
     if sliding_layers < 0 or sliding_layers > layers:
         raise PlanError("--sliding-layers", f"must be between 0 and --layers, not {sliding_layers}")
     if sliding_layers and not sliding_window:
         raise PlanError("--sliding-window", "is required when --sliding-layers is set")
+    if sliding_layers and sliding_window is not None and not 0 < sliding_window <= MAX_TOKENS:
+        raise PlanError(
+            "--sliding-window",
+            f"must be a positive integer up to {MAX_TOKENS:,}, not {show_number(sliding_window)}",
+        )
     dtype_bytes(dtype, "--dtype")
     return KvShape(
         name="flags",

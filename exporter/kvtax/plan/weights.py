@@ -16,17 +16,21 @@ Example::
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
 from .errors import PlanError
+from .files import parse_json, read_json
+from .modelcfg import show_number
 
-__all__ = ["INDEX_NAME", "MAX_HEADER_BYTES", "header_bytes", "weight_bytes"]
+__all__ = ["INDEX_NAME", "MAX_HEADER_BYTES", "MAX_MODEL_BYTES", "header_bytes", "weight_bytes"]
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors itself refuses headers above 100 MB; a bigger length means a corrupt file.
 MAX_HEADER_BYTES = 100_000_000
+# A byte count or offset above 1 PiB is a corrupt file, not a model: refused, so that no size
+# reaches float arithmetic as an integer too large for it.
+MAX_MODEL_BYTES = 2**50
 
 
 def header_bytes(prefix: bytes, source: str) -> int:
@@ -36,10 +40,7 @@ def header_bytes(prefix: bytes, source: str) -> int:
     (length,) = struct.unpack("<Q", prefix[:8])
     if length > MAX_HEADER_BYTES or len(prefix) < 8 + length:
         raise PlanError(source, f"not a safetensors file: header length {length} is invalid")
-    try:
-        header = json.loads(prefix[8 : 8 + length])
-    except ValueError as exc:
-        raise PlanError(source, f"safetensors header is not JSON: {exc}") from exc
+    header = parse_json(prefix[8 : 8 + length], source, "safetensors header is not JSON")
     if not isinstance(header, dict):
         raise PlanError(source, "safetensors header is not a JSON object")
     total = 0
@@ -48,9 +49,24 @@ def header_bytes(prefix: bytes, source: str) -> int:
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2):
-            raise PlanError(source, f"tensor {name!r} has no data_offsets")
-        total += int(offsets[1]) - int(offsets[0])
+            raise PlanError(source, f"tensor {_short(name)!r} has no data_offsets")
+        start, end = offsets
+        if not (_is_size(start) and _is_size(end) and start <= end):
+            raise PlanError(
+                source,
+                f"tensor {_short(name)!r} has data_offsets {show_number(start)}, "
+                f"{show_number(end)}: not two byte offsets from 0 to {MAX_MODEL_BYTES:,}",
+            )
+        total += end - start
     return total
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_MODEL_BYTES
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 80 else name[:77] + "..."
 
 
 def _read_prefix(path: Path) -> bytes:
@@ -68,12 +84,17 @@ def weight_bytes(directory: Path) -> int | None:
     """Bytes of the weights in ``directory``; None when it holds no safetensors at all."""
     index = directory / INDEX_NAME
     if index.is_file():
-        try:
-            meta = json.loads(index.read_text()).get("metadata") or {}
-        except (OSError, ValueError) as exc:
-            raise PlanError(str(index), f"unreadable index: {exc}") from exc
-        if isinstance(meta.get("total_size"), int | float):
-            return int(meta["total_size"])
+        document = read_json(index)
+        meta = document.get("metadata") if isinstance(document, dict) else None
+        size = meta.get("total_size") if isinstance(meta, dict) else None
+        if isinstance(size, int | float) and not isinstance(size, bool):
+            if not 0 <= size <= MAX_MODEL_BYTES:  # NaN too
+                raise PlanError(
+                    str(index),
+                    f"metadata.total_size must be a byte count from 0 to {MAX_MODEL_BYTES:,}, "
+                    f"not {show_number(size)}",
+                )
+            return int(size)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         return None

@@ -13,12 +13,23 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["DEFAULT", "FLEET", "POD", "TEST_PROFILE", "RulesConfig", "short_profile"]
+__all__ = [
+    "DEFAULT",
+    "FLEET",
+    "POD",
+    "POSITIVE",
+    "SHARES",
+    "TEST_PROFILE",
+    "RulesConfig",
+    "short_profile",
+    "threshold_problem",
+]
 
 # Aggregation levels. Per pod keeps namespace and pod, which Prometheus attaches through a
 # PodMonitor; in a plain static scrape they are absent and ``by (namespace, pod, model_name)``
@@ -150,6 +161,43 @@ class RulesConfig:
 
 
 DEFAULT = RulesConfig()
+
+# The range of every number above. Shares lie from 0 to 1: a KV usage, a tax, a yield, a
+# coverage, a shed ratio, a quantile. The SLO and the over-admission ratio must be above 0 (an
+# alert at 0 would fire on every sample); any other threshold must not be negative.
+SHARES: frozenset[str] = frozenset(
+    {
+        "kv_near_full_usage",
+        "tax_warning",
+        "tax_critical",
+        "yield_warning",
+        "yield_critical",
+        "join_coverage_min",
+        "thrash_usage",
+        "slo_ttft_quantile",
+        "gate_shed_ratio",
+    }
+)
+POSITIVE: frozenset[str] = frozenset({"over_admission_ratio", "slo_ttft_seconds"})
+
+
+def threshold_problem(name: str, value: float) -> str | None:
+    """What is wrong with ``value`` for the number setting ``name``; None when it is fine.
+
+    >>> threshold_problem("tax_warning", 1.5)
+    'expected a share from 0 to 1, not 1.5'
+    >>> threshold_problem("shed_per_second", float("nan")) is None
+    False
+    """
+    if not math.isfinite(value):
+        return f"expected a finite number, not {value}"
+    if name in SHARES and not 0 <= value <= 1:
+        return f"expected a share from 0 to 1, not {value:g}"
+    if name in POSITIVE and value <= 0:
+        return f"expected a number above 0, not {value:g}"
+    if value < 0:
+        return f"expected a number of 0 or more, not {value:g}"
+    return None
 
 
 def short_profile(
