@@ -95,7 +95,7 @@ def test_the_table_names_what_it_shows(llama_dir: Path, capsys: pytest.CaptureFi
     assert code == 0
     assert "128.0 KiB" in out
     assert "409,600" in out
-    assert "concurrent requests at p95 (6,000) 68" in out
+    assert "\nrequests per GPU at p95 (6,000)        68\n" in out
     assert "--max-num-seqs 61" in out
 
 

@@ -206,3 +206,17 @@ def test_offsets_at_the_bound_still_count(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     path.write_bytes(_header(json.dumps({"w": {"data_offsets": [0, MAX_MODEL_BYTES]}})))
     assert weight_bytes(tmp_path) == MAX_MODEL_BYTES
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["a" * 5000], ["--model", "a/" * 3000], ["b" * 300, "--kv-pool-gib", "1"]],
+    ids=["positional", "flag", "one-long-component"],
+)
+def test_a_path_no_file_system_takes_is_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Path.is_dir() raised OSError (ENAMETOOLONG) through the whole command.
+    code, out, err = run(argv, capsys)
+    one_line(code, out, err, "--model: unusable path ...")
+    assert "File name too long" in err

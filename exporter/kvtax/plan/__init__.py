@@ -1,7 +1,8 @@
 """``kvtax plan``: size a vLLM deployment before it runs, and predict what a setting would cost.
 
 The package reads from the bottom up: :mod:`.errors` (the one exception), :mod:`.modelcfg` (a
-model's KV shape from config.json or flags), :mod:`.weights` (weight bytes from safetensors
+model's KV shape from config.json or flags), :mod:`.params` (weights estimated from
+config.json), :mod:`.gpus` (``--gpu`` presets), :mod:`.weights` (weight bytes from safetensors
 headers), :mod:`.sizing` (pool, tokens and concurrency: arithmetic only), :mod:`.profile`
 (request lengths from flags or histograms), :mod:`.simulate` (vLLM V1's scheduler, step by
 step: its value types in :mod:`.simtypes`, its step machinery in :mod:`.scheduler` over the

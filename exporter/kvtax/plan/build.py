@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from .profile import LengthProfile, arrivals, trace
 from .report import plan_dict
 from .simtypes import Result, Settings
 from .simulate import simulate
-from .sizing import Flags, Sizing, recommend, size
+from .sizing import GIB, Flags, Memory, Sizing, recommend, size
 
 __all__ = ["build_plan"]
 
@@ -30,16 +31,17 @@ __all__ = ["build_plan"]
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``plan`` prints, as a dict. Raises :class:`PlanError` on bad input."""
     _check_ranges(args)
+    args.model = _model_path(args)
     # Read in this order: a bad flag fails on the first input that reads it.
     shape, config = read_shape(args)
-    pool = read_pool(args)
+    memory = read_pool(args, config)
     page: dict[str, Any] = {}
     profile = read_profile(args, page)
     notes: list[str] = []
     sized = _Sized()
     if shape is not None:
-        sized = _size(args, shape, pool, profile, config)
-        notes += _shape_notes(args, shape, pool)
+        sized = _size(args, shape, memory, profile, config)
+        notes += _shape_notes(shape, memory)
     what_if = _what_if(args, sized.sizing, profile, page) if args.what_if else []
     if what_if:
         notes.append(
@@ -52,6 +54,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         )
     return plan_dict(
         shape=shape,
+        kv_cache_dtype=sized.kv_dtype,
+        memory=memory,
         sizing=sized.sizing,
         fp8=sized.fp8,
         profile=profile,
@@ -119,6 +123,31 @@ def _check_ranges(args: argparse.Namespace) -> None:
         raise PlanError("--target-usage", f"must be in (0, 1], not {args.target_usage}")
 
 
+def _model_path(args: argparse.Namespace) -> Path | None:
+    """The model, positional as ``vllm serve MODEL`` takes it, or ``--model``: not two."""
+    given: Path | None = getattr(args, "model_dir", None)
+    flag: Path | None = args.model
+    if given is not None and flag is not None and os.path.abspath(given) != os.path.abspath(flag):
+        raise PlanError(
+            "--model",
+            f"two models: {_short_path(given)} (MODEL) and {_short_path(flag)} (--model); give one",
+        )
+    model = given if given is not None else flag
+    if model is not None:
+        try:
+            model.is_dir()  # ENOENT and friends are False; a name too long raises
+        except OSError as exc:
+            raise PlanError(
+                "--model", f"unusable path {_short_path(model)}: {exc.strerror or exc}"
+            ) from None
+    return model
+
+
+def _short_path(path: Path) -> str:
+    text = str(path)
+    return text if len(text) <= 60 else "..." + text[-57:]
+
+
 def _plain(bound: float | None) -> str:
     """A bound as people write it: 1,048,576 rather than 1.04858e+06; 1e-06 stays."""
     if bound is not None and bound >= 1 and bound.is_integer():
@@ -128,8 +157,10 @@ def _plain(bound: float | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Sized:
-    """The pool sized at the KV cache's dtype, at fp8 (when that is smaller), and the flags."""
+    """The KV cache's dtype, the pool sized at it and at fp8 (when that is smaller), and the
+    flags."""
 
+    kv_dtype: str | None = None
     sizing: Sizing | None = None
     fp8: Sizing | None = None
     flags: Flags | None = None
@@ -138,15 +169,16 @@ class _Sized:
 def _size(
     args: argparse.Namespace,
     shape: KvShape,
-    pool: int | None,
+    memory: Memory | None,
     profile: LengthProfile | None,
     config: dict[str, Any] | None,
 ) -> _Sized:
     kv_dtype = shape.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     # Checked even without a pool, so a bad --kv-cache-dtype never passes silently.
     width = dtype_bytes(kv_dtype, "--kv-cache-dtype")
-    if pool is None:
-        return _Sized()
+    if memory is None:
+        return _Sized(kv_dtype)
+    pool = memory.pool_bytes
     sizing = _size_at(args, shape, width, pool)
     fp8 = _size_at(args, shape, 1, pool) if width > 1 else None
     flags = None
@@ -157,7 +189,7 @@ def _size(
             target_usage=args.target_usage,
             context_limit=context_limit(config or {}, str(config_file(args.model or Path()))),
         )
-    return _Sized(sizing, fp8, flags)
+    return _Sized(kv_dtype, sizing, fp8, flags)
 
 
 def _size_at(args: argparse.Namespace, shape: KvShape, width: int, pool: int) -> Sizing:
@@ -171,15 +203,24 @@ def _size_at(args: argparse.Namespace, shape: KvShape, width: int, pool: int) ->
     )
 
 
-def _shape_notes(args: argparse.Namespace, shape: KvShape, pool: int | None) -> list[str]:
-    """What the table leaves out for this model and these flags."""
+def _shape_notes(shape: KvShape, memory: Memory | None) -> list[str]:
+    """What the table leaves out for this model and these flags, and what it estimated."""
     notes: list[str] = []
-    if pool is None and args.gpu_memory_gib is None:
-        notes.append("no --gpu-memory-gib or --kv-pool-gib: only the per-token size is shown")
+    if memory is None:
+        notes.append(
+            "tokens and requests per GPU need the memory: give --gpu (H100-80GB, A100-40GB, "
+            "L4...), --gpu-memory-gib or --kv-pool-gib"
+        )
+    elif memory.parameters is not None and memory.weights_bytes is not None:
+        notes.append(
+            f"weights estimated from config.json: {memory.parameters / 1e9:,.2f}B parameters "
+            f"in {memory.weights_dtype} = {memory.weights_bytes / GIB:,.2f} GiB; for the exact "
+            "size give --weights-gib, or a model directory with its safetensors"
+        )
     if shape.sliding_layers:
         notes.append(
             "sliding-window layers hold at most the window per sequence: concurrency "
-            "counts that, 'tokens held' counts every layer as full"
+            "counts that, 'tokens per GPU' counts every layer as full"
         )
     return notes
 
@@ -214,7 +255,14 @@ def _what_if(
     if profile is None:
         raise PlanError(
             "--what-if",
-            "needs request lengths: four --prompt/--output flags, --from-metrics or --prometheus",
+            "needs request lengths: the --prompt/--output flags, --from-metrics or --prometheus",
+        )
+    if not profile.drawable:
+        flag = "--prompt-p50" if profile.prompt_p50 is None else "--output-p50"
+        raise PlanError(
+            flag,
+            "needed by --what-if: its trace draws lengths through the p50s and p95s "
+            "(sizing alone needs only the p95s)",
         )
     block_size = args.block_size
     blocks = args.num_blocks

@@ -17,11 +17,13 @@ from typing import Any
 
 from .build import build_plan
 from .errors import PlanError
+from .gpus import GPUS
 from .report import render_table
 
 __all__ = ["add_plan_parser", "run_plan"]
 
 DEFAULT_OVERHEAD_GIB = 2.0
+GPU_NAMES = [gpu.name for gpu in GPUS]
 
 
 def add_plan_parser(sub: Any) -> None:
@@ -29,19 +31,26 @@ def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="Size KV cache and max_num_seqs before deploying; --what-if predicts the tax.",
-        description="Static sizing from a model's config.json (or flags), the GPU memory and "
-        "the request lengths: KV bytes per token, the pool, tokens held, concurrency at p95, "
+        description="Static sizing from a model's config.json (or flags), the GPU and "
+        "the request lengths: KV bytes per token, tokens and requests per GPU at p95, the pool, "
         "recommended vllm serve flags and the effect of an fp8 KV cache. With --what-if, "
         "simulate vLLM V1's scheduler on that traffic for each candidate --max-num-seqs and "
         "predict preemptions, the token tax and relative throughput. See docs/plan.md.",
+    )
+    p.add_argument(
+        "model_dir",
+        nargs="?",
+        type=Path,
+        metavar="MODEL",
+        help="A model directory or its config.json, as `vllm serve MODEL` takes it (or --model).",
     )
     m = p.add_argument_group("model (a config.json, or the numbers by hand)")
     m.add_argument(
         "--model",
         type=Path,
         metavar="PATH",
-        help="config.json or a model directory "
-        "(then weights are read from its safetensors headers).",
+        help="config.json or a model directory, instead of MODEL "
+        "(weights are read from its safetensors headers, else estimated from config.json).",
     )
     m.add_argument("--layers", type=int, help="Attention layers (instead of --model).")
     m.add_argument("--kv-heads", type=int, help="KV heads per layer (instead of --model).")
@@ -60,7 +69,17 @@ def add_plan_parser(sub: Any) -> None:
         "model's dtype), fp8, fp8_e4m3, fp8_e5m2, bfloat16, float16... (default auto).",
     )
     g = p.add_argument_group("memory (the GPU, or the KV pool directly)")
-    g.add_argument("--gpu-memory-gib", type=float, help="Memory of one GPU, GiB.")
+    g.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help=f"A GPU by name, for the memory CUDA reports on it: {', '.join(GPU_NAMES)} "
+        "(see docs/plan.md).",
+    )
+    g.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="Memory of one GPU, GiB, as torch.cuda.mem_get_info() reports it (instead of --gpu).",
+    )
     g.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="vLLM's setting (default 0.9)."
     )
@@ -70,7 +89,8 @@ def add_plan_parser(sub: Any) -> None:
     g.add_argument(
         "--weights-gib",
         type=float,
-        help="Weight size, GiB (default: read from --model's safetensors).",
+        help="Weight size, GiB (default: read from the model's safetensors, else estimated "
+        "from its config.json).",
     )
     g.add_argument(
         "--overhead-gib",
@@ -91,8 +111,11 @@ def add_plan_parser(sub: Any) -> None:
         help="KV block size in tokens (default 16; vLLM CPU uses 128).",
     )
     lp = p.add_argument_group("request lengths (by hand, a /metrics page, or Prometheus)")
-    for name in ("prompt-p50", "prompt-p95", "output-p50", "output-p95"):
-        lp.add_argument(f"--{name}", type=float, help=f"{name.replace('-', ' ')} in tokens.")
+    for name in ("prompt-p95", "output-p95", "prompt-p50", "output-p50"):
+        optional = " (optional: --what-if's trace uses it)" if name.endswith("p50") else ""
+        lp.add_argument(
+            f"--{name}", type=float, help=f"{name.replace('-', ' ')} in tokens{optional}."
+        )
     lp.add_argument(
         "--from-metrics", metavar="URL", help="A vLLM or kvtax /metrics URL to read lengths from."
     )

@@ -18,10 +18,12 @@ from kvtax.engine.vocabulary import CONCEPTS
 from . import fetch
 from .errors import PlanError
 from .files import read_json
+from .gpus import find_gpu
 from .modelcfg import KvShape, shape_from_config, shape_from_flags
+from .params import WeightEstimate, estimate_weights
 from .profile import LengthProfile, profile_from_histograms, profile_from_kvtax_page
-from .sizing import GIB, pool_bytes
-from .weights import weight_bytes
+from .sizing import GIB, Memory, pool_bytes
+from .weights import INDEX_NAME, weight_bytes
 
 __all__ = ["config_file", "read_pool", "read_profile", "read_shape"]
 
@@ -31,7 +33,10 @@ def read_shape(args: argparse.Namespace) -> tuple[KvShape | None, dict[str, Any]
     if args.model is not None:
         file = config_file(args.model)
         if not file.is_file():
-            raise PlanError("--model", f"no config.json at {file}")
+            hint = ""
+            if not args.model.exists() and len(args.model.parts) == 2:  # org/name, from the Hub
+                hint = f" (plan reads a local copy: hf download {args.model} config.json)"
+            raise PlanError("--model", f"no config.json at {file}{hint}")
         config = read_json(file)
         if not isinstance(config, dict):
             raise PlanError(str(file), "is not a JSON object")
@@ -59,30 +64,63 @@ def config_file(model: Path) -> Path:
     return model / "config.json" if model.is_dir() else model
 
 
-def read_pool(args: argparse.Namespace) -> int | None:
-    """The KV pool per GPU in bytes: ``--kv-pool-gib``, or what the GPU memory leaves."""
+def read_pool(args: argparse.Namespace, config: dict[str, Any] | None) -> Memory | None:
+    """The KV pool per GPU: ``--kv-pool-gib``, or what the GPU memory leaves (``--gpu`` or
+    ``--gpu-memory-gib``) once the weights and the overhead are taken. The weights are
+    ``--weights-gib``, else the model directory's safetensors, else estimated from ``config``."""
+    gpu = find_gpu(args.gpu) if args.gpu is not None else None
+    if gpu is not None and args.gpu_memory_gib is not None:
+        raise PlanError("--gpu", "give --gpu or --gpu-memory-gib, not both")
     if args.kv_pool_gib is not None:
         if args.kv_pool_gib <= 0:
             raise PlanError("--kv-pool-gib", f"must be positive, not {args.kv_pool_gib:g}")
-        return int(args.kv_pool_gib * GIB)
-    if args.gpu_memory_gib is None:
+        return Memory(pool_bytes=int(args.kv_pool_gib * GIB))
+    memory_gib = gpu.memory_gib if gpu is not None else args.gpu_memory_gib
+    if memory_gib is None:
         return None
-    weights = args.weights_gib * GIB if args.weights_gib is not None else None
-    if weights is None and args.model is not None and args.model.is_dir():
-        found = weight_bytes(args.model)
-        weights = float(found) if found is not None else None
-    if weights is None:
-        raise PlanError(
-            "--weights-gib",
-            "needed with --gpu-memory-gib (or a --model directory with safetensors)",
-        )
-    return pool_bytes(
-        gpu_memory=args.gpu_memory_gib * GIB,
+    weights, source, estimate = _weights(args, config)
+    overhead = args.overhead_gib * GIB
+    pool = pool_bytes(
+        gpu_memory=memory_gib * GIB,
         utilization=args.gpu_memory_utilization,
         tensor_parallel=args.tensor_parallel_size,
         weights=weights,
-        overhead=args.overhead_gib * GIB,
+        overhead=overhead,
     )
+    return Memory(
+        pool_bytes=pool,
+        gpu=gpu.name if gpu is not None else None,
+        gpu_memory_bytes=memory_gib * GIB,
+        utilization=args.gpu_memory_utilization,
+        tensor_parallel=args.tensor_parallel_size,
+        weights_bytes=weights,
+        weights_source=source,
+        overhead_bytes=overhead,
+        parameters=estimate.parameters if estimate is not None else None,
+        weights_dtype=estimate.dtype if estimate is not None else None,
+    )
+
+
+def _weights(
+    args: argparse.Namespace, config: dict[str, Any] | None
+) -> tuple[float, str, WeightEstimate | None]:
+    """The weight bytes, where they came from, and the estimate when they are one."""
+    if args.weights_gib is not None:
+        return args.weights_gib * GIB, "--weights-gib", None
+    if args.model is not None and args.model.is_dir():
+        found = weight_bytes(args.model)
+        if found is not None:
+            index = args.model / INDEX_NAME
+            source = str(index) if index.is_file() else f"the safetensors headers in {args.model}"
+            return float(found), source, None
+    if config is None:
+        raise PlanError(
+            "--weights-gib",
+            "needed with --gpu or --gpu-memory-gib when the model is given by --layers "
+            "(with --model, a safetensors checkpoint or config.json gives them)",
+        )
+    estimate = estimate_weights(config, str(config_file(args.model or Path())))
+    return float(estimate.bytes), "estimate", estimate
 
 
 def read_profile(args: argparse.Namespace, page: dict[str, Any]) -> LengthProfile | None:
@@ -135,11 +173,12 @@ def read_profile(args: argparse.Namespace, page: dict[str, Any]) -> LengthProfil
         )
     if all(v is None for v in hand):
         return None
-    for flag, value in zip(
-        ("--prompt-p50", "--prompt-p95", "--output-p50", "--output-p95"), hand, strict=True
-    ):
+    # Sizing needs the p95s; the p50s only shape --what-if's trace (checked there).
+    for flag, value in (("--prompt-p95", args.prompt_p95), ("--output-p95", args.output_p95)):
         if value is None:
             raise PlanError(
-                flag, "is missing: give all four lengths, --from-metrics or --prometheus"
+                flag,
+                "is missing: give --prompt-p95 and --output-p95 (the p50s are optional), "
+                "--from-metrics or --prometheus",
             )
     return LengthProfile(*hand)

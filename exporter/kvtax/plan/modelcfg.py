@@ -32,8 +32,11 @@ __all__ = [
     "MAX_CONFIG_INT",
     "MAX_TOKENS",
     "KvShape",
+    "config_int",
     "context_limit",
     "dtype_bytes",
+    "language_config",
+    "opt_config_int",
     "shape_from_config",
     "shape_from_flags",
     "show_number",
@@ -123,6 +126,21 @@ MAX_CONFIG_INT: Mapping[str, int] = {
     "qk_rope_head_dim": 1_000_000,
     "attn_layer_period": 100_000,
     "attn_layer_offset": 100_000,
+    # Read only to estimate the weights (.params): sizes, expert counts and layer pattern.
+    "vocab_size": 100_000_000,
+    "intermediate_size": 100_000_000,
+    "moe_intermediate_size": 100_000_000,
+    "shared_expert_intermediate_size": 100_000_000,
+    "n_routed_experts": 1_000_000,
+    "num_local_experts": 1_000_000,
+    "num_experts": 1_000_000,
+    "n_shared_experts": 1_000_000,
+    "first_k_dense_replace": 100_000,
+    "moe_layer_freq": 100_000,
+    "decoder_sparse_step": 100_000,
+    "q_lora_rank": 1_000_000,
+    "qk_nope_head_dim": 1_000_000,
+    "v_head_dim": 1_000_000,
 }
 # Token counts (a sliding window, the model's context): vLLM's max_model_len is an int32.
 MAX_TOKENS = 2**31 - 1
@@ -141,7 +159,7 @@ def _bound(key: str) -> int:
     return MAX_CONFIG_INT.get(key, MAX_TOKENS)
 
 
-def _opt_int(
+def opt_config_int(
     cfg: Mapping[str, Any], key: str, source: str, prefix: str = "", *, minimum: int = 1
 ) -> int | None:
     """``cfg[key]`` as an integer from ``minimum`` to its bound; None when absent."""
@@ -157,8 +175,9 @@ def _opt_int(
     return value
 
 
-def _int(cfg: Mapping[str, Any], key: str, source: str, prefix: str = "") -> int:
-    value = _opt_int(cfg, key, source, prefix)
+def config_int(cfg: Mapping[str, Any], key: str, source: str, prefix: str = "") -> int:
+    """``cfg[key]`` as a positive integer up to its bound; a :class:`PlanError` when absent."""
+    value = opt_config_int(cfg, key, source, prefix)
     if value is None:
         raise PlanError(source, f"{prefix}{key} is missing")
     return value
@@ -197,8 +216,8 @@ def _layer_types(
                 raise PlanError(source, f"{prefix}{key} must be a list or a string")
             return [str(t) for t in value]
     if cfg.get("attn_layer_period") is not None:  # Jamba: attention every Nth layer, else Mamba
-        period = _int(cfg, "attn_layer_period", source, prefix)
-        offset = _opt_int(cfg, "attn_layer_offset", source, prefix, minimum=0) or 0
+        period = config_int(cfg, "attn_layer_period", source, prefix)
+        offset = opt_config_int(cfg, "attn_layer_offset", source, prefix, minimum=0) or 0
         return ["attention" if i % period == offset else "mamba" for i in range(layers)]
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
@@ -215,21 +234,27 @@ def _layer_types(
     return ["sliding_attention"] * layers  # one window on every layer (Mistral 7B v0.1)
 
 
+def language_config(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """The language model's settings and the prefix errors name them by: multimodal wrappers
+    keep them under ``text_config``."""
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        return text, "text_config."
+    return config, ""
+
+
 def shape_from_config(config: Mapping[str, Any], *, source: str = "config.json") -> KvShape:
     """The KV shape of a ``config.json`` already parsed; errors name ``source`` and the key."""
     model_type = str(config.get("model_type", ""))
     _refuse_state_space(model_type, source)
-    # Multimodal wrappers keep the language model's settings under text_config.
-    text = config.get("text_config")
-    cfg: Mapping[str, Any] = text if isinstance(text, Mapping) else config
-    at = "text_config." if cfg is text else ""
-    layers = _int(cfg, "num_hidden_layers", source, at)
-    heads = _int(cfg, "num_attention_heads", source, at)
+    cfg, at = language_config(config)
+    layers = config_int(cfg, "num_hidden_layers", source, at)
+    heads = config_int(cfg, "num_attention_heads", source, at)
     types = _layer_types(cfg, layers, source, at)
     if types is not None:
         _refuse_hybrid(types, layers, source)
     sliding = 0 if types is None else sum(t in _SLIDING_TYPES for t in types)
-    window = _opt_int(cfg, "sliding_window", source, at) if sliding else None
+    window = opt_config_int(cfg, "sliding_window", source, at) if sliding else None
     dtype = str(
         cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16"
     )
@@ -282,16 +307,16 @@ class _Heads:
 def _heads(cfg: Mapping[str, Any], heads: int, source: str, at: str = "") -> _Heads:
     """MLA's shared latent when the config has ``kv_lora_rank``, else K and V per KV head."""
     if cfg.get("kv_lora_rank"):
-        rank = _int(cfg, "kv_lora_rank", source, at)
-        rope = _int(cfg, "qk_rope_head_dim", source, at)
+        rank = config_int(cfg, "kv_lora_rank", source, at)
+        rope = config_int(cfg, "qk_rope_head_dim", source, at)
         return _Heads(per_layer=rank + rope, kv_heads=1, head_dim=rank + rope, mla=True)
-    kv_heads = _opt_int(cfg, "num_key_value_heads", source, at)
+    kv_heads = opt_config_int(cfg, "num_key_value_heads", source, at)
     if kv_heads is None:
         # Falcon's multi_query flag means one KV head; otherwise no key means plain MHA.
         kv_heads = 1 if cfg.get("multi_query") else heads
-    head_dim = _opt_int(cfg, "head_dim", source, at)
+    head_dim = opt_config_int(cfg, "head_dim", source, at)
     if head_dim is None:
-        hidden = _int(cfg, "hidden_size", source, at)
+        hidden = config_int(cfg, "hidden_size", source, at)
         if hidden < heads:
             raise PlanError(
                 source,

@@ -47,11 +47,14 @@ _Z95 = 1.6448536269514722  # the standard normal's 95th percentile
 
 @dataclass(frozen=True, slots=True)
 class LengthProfile:
-    """p50/p95 prompt and output lengths in tokens, with the histograms they came from."""
+    """p50/p95 prompt and output lengths in tokens, with the histograms they came from.
 
-    prompt_p50: float
+    Sizing uses the p95s only; the p50s (None when not given) shape the simulated trace.
+    """
+
+    prompt_p50: float | None
     prompt_p95: float
-    output_p50: float
+    output_p50: float | None
     output_p95: float
     prompt_histogram: Histogram | None = None
     output_histogram: Histogram | None = None
@@ -64,12 +67,19 @@ class LengthProfile:
             ("--output-p50", self.output_p50),
             ("--output-p95", self.output_p95),
         ):
-            if not (value > 0 and math.isfinite(value)):
+            if value is not None and not (value > 0 and math.isfinite(value)):
                 raise PlanError(name, f"must be a positive number of tokens, not {value}")
-        if self.prompt_p95 < self.prompt_p50:
+        if self.prompt_p50 is not None and self.prompt_p95 < self.prompt_p50:
             raise PlanError("--prompt-p95", "must not be below --prompt-p50")
-        if self.output_p95 < self.output_p50:
+        if self.output_p50 is not None and self.output_p95 < self.output_p50:
             raise PlanError("--output-p95", "must not be below --output-p50")
+
+    @property
+    def drawable(self) -> bool:
+        """Whether :func:`trace` can draw from it: histograms, or both p50s beside the p95s."""
+        if self.prompt_histogram is not None and self.output_histogram is not None:
+            return True
+        return self.prompt_p50 is not None and self.output_p50 is not None
 
     @property
     def p95_length(self) -> int:
@@ -164,9 +174,11 @@ def trace(
         if profile.prompt_histogram is not None and profile.output_histogram is not None:
             prompt = _from_histogram(profile.prompt_histogram, rng)
             output = _from_histogram(profile.output_histogram, rng)
-        else:
+        elif profile.prompt_p50 is not None and profile.output_p50 is not None:
             prompt = _lognormal(profile.prompt_p50, profile.prompt_p95, rng)
             output = _lognormal(profile.output_p50, profile.output_p95, rng)
+        else:
+            raise PlanError("--prompt-p50", "the simulated trace needs the p50 lengths too")
         if max_length is not None and prompt + output > max_length:
             prompt = min(prompt, max_length - 1)
             output = max_length - prompt

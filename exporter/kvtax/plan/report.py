@@ -9,12 +9,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .modelcfg import KvShape
+from .modelcfg import KvShape, dtype_bytes
 from .profile import LengthProfile
 from .simtypes import Result
-from .sizing import GIB, Flags, Sizing
+from .sizing import GIB, Flags, Memory, Sizing
 
-__all__ = ["best_under", "plan_dict", "render_table", "what_if_rows"]
+__all__ = ["best_under", "kv_formula", "plan_dict", "render_table", "what_if_rows"]
+
+
+def kv_formula(shape: KvShape, kv_dtype: str) -> str:
+    """How the KV bytes per token come about, as the calculators write it: 2·L·H_kv·d·bytes."""
+    width = dtype_bytes(kv_dtype, "--kv-cache-dtype")
+    layers = shape.full_layers + shape.sliding_layers
+    counted = f"{layers} layers"
+    if shape.sliding_layers:
+        counted += f" ({shape.sliding_layers} sliding)"
+    if shape.mla:
+        return f"{counted} x {shape.per_layer} (MLA latent) x {width} B ({kv_dtype})"
+    return (
+        f"2 (K, V) x {counted} x {shape.kv_heads} KV heads x {shape.head_dim} head dim "
+        f"x {width} B ({kv_dtype})"
+    )
 
 
 def _shape(shape: KvShape) -> dict[str, Any]:
@@ -35,6 +50,7 @@ def _sizing(s: Sizing, profile: LengthProfile | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "kv_bytes_per_token": s.bytes_per_token,
         "kv_bytes_per_token_per_gpu": s.rank_bytes_per_token,
+        "tensor_parallel_size": s.tensor_parallel,
         "pool_bytes_per_gpu": s.pool_bytes,
         "kv_tokens": s.kv_tokens,
         "num_blocks": s.num_blocks,
@@ -70,9 +86,31 @@ def best_under(results: Sequence[Result], target: float) -> int | None:
     return max(ok) if ok else None
 
 
+def _memory(m: Memory) -> dict[str, Any]:
+    out: dict[str, Any] = {"pool_bytes_per_gpu": m.pool_bytes}
+    if m.gpu_memory_bytes is None:
+        out["source"] = "--kv-pool-gib"
+        return out
+    out.update(
+        gpu=m.gpu,
+        gpu_memory_bytes=m.gpu_memory_bytes,
+        gpu_memory_utilization=m.utilization,
+        tensor_parallel_size=m.tensor_parallel,
+        weights_bytes=m.weights_bytes,
+        weights_source=m.weights_source,
+        overhead_bytes=m.overhead_bytes,
+    )
+    if m.parameters is not None:
+        out["estimated_parameters"] = m.parameters
+        out["estimated_weights_dtype"] = m.weights_dtype
+    return out
+
+
 def plan_dict(
     *,
     shape: KvShape | None,
+    kv_cache_dtype: str | None = None,
+    memory: Memory | None = None,
     sizing: Sizing | None,
     fp8: Sizing | None,
     profile: LengthProfile | None,
@@ -83,7 +121,16 @@ def plan_dict(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if shape is not None:
-        out["model"] = _shape(shape)
+        kv_dtype = kv_cache_dtype or shape.dtype
+        width = dtype_bytes(kv_dtype, "--kv-cache-dtype")
+        out["kv_bytes_per_token"] = shape.elements_per_token() * width
+        out["model"] = {
+            **_shape(shape),
+            "kv_cache_dtype": kv_dtype,
+            "kv_bytes_per_token_formula": kv_formula(shape, kv_dtype),
+        }
+    if memory is not None:
+        out["memory"] = _memory(memory)
     if sizing is not None:
         out["sizing"] = _sizing(sizing, profile)
     if fp8 is not None:
@@ -128,10 +175,13 @@ def _kib(n: float) -> str:
 
 
 def render_table(plan: dict[str, Any]) -> str:
-    """The plan as the text table ``kvtax plan`` prints: one section per key the plan holds."""
+    """The plan as the text table ``kvtax plan`` prints: the headline (KV bytes per token, then
+    tokens and requests per GPU), then one section per key the plan holds."""
     lines = [
+        *_headline(plan),
         *_model_lines(plan),
-        *_sizing_lines(plan),
+        *_memory_lines(plan),
+        *_fp8_lines(plan),
         *_profile_lines(plan),
         *_flags_lines(plan),
         *_what_if_lines(plan),
@@ -141,7 +191,37 @@ def render_table(plan: dict[str, Any]) -> str:
 
 
 def _row(label: str, value: object) -> str:
-    return f"  {label:<34} {value}"
+    return f"  {label:<36} {value}"
+
+
+def _head(label: str, value: object) -> str:
+    return f"{label:<38} {value}"
+
+
+def _headline(plan: dict[str, Any]) -> list[str]:
+    """The calculators' answer first: bytes per token, and how many tokens and requests fit."""
+    if "kv_bytes_per_token" not in plan:
+        return []
+    per_token = plan["kv_bytes_per_token"]
+    lines = [
+        _head("KV bytes per token", f"{_kib(per_token)} ({per_token:,} B)"),
+        f"  = {plan['model']['kv_bytes_per_token_formula']}",
+    ]
+    if "sizing" in plan:
+        lines += _held_rows(plan, plan["sizing"], _head)
+    return lines
+
+
+def _held_rows(plan: dict[str, Any], s: dict[str, Any], row: Any) -> list[str]:
+    """Tokens and requests the pool holds: per GPU, or per replica under tensor parallelism."""
+    tp = s["tensor_parallel_size"]
+    where = "GPU" if tp == 1 else "replica"
+    held = f"{s['kv_tokens']:,} ({s['num_blocks']:,} blocks of {s['block_size']})"
+    lines = [row(f"tokens per {where}", held)]
+    if "concurrency_at_p95" in s:
+        p95 = plan["profile"]["p95_length"]
+        lines.append(row(f"requests per {where} at p95 ({p95:,})", f"{s['concurrency_at_p95']:,}"))
+    return lines
 
 
 def _model_lines(plan: dict[str, Any]) -> list[str]:
@@ -157,34 +237,63 @@ def _model_lines(plan: dict[str, Any]) -> list[str]:
     ]
 
 
-def _sizing_lines(plan: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
-    for key, title in (("sizing", "KV cache"), ("fp8_kv_cache", "with --kv-cache-dtype fp8")):
-        if key not in plan:
-            continue
-        s = plan[key]
-        lines.append(f"{title}:")
-        per_token = s["kv_bytes_per_token"]
-        lines.append(_row("KV bytes per token", f"{_kib(per_token)} ({per_token:,} B)"))
-        lines.append(_row("pool per GPU", _gib(s["pool_bytes_per_gpu"])))
-        held = f"{s['kv_tokens']:,} ({s['num_blocks']:,} blocks of {s['block_size']})"
-        lines.append(_row("tokens held", held))
-        if "concurrency_at_p95" in s:
-            p95 = plan["profile"]["p95_length"]
-            lines.append(
-                _row(f"concurrent requests at p95 ({p95:,})", f"{s['concurrency_at_p95']:,}")
-            )
-    return lines
+def _memory_lines(plan: dict[str, Any]) -> list[str]:
+    if "memory" not in plan:
+        return []
+    m = plan["memory"]
+    pool = _gib(m["pool_bytes_per_gpu"])
+    if "gpu_memory_bytes" not in m:
+        return ["memory per GPU:", _row("KV pool", f"{pool} (--kv-pool-gib)")]
+    gpu = f" ({m['gpu']})" if m["gpu"] else ""
+    budget = m["gpu_memory_bytes"] * m["gpu_memory_utilization"]
+    weights = _gib(m["weights_bytes"])
+    tp = m["tensor_parallel_size"]
+    if tp > 1:
+        weights += f" ({_gib(m['weights_bytes'] / tp)} per GPU)"
+    if "estimated_parameters" in m:
+        weights += (
+            f", estimated: {m['estimated_parameters'] / 1e9:,.2f}B parameters "
+            f"in {m['estimated_weights_dtype']}"
+        )
+    else:
+        weights += f", from {m['weights_source']}"
+    title = f"memory per GPU{gpu}" + (f", {tp} GPUs per replica" if tp > 1 else "")
+    return [
+        f"{title}:",
+        _row(
+            "GPU memory x utilization",
+            f"{_gib(m['gpu_memory_bytes'])} x {m['gpu_memory_utilization']:g} = {_gib(budget)}",
+        ),
+        _row("weights", weights),
+        _row("activations, CUDA graphs", f"{_gib(m['overhead_bytes'])} (--overhead-gib)"),
+        _row("KV pool", pool),
+    ]
+
+
+def _fp8_lines(plan: dict[str, Any]) -> list[str]:
+    if "fp8_kv_cache" not in plan:
+        return []
+    s = plan["fp8_kv_cache"]
+    per_token = s["kv_bytes_per_token"]
+    return [
+        "with --kv-cache-dtype fp8:",
+        _row("KV bytes per token", f"{_kib(per_token)} ({per_token:,} B)"),
+        *_held_rows(plan, s, _row),
+    ]
 
 
 def _profile_lines(plan: dict[str, Any]) -> list[str]:
     if "profile" not in plan:
         return []
     p = plan["profile"]
+
+    def pair(p50: float | None, p95: float) -> str:
+        return f"{p50:,.0f} / {p95:,.0f}" if p50 is not None else f"- / {p95:,.0f}"
+
     return [
         f"request lengths ({p['source']}):",
-        _row("prompt p50 / p95", f"{p['prompt_p50']:,.0f} / {p['prompt_p95']:,.0f}"),
-        _row("output p50 / p95", f"{p['output_p50']:,.0f} / {p['output_p95']:,.0f}"),
+        _row("prompt p50 / p95", pair(p["prompt_p50"], p["prompt_p95"])),
+        _row("output p50 / p95", pair(p["output_p50"], p["output_p95"])),
     ]
 
 

@@ -26,7 +26,7 @@ from kvtax.figures.derive import recommended_max_num_seqs
 from .errors import PlanError
 from .modelcfg import KvShape
 
-__all__ = ["GIB", "Flags", "Sizing", "pool_bytes", "recommend", "size"]
+__all__ = ["GIB", "Flags", "Memory", "Sizing", "pool_bytes", "recommend", "size"]
 
 GIB = 2**30
 
@@ -61,6 +61,27 @@ def pool_bytes(
             f"{overhead / GIB:g} GiB of overhead",
         )
     return int(left)
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Where a rank's KV pool came from: given directly, or the GPU's budget less the rest.
+
+    Byte counts are None when the pool was given (``--kv-pool-gib``). ``weights_source`` says
+    where the weights came from (the flag, the checkpoint, or an estimate from the config, in
+    which case ``parameters`` is the estimated count and ``weights_dtype`` what it assumed).
+    """
+
+    pool_bytes: int
+    gpu: str | None = None
+    gpu_memory_bytes: float | None = None
+    utilization: float | None = None
+    tensor_parallel: int = 1
+    weights_bytes: float | None = None
+    weights_source: str | None = None
+    overhead_bytes: float | None = None
+    parameters: int | None = None
+    weights_dtype: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
