@@ -83,6 +83,10 @@ class FakeVllm:
     fail: dict[str, int] = field(default_factory=dict)
     tight: bool = False
     gzip: Literal["off", "on", "always"] = "off"
+    # The Content-Encoding it names for those bytes: "br" makes them a coding kvtax cannot read.
+    coding: str = "gzip"
+    # Spoil the compressed stream's bytes after its first write (what zlib cannot read).
+    corrupt: bool = False
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -164,15 +168,22 @@ class FakeVllm:
         headers = {"Content-Type": "text/event-stream"}
         packer = None
         if self._packs(request):
-            headers["Content-Encoding"] = "gzip"
+            headers["Content-Encoding"] = self.coding
             packer = zlib.compressobj(6, zlib.DEFLATED, 31)
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         lead = b"data:" if self.tight else b"data: "
 
+        wrote = [0]
+
         async def write(data: bytes, last: bool = False) -> None:
             if packer is not None:
-                data = packer.compress(data) + (packer.flush() if last else b"")
+                data = packer.compress(data) + packer.flush(
+                    zlib.Z_FINISH if last else zlib.Z_SYNC_FLUSH
+                )
+                if self.corrupt and wrote[0]:
+                    data = bytes(b ^ 0x5A for b in data)
+                wrote[0] += 1
             if data:
                 await response.write(data)
 
@@ -222,7 +233,7 @@ class FakeVllm:
         data = _dump(answer)
         headers = {"Content-Type": "application/json"}
         if self._packs(request):
-            headers["Content-Encoding"] = "gzip"
+            headers["Content-Encoding"] = self.coding
             data = _gzip(data)
         return web.Response(body=data, headers=headers)
 

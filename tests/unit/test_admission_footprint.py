@@ -9,12 +9,15 @@ import pytest
 
 from kvtax.admission.footprint import (
     CHAT_PATH,
+    MAX_COUNT,
+    MAX_FOOTPRINT,
     MAX_TOKENS_PER_BYTE,
     MIN_TOKENS_PER_BYTE,
     Shape,
     TokenEstimator,
     blocks_of,
     check_budget,
+    footprint_of,
     shape_of,
     with_max_tokens,
 )
@@ -34,7 +37,7 @@ def test_shape_reads_prompt_or_messages_and_the_limit() -> None:
     )
     assert chat.max_tokens == 9
     assert chat.prompt_bytes > 2
-    assert _shape({"prompt": "x", "max_tokens": True}, COMPLETIONS).max_tokens is None
+    assert _shape({"prompt": "x", "max_tokens": True}, COMPLETIONS).max_tokens == 1  # vLLM's 1
     assert _shape({"prompt": "x", "max_tokens": -3}, COMPLETIONS).max_tokens is None
     assert _shape(["not", "an", "object"], COMPLETIONS).prompt_bytes == 0
 
@@ -168,3 +171,103 @@ def test_retry_after_from_the_completion_rate() -> None:
     assert retry_after(ahead=0, completions=100, span=1.0, limit=60) == 1
     assert retry_after(ahead=1000, completions=1, span=60.0, limit=30) == 30
     assert retry_after(ahead=3, completions=0, span=60.0, limit=30) == 30
+
+
+@pytest.mark.parametrize("written", [50, "50", 50.0, " 50 ", "+50"])
+def test_limits_are_read_as_vllm_reads_them(written: object) -> None:
+    # Protection: "50" and 50.0 read as no max_tokens at all, so the budget refused a request
+    # vLLM serves with a limit of 50 (pydantic's lax int).
+    assert _shape({"prompt": "x", "max_tokens": written}, COMPLETIONS).max_tokens == 50
+    chat = {"messages": [], "max_completion_tokens": written, "max_tokens": 9000}
+    assert _shape(chat, CHAT_PATH).max_tokens == 50
+    assert check_budget(10, 50, 100, "reject").action == "ok"
+
+
+@pytest.mark.parametrize("written", [50.5, "fifty", "1e3", [50], {"n": 50}])
+def test_a_limit_vllm_refuses_is_no_limit(written: object) -> None:
+    assert _shape({"prompt": "x", "max_tokens": written}, COMPLETIONS).max_tokens is None
+    # ... on chat too, rather than falling through to a max_tokens vLLM never reaches.
+    chat = {"messages": [], "max_completion_tokens": written, "max_tokens": 5}
+    assert _shape(chat, CHAT_PATH).max_tokens is None
+
+
+def test_clamping_keeps_a_limit_that_fits_as_the_client_wrote_it() -> None:
+    # Protection: a limit written "50" was no count, so clamping replaced it by the whole room.
+    assert with_max_tokens({"max_tokens": "50"}, 100) == {"max_tokens": "50"}
+    assert with_max_tokens({"max_tokens": 50.0}, 100) == {"max_tokens": 50.0}
+    assert with_max_tokens({"max_tokens": "500"}, 100) == {"max_tokens": 100}
+
+
+@pytest.mark.parametrize(
+    "huge",
+    [10**309, 10**310, 10**5000, str(10**400), 1e308],
+    ids=["1e309", "1e310", "1e5000", "str-1e400", "float-1e308"],
+)
+def test_every_count_a_client_sends_is_bounded(huge: object) -> None:
+    # Protection: max_tokens = 10**309 went into float arithmetic unbounded: OverflowError in
+    # the gate's p95 (its follower died) and, at 10**310, in the ticket's blocks (a 500).
+    body = {"prompt": "x", "max_tokens": huge, "n": huge}
+    shape = _shape_of_raw(body)
+    assert shape.max_tokens in (MAX_COUNT, None)  # a 4000-digit string: vLLM refuses it
+    assert shape.n in (MAX_COUNT, 1)
+    tokens = footprint_of(10, shape.max_tokens or MAX_COUNT, prompts=shape.prompts, n=shape.n)
+    assert tokens <= MAX_FOOTPRINT
+    assert float(tokens) < float("inf")
+    assert blocks_of(tokens, 16) > 0
+    assert check_budget(10, shape.max_tokens, 100, "reject").action == "reject"
+
+
+def _shape_of_raw(body: dict[str, Any]) -> Shape:
+    return shape_of(body, COMPLETIONS, whole=1)
+
+
+def test_a_count_vllm_reports_is_bounded_too() -> None:
+    learned = TokenEstimator().learned(100, 10**400)
+    assert learned.tokens_per_byte == MAX_TOKENS_PER_BYTE
+
+
+@pytest.mark.parametrize(
+    ("body", "prompts", "n"),
+    [
+        ({"prompt": "one"}, 1, 1),
+        ({"prompt": [1, 2, 3]}, 1, 1),  # one prompt of token ids
+        ({"prompt": ["a", "b", "c"]}, 3, 1),
+        ({"prompt": [[1, 2], [3], [4]], "n": 2}, 3, 2),
+        ({"prompt": "one", "n": "50"}, 1, 50),
+        ({"prompt": "one", "n": 4.0}, 1, 4),
+        ({"prompt": "one", "n": None}, 1, 1),
+        ({"prompt": "one", "n": "many"}, 1, 1),  # vLLM refuses the request: nothing runs
+        ({"prompt": "one", "n": 0}, 1, 1),
+    ],
+)
+def test_the_shape_counts_prompts_and_n(body: dict[str, Any], prompts: int, n: int) -> None:
+    shape = _shape(body, COMPLETIONS)
+    assert (shape.prompts, shape.n) == (prompts, n)
+    assert shape.sequences == prompts * n
+
+
+def test_a_chats_messages_are_one_prompt_and_n_counts() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    shape = _shape({"messages": messages, "n": 3, "max_completion_tokens": 8}, CHAT_PATH)
+    assert (shape.prompts, shape.n, shape.max_tokens) == (1, 3, 8)
+
+
+def test_the_footprint_holds_every_sequence() -> None:
+    assert footprint_of(10, 64) == 74
+    assert footprint_of(10, 64, n=50) == 50 * 74
+    assert footprint_of(100, 64, prompts=50) == 100 + 50 * 64
+
+
+def test_the_budget_counts_every_sequence() -> None:
+    # Protection: n=50 with max_tokens=64 passed a budget of 100 tokens, and vLLM generated
+    # 3,200; a list of 50 prompts did the same.
+    assert check_budget(5, 64, 100, "reject").action == "ok"
+    many = check_budget(5, 64, 100, "reject", n=50)
+    assert many.action == "reject"
+    assert "50 sequences" in many.message
+    assert check_budget(5, 64, 100, "reject", prompts=50).action == "reject"
+    # Clamping: n * (prompt + m) <= budget.
+    assert check_budget(10, 64, 100, "clamp", n=2).max_tokens == 40
+    assert check_budget(10, 64, 100, "clamp", prompts=3).max_tokens == 30
+    assert check_budget(10, 30, 100, "clamp", prompts=3).action == "ok"
+    assert check_budget(30, 1, 100, "clamp", n=4).action == "reject"  # no room for a token

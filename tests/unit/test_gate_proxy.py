@@ -455,3 +455,146 @@ async def test_a_prompt_with_an_image_does_not_teach_the_estimator(
         await resp.read()
     await _until(lambda: proxies[0].in_flight == 0)
     assert gate.estimator == TokenEstimator()
+
+
+@pytest.mark.parametrize("exponent", [309, 310])
+async def test_a_huge_max_tokens_is_no_error_and_leaves_the_gate_working(
+    vllm: tuple[HeldVllm, str], proxies: Started, exponent: int
+) -> None:
+    # Protection: max_tokens = 10**309 killed the gate's follower (OverflowError in its p95,
+    # the cap held at the floor for good); 10**310 got a plain-text 500 from kvtax, recorded
+    # as vLLM's error. The body vLLM gets is the client's: vLLM answers it.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="adaptive", floor=2, ceiling=64))
+    url = await _start(proxies, upstream, gate)
+    body = b'{"model": "m", "prompt": "hello there", "max_tokens": 1' + b"0" * exponent + b"}"
+    status, answer = await _post_raw(url, body)
+    assert status == 200
+    assert answer["choices"]
+    assert fake.bodies == [body]
+    p95 = gate.footprint_p95
+    assert p95 is not None
+    assert math.isfinite(p95)
+    gate.observe({})  # the controller steps on
+    assert gate.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    # 20 short prompts: their bytes alone leave room for one prompt's 64 tokens.
+    [{"n": 20}, {"n": "20"}, {"prompt": ["a"] * 20}, {"prompt": [[1]] * 20}],
+    ids=["n", "n-string", "prompt-list", "token-lists"],
+)
+async def test_n_and_prompt_lists_meet_the_token_budget(
+    vllm: tuple[HeldVllm, str], proxies: Started, extra: dict[str, Any]
+) -> None:
+    # Protection: n=50 with max_tokens=64 under a budget of 100 was admitted and vLLM
+    # generated 3,200 tokens; a list of 50 prompts did the same.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), token_budget=100)
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        status, _, answer = await _post(client, url, {**BODY, "max_tokens": 64, **extra})
+    assert status == 400
+    assert "20 sequences" in answer["error"]["message"]
+    assert fake.bodies == []
+    assert gate.rejections["over_budget"] == 1
+
+
+async def test_clamping_leaves_each_sequence_its_share_of_the_budget(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(
+        cap=CapSettings(mode="static", static_cap=8), token_budget=100, over_budget="clamp"
+    )
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        assert (await _post(client, url, {**BODY, "max_tokens": 64, "n": 2}))[0] == 200
+    prompt = gate.estimator.estimate(len(b"hello there"))
+    sent = json.loads(fake.bodies[0])
+    assert sent["n"] == 2
+    assert 2 * (prompt + sent["max_tokens"]) <= 100
+    assert sent["max_tokens"] == (100 - 2 * prompt) // 2
+
+
+@pytest.mark.parametrize("written", ["50", 50.0, " 50 "])
+async def test_a_max_tokens_vllm_reads_as_a_number_meets_the_budget(
+    vllm: tuple[HeldVllm, str], proxies: Started, written: Any
+) -> None:
+    # Protection: "50" and 50.0 (vLLM reads both as 50) were refused as having no max_tokens.
+    fake, upstream = vllm
+    fake.hold = False
+    gate = _gate(cap=CapSettings(mode="static", static_cap=8), token_budget=100)
+    url = await _start(proxies, upstream, gate)
+    body = {**BODY, "max_tokens": written}
+    async with aiohttp.ClientSession() as client:
+        assert (await _post(client, url, body))[0] == 200
+    assert json.loads(fake.bodies[0])["max_tokens"] == written  # sent as the client wrote it
+
+
+@dataclass
+class OpenAfterDone:
+    """A vLLM whose stream ends (final usage, then [DONE] unless ``done`` is False) but whose
+    connection stays open until the test lets it go."""
+
+    done: bool = True
+    streams: int = 0
+
+    def __post_init__(self) -> None:
+        self.let_go = asyncio.Event()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+        if not payload.get("stream"):
+            return web.json_response({"choices": [{"index": 0, "text": "ok"}], "usage": usage})
+        self.streams += 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "c", "choices": [{"index": 0, "text": "ok"}], "usage": usage}
+        final = {"id": "c", "choices": [], "usage": usage}
+        for event in (chunk, final):  # compact, as vLLM writes its events
+            await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode())
+            await response.write(b"\n\n")
+        if self.done:
+            await response.write(b"data: [DONE]\n\n")
+        await self.let_go.wait()
+        await response.write_eof()
+        return response
+
+
+@pytest.mark.parametrize("done", [True, False], ids=["done", "final-usage-only"])
+async def test_a_stream_frees_its_slot_once_its_end_is_relayed(
+    proxies: Started, done: bool
+) -> None:
+    # Protection: an upstream that kept its connection open after [DONE] kept the gate's slot
+    # held, and the next client was shed.
+    fake = OpenAfterDone(done=done)
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake.completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    gate = _gate(max_queue=0)  # one slot, no queue: a held slot sheds the next client
+    url = await _start(proxies, f"http://127.0.0.1:{port}", gate)
+    try:
+        async with aiohttp.ClientSession() as client:
+            body = {**BODY, "stream": True}
+            async with client.post(url + "/v1/completions", json=body) as stream:
+                assert stream.status == 200
+                await _until(lambda: gate.in_flight == 0, limit=10.0)
+                status, _, _ = await _post(client, url)
+                assert status == 200
+                assert gate.rejections["queue_full"] == 0
+                fake.let_go.set()
+                await stream.read()
+        assert gate.in_flight == 0
+        assert gate.admitted == 2
+    finally:
+        fake.let_go.set()
+        await runner.cleanup()

@@ -285,28 +285,72 @@ async def test_an_upstream_that_gzips_when_allowed_is_asked_for_identity(start: 
 
 
 @pytest.mark.parametrize("asked", [True, False], ids=["asked-for-usage", "asked-for-none"])
-async def test_an_upstream_that_gzips_anyway_passes_unread_counted_without_usage(
-    start: Start, asked: bool, caplog: pytest.LogCaptureFixture
+async def test_a_stream_gzipped_anyway_is_inflated_trimmed_and_counted(
+    start: Start, asked: bool
 ) -> None:
+    # Protection: a stream gzipped against kvtax's identity passed unread, counted 0 tokens,
+    # and handed a client that asked for no usage the usage kvtax had asked for.
     rig: Rig = await start(gzip="always")
     options = {"include_usage": True, "continuous_usage_stats": True} if asked else {}
     body = _stream(stream_options=options) if asked else _stream()
-    caplog.set_level(logging.WARNING, logger="kvtax.serve.proxy")
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         direct = await _send(session, rig.upstream + COMPLETIONS, body)
         relayed = await _send(session, rig.url + COMPLETIONS, body)
-        await _send(session, rig.url + COMPLETIONS, body)
     await _until(lambda: rig.proxy.in_flight == 0)
-    assert _header(relayed, "content-encoding") == "gzip"
-    if asked:  # kvtax added nothing: the bytes are vLLM's own, byte for byte
-        assert relayed.body == direct.body
-    else:  # the usage kvtax asked for is in it; kvtax could not cut it, and says so
-        assert b'"usage"' in zlib.decompress(relayed.body, 31)
+    assert relayed.status == 200
+    assert _header(relayed, "content-encoding") == ""  # inflated for the client
+    assert relayed.body == zlib.decompress(direct.body, 31)  # exactly vLLM's stream, plain
+    assert (b'"usage"' in relayed.body) is asked
+    counts = rig.proxy.ledger.counts()[ENGINE]
+    assert counts.delivered["proxy"] == TOKENS
+    assert counts.usage_missing == 0
+    assert rig.proxy.encoded_streams == 0
+
+
+async def test_a_gzip_stream_labelled_deflate_inflates_too(start: Start) -> None:
+    rig: Rig = await start(gzip="always", coding="deflate")
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        relayed = await _send(session, rig.url + COMPLETIONS, _stream())
+    await _until(lambda: rig.proxy.in_flight == 0)
+    assert relayed.status == 200  # zlib reads a gzip or a zlib header, whichever comes
+    assert rig.proxy.ledger.counts()[ENGINE].delivered["proxy"] == TOKENS
+
+
+async def test_a_gzip_stream_zlib_cannot_read_ends_with_an_error_event(start: Start) -> None:
+    # Bytes zlib cannot read end the stream as a break does: an error event and a clean end,
+    # never a hang, and vLLM's connection is dropped (it aborts the request).
+    rig: Rig = await start(gzip="always", corrupt=True)
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        relayed = await _send(session, rig.url + COMPLETIONS, _stream())
+    await _until(lambda: rig.proxy.in_flight == 0)
+    assert relayed.status == 200  # its head went out before the bad bytes came
+    events = [e for e in relayed.body.split(b"\n\n") if e]
+    assert b"upstream_error" in events[-1]
+    counts = rig.proxy.ledger.counts()[ENGINE]
+    assert counts.outcomes["upstream_error"] == 1
+
+
+@pytest.mark.parametrize("asked", [True, False], ids=["asked-for-usage", "asked-for-none"])
+async def test_a_stream_in_a_coding_kvtax_cannot_read_never_hands_unasked_usage(
+    start: Start, asked: bool
+) -> None:
+    rig: Rig = await start(gzip="always", coding="br")
+    options = {"include_usage": True, "continuous_usage_stats": True} if asked else {}
+    body = _stream(stream_options=options) if asked else _stream()
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        direct = await _send(session, rig.upstream + COMPLETIONS, body)
+        relayed = await _send(session, rig.url + COMPLETIONS, body)
+    await _until(lambda: rig.proxy.in_flight == 0)
+    assert rig.proxy.encoded_streams == 1
     counts = rig.proxy.ledger.counts()[ENGINE]
     assert counts.delivered.get("proxy", 0.0) == 0
-    assert counts.usage_missing == 2
-    assert counts.outcomes["completed"] == 2
-    assert rig.proxy.encoded_streams == 2
-    warnings = [r.getMessage() for r in caplog.records if "Content-Encoding" in r.getMessage()]
-    assert len(warnings) == 1  # said once, not per request
-    assert ("did not" in warnings[0]) is not asked
+    if asked:  # kvtax added nothing: vLLM's own bytes, unread, counted without usage
+        assert relayed.status == 200
+        assert _header(relayed, "content-encoding") == "br"
+        assert relayed.body == direct.body
+        assert counts.usage_missing == 1
+    else:  # it would carry usage the client did not ask for: a 502 naming the coding instead
+        assert relayed.status == 502
+        error = json.loads(relayed.body)["error"]
+        assert "Content-Encoding br" in error["message"]
+        assert error["type"] == "upstream_error"

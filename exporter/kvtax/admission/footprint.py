@@ -3,14 +3,20 @@
 The prompt is counted without a tokenizer: its bytes times a tokens-per-byte ratio that starts
 conservative and is corrected from the prompt tokens vLLM reports in usage
 (:class:`TokenEstimator`). The worst case a request can hold in KV is its prompt plus its
-``max_tokens`` (the model's length when it states none); counted in whole blocks it is what
-the budget mode admits against.
+``max_tokens`` (the model's length when it states none) for each sequence it asks vLLM for:
+``n`` of them for each prompt of a ``prompt`` list (:func:`footprint_of`); counted in whole
+blocks it is what the budget mode admits against.
+
+Fields are read as vLLM reads them (pydantic's lax coercion, :mod:`kvtax.delivery.lax`), so
+``"max_tokens": "50"`` and ``50.0`` mean 50, and every number a client sends is bounded
+(:data:`MAX_COUNT`) before any arithmetic: a ``max_tokens`` of 10**309 is a very large request,
+not an OverflowError.
 
 Example::
 
     shape = shape_of(payload, "/v1/completions", whole=len(body))   # Shape(812, 256)
     tokens = TokenEstimator().estimate(shape.prompt_bytes)
-    blocks_of(tokens + 256, block_size=16)
+    blocks_of(footprint_of(tokens, 256, prompts=shape.prompts, n=shape.n), block_size=16)
 """
 
 from __future__ import annotations
@@ -21,9 +27,13 @@ from typing import Any, Literal
 
 import orjson
 
+from kvtax.delivery.lax import REFUSED, lax_int
+
 __all__ = [
     "CHAT_PATH",
     "LIMIT_KEYS",
+    "MAX_COUNT",
+    "MAX_FOOTPRINT",
     "MAX_TOKENS_PER_BYTE",
     "MIN_TOKENS_PER_BYTE",
     "BudgetVerdict",
@@ -31,6 +41,7 @@ __all__ = [
     "TokenEstimator",
     "blocks_of",
     "check_budget",
+    "footprint_of",
     "shape_of",
     "with_max_tokens",
 ]
@@ -40,6 +51,12 @@ OverBudget = Literal["reject", "clamp"]
 CHAT_PATH = "/v1/chat/completions"
 # The keys that limit a completion's length, in the order vLLM's chat endpoint reads them.
 LIMIT_KEYS = ("max_completion_tokens", "max_tokens")
+# The bound of every count a client states (max_tokens, n): far past any model's length or
+# vLLM's VLLM_MAX_N_SEQUENCES, so it changes no real request, and small enough that sums and
+# products of such counts stay exact in a float. A larger value is this one.
+MAX_COUNT = 2**31 - 1
+# The bound of a request's footprint in tokens (2**53: every integer below is a float).
+MAX_FOOTPRINT = 2**53
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +65,21 @@ class Shape:
 
     ``media``: the prompt also has parts that count as no bytes (images, audio); vLLM's count
     of its tokens includes theirs, so it says nothing about the tokens a byte of text costs.
+    ``prompts``: the prompts of a ``prompt`` list (each is a request of its own to vLLM);
+    ``n``: the sequences vLLM generates for each. ``max_tokens`` and ``n`` are within
+    [1, :data:`MAX_COUNT`].
     """
 
     prompt_bytes: int
     max_tokens: int | None
     media: bool = False
+    prompts: int = 1
+    n: int = 1
+
+    @property
+    def sequences(self) -> int:
+        """The sequences vLLM generates for this request, each up to ``max_tokens`` long."""
+        return self.prompts * self.n
 
 
 def shape_of(payload: Any, path: str, *, whole: int) -> Shape:
@@ -63,11 +90,35 @@ def shape_of(payload: Any, path: str, *, whole: int) -> Shape:
         return Shape(0, None)
     chat = path == CHAT_PATH
     media = False
+    prompts = 1  # a chat's messages are one prompt
     if chat:
         prompt, media = _text_of(payload.get("messages"))
     else:
         prompt = payload.get("prompt", "")
-    return Shape(_size(prompt, whole), _limit_of(payload, chat), media)
+        prompts = _prompts_in(prompt)
+    return Shape(
+        _size(prompt, whole), _limit_of(payload, chat), media, prompts, _count(payload.get("n"))
+    )
+
+
+def _prompts_in(prompt: Any) -> int:
+    """The prompts of a completions ``prompt``: a string or one list of token ids is one; a
+    list of strings or of token-id lists is one per item (vLLM serves each as a request of its
+    own, under the same ``max_tokens`` and ``n``)."""
+    if not isinstance(prompt, list) or not prompt:
+        return 1
+    if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+        return 1
+    return min(len(prompt), MAX_COUNT)
+
+
+def _count(value: Any) -> int:
+    """``n`` as vLLM reads it, bounded: absent, null or a value vLLM refuses (it then answers
+    400 and generates nothing) count as 1."""
+    read = lax_int(value)
+    if not isinstance(read, int) or read < 1:  # None, or REFUSED
+        return 1
+    return min(read, MAX_COUNT)
 
 
 def _size(prompt: Any, whole: int) -> int:
@@ -87,14 +138,25 @@ def _limit_of(payload: dict[str, Any], chat: bool) -> int | None:
     """The completion limit vLLM applies. Its CompletionRequest has ``max_tokens`` only (it
     ignores other keys); its ChatCompletionRequest takes ``max_completion_tokens or
     max_tokens`` (vllm/entrypoints/openai/protocol.py, to_sampling_params), so a null or 0
-    ``max_completion_tokens`` leaves ``max_tokens`` in force."""
+    ``max_completion_tokens`` leaves ``max_tokens`` in force. Each is read as vLLM's ``int``
+    field reads it (``"50"`` and ``50.0`` are 50) and bounded by :data:`MAX_COUNT`. None: no
+    limit stated, or one vLLM refuses (the worst case is assumed)."""
     keys = LIMIT_KEYS if chat else ("max_tokens",)
-    limit = next((payload[key] for key in keys if payload.get(key)), None)
-    return limit if _is_count(limit) else None
+    for key in keys:
+        read = lax_int(payload.get(key))
+        if read is REFUSED:
+            return None
+        if read:
+            return _bounded(read)
+    return None
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def _bounded(value: Any) -> int | None:
+    """A limit as vLLM reads it, within [1, MAX_COUNT]; None when it is no positive count."""
+    read = lax_int(value)
+    if not isinstance(read, int) or read < 1:  # None, or REFUSED
+        return None
+    return min(read, MAX_COUNT)
 
 
 def _text_of(messages: Any) -> tuple[Any, bool]:
@@ -129,8 +191,21 @@ def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
     return {**payload, **lowered}
 
 
-def _lowered(value: Any, limit: int) -> int:
-    return value if _is_count(value) and value <= limit else limit
+def _lowered(value: Any, limit: int) -> Any:
+    """A limit within ``limit``: as the client wrote it (``"50"`` stays ``"50"``) when vLLM
+    reads it as a count that is, else ``limit``."""
+    read = _bounded(value)
+    return value if read is not None and read <= limit else limit
+
+
+def footprint_of(prompt_tokens: int, completion: int, *, prompts: int = 1, n: int = 1) -> int:
+    """The worst-case KV tokens of a request: each of its ``prompts`` (``prompt_tokens`` all
+    together) held by each of its ``n`` sequences, each sequence up to ``completion`` tokens
+    long. vLLM serves ``n`` as that many requests, each with the whole prompt; prefix caching
+    may share the prompt's blocks, which the worst case does not count on. At most
+    :data:`MAX_FOOTPRINT`."""
+    total = n * (prompt_tokens + prompts * completion)
+    return max(1, min(total, MAX_FOOTPRINT))
 
 
 # The band the learned ratio stays in. No tokenizer spends more than one token on a byte (its
@@ -158,7 +233,8 @@ class TokenEstimator:
         """Corrected by one request whose prompt vLLM counted."""
         if prompt_bytes < 16 or prompt_tokens <= 0:
             return self  # too short to say anything about the ratio
-        seen = prompt_tokens / prompt_bytes
+        # Bounded before the division: the ratio ends in its band whatever a huge count says.
+        seen = min(prompt_tokens, MAX_FOOTPRINT) / prompt_bytes
         ratio = (1 - self.weight) * self.tokens_per_byte + self.weight * seen
         bounded = min(MAX_TOKENS_PER_BYTE, max(MIN_TOKENS_PER_BYTE, ratio))
         return TokenEstimator(bounded, self.weight)
@@ -179,20 +255,30 @@ class BudgetVerdict:
 
 
 def check_budget(
-    prompt_tokens: int, max_tokens: int | None, budget: int | None, over: OverBudget
+    prompt_tokens: int,
+    max_tokens: int | None,
+    budget: int | None,
+    over: OverBudget,
+    *,
+    prompts: int = 1,
+    n: int = 1,
 ) -> BudgetVerdict:
-    """Whether prompt + max_tokens fits the per-request ``budget`` of tokens (None: no budget).
+    """Whether the request's footprint (:func:`footprint_of`: prompt + max_tokens for each of
+    its ``n`` sequences of each of its ``prompts``) fits the per-request ``budget`` of tokens
+    (None: no budget).
 
     A request without ``max_tokens`` is clamped to what the budget leaves (or rejected, in
     ``reject``). A prompt that leaves no room is always rejected.
     """
     if budget is None:
         return BudgetVerdict("ok")
-    room = budget - prompt_tokens
+    # The largest max_tokens whose footprint fits: n * (prompt + prompts * m) <= budget.
+    room = (budget - n * prompt_tokens) // (n * prompts)
+    copies = "" if n * prompts == 1 else f" for each of {n * prompts} sequences (n x prompts)"
     if room < 1:
         return BudgetVerdict(
             "reject",
-            message=f"the prompt (about {prompt_tokens} tokens) leaves no room in the "
+            message=f"the prompt (about {prompt_tokens} tokens){copies} leaves no room in the "
             f"per-request budget of {budget} tokens (--admission.token-budget)",
         )
     if max_tokens is not None and max_tokens <= room:
@@ -202,6 +288,7 @@ def check_budget(
     stated = "no max_tokens" if max_tokens is None else f"max_tokens={max_tokens}"
     return BudgetVerdict(
         "reject",
-        message=f"prompt (about {prompt_tokens} tokens) plus {stated} exceeds the per-request "
-        f"budget of {budget} tokens (--admission.token-budget); ask for at most {room}",
+        message=f"prompt (about {prompt_tokens} tokens) plus {stated}{copies} exceeds the "
+        f"per-request budget of {budget} tokens (--admission.token-budget); ask for at most "
+        f"{room}",
     )

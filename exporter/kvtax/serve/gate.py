@@ -6,8 +6,15 @@ act on. :meth:`Gate.enter` admits a request at once when it fits and would head 
 else queues it; a queued request is admitted in :mod:`~kvtax.admission.order` as slots free, or
 shed with a reason (``queue_full`` past ``--admission.max-queue``, ``wait_expired`` past
 ``--admission.max-wait``). A queued client that goes away (its handler is cancelled) leaves the
-queue at once. :meth:`Gate.leave` frees the slot when the request ends. :meth:`Gate.observe`
-steps the cap once a scrape; :func:`follow` calls it whenever the sidecar has new figures.
+queue at once. :meth:`Gate.leave` frees the slot when the request ends (for a stream, once its
+``[DONE]`` or final usage event went to the client). :meth:`Gate.observe` steps the cap once a
+scrape; :func:`follow` calls it whenever the sidecar has new figures, and logs and outlives any
+error of one step.
+
+The queue is a heap whose leavers are only marked (dropped when they reach its head, or when
+half the heap is such): a client leaving, a wait expiring and shutdown's cancel-all cost O(1)
+each (amortized O(log N)), not a rebuild of the queue each, which took O(N**2) for N leaving
+at once.
 When kvtax shuts down, :meth:`Gate.close` turns every queued request away at once
 (:data:`CLOSED`) and admits nothing more.
 
@@ -26,7 +33,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
@@ -38,8 +44,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtax.admission.cap import CapSettings, CapState, initial, step
-from kvtax.admission.footprint import OverBudget, TokenEstimator, blocks_of
-from kvtax.admission.order import Order, queue_key, retry_after
+from kvtax.admission.footprint import (
+    MAX_FOOTPRINT,
+    OverBudget,
+    TokenEstimator,
+    blocks_of,
+    footprint_of,
+)
+from kvtax.admission.order import CompletionRate, Order, queue_key, retry_after
 from kvtax.admission.signals import signals_of
 from kvtax.delivery.ledger import HistogramAccumulator
 from kvtax.expose.report import HistogramSample, Sample
@@ -62,8 +74,8 @@ REASONS = ("queue_full", "wait_expired", "over_budget")
 # What enter() says once close() ran: kvtax is shutting down (not a shed, not counted as one).
 CLOSED = "shutdown"
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-# Completions over this many seconds set the rate behind Retry-After.
-RATE_SPAN = 60.0
+# The heap is rebuilt without its leavers once they are more than this share of it.
+_COMPACT_AT = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +105,7 @@ class Ticket:
     arrived: float
     admitted: bool = False
     waiter: asyncio.Future[None] | None = None
+    queued: bool = False  # in the queue's heap and not gone (a leaver's entry stays, unmarked)
 
 
 class Gate:
@@ -107,27 +120,33 @@ class Gate:
         self.waits = HistogramAccumulator(WAIT_BUCKETS)
         self.estimator = TokenEstimator()
         self.capacity_tokens: float | None = None
+        # A heap of (key, ticket); the key holds the ticket's unique seq, so tickets are never
+        # compared. Entries of tickets that left stay until they reach the head or compaction.
         self._queue: list[tuple[tuple[int, int], Ticket]] = []
+        self._waiting = 0  # tickets in the heap still queued
         self.closed = False  # shutdown began: close() emptied the queue, enter() refuses
         self._seq = itertools.count()
-        self._done: deque[float] = deque(maxlen=4096)
+        self._done = CompletionRate(clock())
         self._footprints: deque[int] = deque(maxlen=256)
-        self._started = clock()
         self._totals: Mapping[str, tuple[float, float]] = {}
 
     # -- sizing ------------------------------------------------------------------------------
-    def ticket(self, prompt: int, max_tokens: int | None) -> Ticket:
+    def ticket(
+        self, prompt: int, max_tokens: int | None, *, prompts: int = 1, n: int = 1
+    ) -> Ticket:
         """A ticket for a request of about ``prompt`` tokens (the caller estimated them for the
-        token budget already) whose completion limit is ``max_tokens``."""
-        completion = max_tokens if max_tokens is not None else self._assumed_completion(prompt)
-        footprint = prompt + completion
+        token budget already; all ``prompts`` of a prompt list together) whose completion
+        limit is ``max_tokens``, for ``n`` sequences of each prompt
+        (:func:`~kvtax.admission.footprint.footprint_of`)."""
+        prompts, n = max(1, prompts), max(1, n)
+        each = -(-prompt // prompts)  # a prompt's tokens, rounded up
+        completion = max_tokens if max_tokens is not None else self._assumed_completion(each)
+        footprint = footprint_of(prompt, completion, prompts=prompts, n=n)
         self._footprints.append(footprint)
-        return Ticket(
-            seq=next(self._seq),
-            footprint=footprint,
-            blocks=blocks_of(footprint, self.settings.cap.block_size),
-            arrived=self.clock(),
-        )
+        # Each sequence holds whole blocks of its own.
+        sequence = footprint_of(each, completion)
+        blocks = min(MAX_FOOTPRINT, blocks_of(sequence, self.settings.cap.block_size) * prompts * n)
+        return Ticket(seq=next(self._seq), footprint=footprint, blocks=blocks, arrived=self.clock())
 
     def _assumed_completion(self, prompt: int) -> int:
         if self.settings.max_model_len is not None:
@@ -150,7 +169,7 @@ class Gate:
     # -- the queue ---------------------------------------------------------------------------
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return self._waiting
 
     def fits(self, ticket: Ticket) -> bool:
         if self.in_flight >= self.state.cap:
@@ -170,11 +189,13 @@ class Gate:
         if self._goes_first(ticket) and self.fits(ticket):
             self._admit(ticket)
             return None
-        if len(self._queue) >= self.settings.max_queue:
+        if self._waiting >= self.settings.max_queue:
             self.rejections["queue_full"] += 1
             return "queue_full"
         ticket.waiter = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, (self._key(ticket), ticket))
+        ticket.queued = True
+        self._waiting += 1
         try:
             async with asyncio.timeout(self.settings.max_wait):
                 await ticket.waiter
@@ -197,7 +218,8 @@ class Gate:
         the head. Such a request that fits is admitted at once; queueing it would leave it
         waiting behind a head that does not fit until the next leave or scrape. FIFO never
         passes anyone: a newcomer's key is always the largest."""
-        return not self._queue or self._key(ticket) < self._queue[0][0]
+        head = self._head()
+        return head is None or self._key(ticket) < self._queue[0][0]
 
     def _key(self, ticket: Ticket) -> tuple[int, int]:
         return queue_key(self.settings.order, seq=ticket.seq, footprint=ticket.footprint)
@@ -212,14 +234,34 @@ class Gate:
             ticket.waiter.set_result(None)
 
     def _drop(self, ticket: Ticket) -> None:
-        self._queue = [entry for entry in self._queue if entry[1] is not ticket]
-        heapq.heapify(self._queue)
+        """``ticket`` leaves the queue: marked, its entry left for :meth:`_head` or
+        :meth:`_compact` to remove, so that N leaving at once is O(N), not N rebuilds."""
+        if not ticket.queued:
+            return
+        ticket.queued = False
+        self._waiting -= 1
+        if len(self._queue) > 64 and self._waiting < _COMPACT_AT * len(self._queue):
+            self._compact()
         self._pump()  # a large head leaving can let smaller ones in
 
+    def _compact(self) -> None:
+        """Rebuild the heap of the tickets still queued: O(N), once per N/2 leavers at least."""
+        self._queue = [entry for entry in self._queue if entry[1].queued]
+        heapq.heapify(self._queue)
+
+    def _head(self) -> Ticket | None:
+        """The first ticket still queued; the entries of leavers before it are dropped."""
+        queue = self._queue
+        while queue and not queue[0][1].queued:
+            heapq.heappop(queue)
+        return queue[0][1] if queue else None
+
     def _pump(self) -> None:
-        while self._queue and self.fits(self._queue[0][1]):
-            _, ticket = heapq.heappop(self._queue)
-            self._admit(ticket)
+        while (head := self._head()) is not None and self.fits(head):
+            heapq.heappop(self._queue)
+            head.queued = False
+            self._waiting -= 1
+            self._admit(head)
 
     def leave(self, ticket: Ticket) -> None:
         """The request ended: its slot and blocks go to the next in line."""
@@ -228,7 +270,7 @@ class Gate:
         ticket.admitted = False
         self.in_flight -= 1
         self.blocks_in_flight -= ticket.blocks
-        self._done.append(self.clock())
+        self._done.add(self.clock())
         self._pump()
 
     def close(self) -> None:
@@ -238,18 +280,20 @@ class Gate:
         that ends would otherwise send vLLM new work while the proxy is stopping.
         """
         self.closed = True
-        queued, self._queue = self._queue, []
+        queued, self._queue, self._waiting = self._queue, [], 0
         for _, ticket in queued:
+            if not ticket.queued:
+                continue
+            ticket.queued = False
             if ticket.waiter is not None and not ticket.waiter.done():
                 ticket.waiter.set_result(None)
 
     def retry_after(self) -> int:
-        """Seconds a shed client should wait, from the completion rate (Retry-After)."""
-        now = self.clock()
-        span = min(RATE_SPAN, now - self._started)
-        recent = sum(1 for t in self._done if now - t <= span)
+        """Seconds a shed client should wait, from the current completion rate (Retry-After;
+        :class:`~kvtax.admission.order.CompletionRate`)."""
+        completions, span = self._done.reading(self.clock())
         return retry_after(
-            ahead=len(self._queue), completions=recent, span=span, limit=self.settings.max_wait
+            ahead=self._waiting, completions=completions, span=span, limit=self.settings.max_wait
         )
 
     # -- the controller ----------------------------------------------------------------------
@@ -258,7 +302,7 @@ class Gate:
         signals, self._totals = signals_of(
             figures,
             self._totals,
-            queued=len(self._queue),
+            queued=self._waiting,
             in_flight=self.in_flight,
             footprint_p95=self.footprint_p95,
         )
@@ -282,7 +326,7 @@ class Gate:
             yield Sample("kvtax_gate_budget_blocks", (), float(state.budget_blocks))
         yield Sample("kvtax_gate_blocks_in_flight", (), float(self.blocks_in_flight))
         yield Sample("kvtax_gate_requests_in_flight", (), float(self.in_flight))
-        yield Sample("kvtax_gate_queue_depth", (), float(len(self._queue)))
+        yield Sample("kvtax_gate_queue_depth", (), float(self._waiting))
         yield Sample("kvtax_gate_admitted_total", (), float(self.admitted))
         for reason, n in self.rejections.items():
             yield Sample("kvtax_gate_rejections_total", (reason,), float(n))
@@ -299,14 +343,22 @@ class FiguresSource(Protocol):
 
 async def follow(gate: Gate, source: FiguresSource, interval: float) -> None:
     """Step ``gate`` each time ``source`` (the sidecar) has new figures: a scrape replaces the
-    mapping, so a new object is a new scrape. Runs until cancelled."""
+    mapping, so a new object is a new scrape. Runs until cancelled: an error of one step is
+    logged and the next scrape is stepped as usual (a follower that died held the cap where
+    it was for good, silently)."""
     seen: object = source.figures
     while True:
         await asyncio.sleep(interval)
         figures = source.figures
         if figures is not seen:
             seen = figures
-            gate.observe(figures)
+            try:
+                gate.observe(figures)
+            except Exception:
+                log.exception(
+                    "admission gate: stepping the cap failed; it stays at %d until the next scrape",
+                    gate.state.cap,
+                )
 
 
 class Follower:
@@ -325,5 +377,9 @@ class Follower:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # follow() logs its own; this is the last guard of shutdown
+                log.exception("admission gate: the follower ended with an error")

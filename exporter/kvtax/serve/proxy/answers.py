@@ -1,7 +1,8 @@
 """The proxy's own answers, in OpenAI's error shape: what kvtax says when vLLM does not.
 
 A body over ``--proxy.max-body`` (:func:`too_large`), a vLLM that could not be reached or did
-not answer in time (:func:`upstream_failure`), the admission gate's refusals (:func:`over_budget`,
+not answer in time (:func:`upstream_failure`), a stream it compressed past reading
+(:func:`undecodable`), the admission gate's refusals (:func:`over_budget`,
 :func:`shed`), and the 503 of a request kvtax ends unanswered because it is shutting down
 (:func:`shutting_down`). Nothing of the request is echoed back: the messages name limits and
 flags only. vLLM's own statuses and error bodies pass through the relay unchanged.
@@ -22,6 +23,7 @@ __all__ = [
     "shed",
     "shutting_down",
     "too_large",
+    "undecodable",
     "upstream_failure",
 ]
 
@@ -50,6 +52,17 @@ def upstream_failure(timed_out: bool, timeout: float) -> Answer:
     if timed_out:
         return Answer.error(504, f"vLLM did not answer within {timeout:g}s", "upstream_timeout")
     return Answer.error(502, "vLLM is unreachable", "upstream_unavailable")
+
+
+def undecodable(encoding: str) -> Answer:
+    """The 502 for a stream vLLM compressed with a coding kvtax cannot read, although kvtax
+    asked for identity, when the client would get usage it did not ask for."""
+    return Answer.error(
+        502,
+        f"vLLM answered the stream with Content-Encoding {encoding} though asked for identity; "
+        "kvtax cannot read it",
+        "upstream_error",
+    )
 
 
 _SHED_MESSAGES = {

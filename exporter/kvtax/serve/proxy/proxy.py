@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtax.admission.footprint import check_budget, shape_of, with_max_tokens
+from kvtax.admission.footprint import Shape, check_budget, shape_of, with_max_tokens
 from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.sse import HoldBudget, UsageWish
 from kvtax.delivery.timing import SloTargets
@@ -54,12 +54,20 @@ from kvtax.serve.proxy.answers import (
     shed,
     shutting_down,
     too_large,
+    undecodable,
     upstream_failure,
 )
 from kvtax.serve.proxy.client import ClientConnection, Incoming
 from kvtax.serve.proxy.exchange import Exchange, Phase, outcome_of, record_of
-from kvtax.serve.proxy.prepare import Prepared, prepare
-from kvtax.serve.proxy.relay import BodySink, PlainSink, RelaySettings, StreamSink
+from kvtax.serve.proxy.prepare import UNNAMED, Prepared, prepare
+from kvtax.serve.proxy.relay import (
+    INFLATABLE,
+    BodySink,
+    InflatingStreamSink,
+    PlainSink,
+    RelaySettings,
+    StreamSink,
+)
 from kvtax.serve.proxy.upstream import (
     UPSTREAM_IDLE,
     Cut,
@@ -123,6 +131,8 @@ class Proxy:
         self.ledger = ledger
         self.clock = clock
         self.in_flight = 0
+        # Streams vLLM answered in a coding kvtax cannot inflate (not gzip or deflate).
+        self.encoded_streams = 0
         self.upstream = Upstream(settings.upstream, settings.timeout)
         self.held = HoldBudget(settings.max_held)
         # The one shutdown state: the relay and outcome_of read it, only stop() moves it.
@@ -231,8 +241,8 @@ class Proxy:
             client.answer(request.refusal, request)
         elif request.too_large:
             if request.method == b"POST" and request.path in _ACCOUNTED:
-                # Settled unread: its model is unknown.
-                ex = Exchange(started=self.clock(), too_large=True)
+                # Settled unread: its model is unknown (not vLLM's default: vLLM never saw it).
+                ex = Exchange(started=self.clock(), model=UNNAMED, too_large=True)
                 self.ledger.settle(
                     record_of(
                         ex, outcome_of(ex, self.state), ended=ex.started, slo=self.settings.slo
@@ -300,7 +310,8 @@ class Proxy:
             return
         ticket, body = entry
         try:
-            await self._forward(client, request, ex, wish, body)
+            # A stream frees its slot once its end went out, though vLLM's connection may not.
+            await self._forward(client, request, ex, wish, body, release=lambda: gate.leave(ticket))
         finally:
             gate.leave(ticket)
 
@@ -315,13 +326,13 @@ class Proxy:
         # includes theirs, which no byte of it shows.
         ex.prompt_bytes = 0 if shape.media else shape.prompt_bytes
         prompt = gate.estimator.estimate(shape.prompt_bytes)
-        checked = self._budget(gate, prepared, shape.max_tokens, prompt)
+        checked = self._budget(gate, prepared, shape, prompt)
         if isinstance(checked, str):
             ex.shed = "over_budget"
             gate.rejections["over_budget"] += 1
             return over_budget(checked)
         body, limit = checked
-        ticket = gate.ticket(prompt, limit)
+        ticket = gate.ticket(prompt, limit, prompts=shape.prompts, n=shape.n)
         reason = await gate.enter(ticket)
         if reason == CLOSED:
             ex.turned_away = True  # shutdown began while it waited in the queue
@@ -333,21 +344,22 @@ class Proxy:
 
     @staticmethod
     def _budget(
-        gate: Gate, prepared: Prepared, max_tokens: int | None, prompt: int
+        gate: Gate, prepared: Prepared, shape: Shape, prompt: int
     ) -> tuple[bytes, int | None] | str:
         """The body to send and its completion limit under the token budget, or why it is
         refused. A body that is not a JSON object has no limit to check or set: vLLM refuses
         it with its own 400."""
         payload = prepared.payload
         budget = gate.settings.token_budget if isinstance(payload, dict) else None
-        verdict = check_budget(prompt, max_tokens, budget, gate.settings.over_budget)
+        max_tokens, copies = shape.max_tokens, {"prompts": shape.prompts, "n": shape.n}
+        verdict = check_budget(prompt, max_tokens, budget, gate.settings.over_budget, **copies)
         if verdict.action == "reject":
             return verdict.message
         if verdict.action == "ok" or verdict.max_tokens is None:
             return prepared.body, max_tokens
         clamped = prepared.rewritten(with_max_tokens(payload, verdict.max_tokens))
         if clamped is None:  # too deep to write back: refused as `reject` would
-            return check_budget(prompt, max_tokens, budget, "reject").message
+            return check_budget(prompt, max_tokens, budget, "reject", **copies).message
         return clamped, verdict.max_tokens
 
     async def _forward(
@@ -357,8 +369,11 @@ class Proxy:
         ex: Exchange,
         wish: UsageWish | None,
         body: bytes,
+        *,
+        release: Callable[[], None] | None = None,
     ) -> None:
-        """Send the request to vLLM and relay its answer."""
+        """Send the request to vLLM and relay its answer; ``release`` is called once a stream's
+        end (``[DONE]`` or the final usage event) went to the client."""
         if self.state != "serving":
             ex.turned_away = True  # shutdown began: nothing new goes to vLLM
             client.answer(shutting_down(), request)
@@ -381,17 +396,10 @@ class Proxy:
             client.answer(shutting_down(), request)
             return
         ex.status = conn.status
-        ok = conn.status < 300
-        if ok and ex.model is not None:
-            self.ledger.names.learn(ex.model)
-        stream = wish is not None and ok and _is_sse(conn)
-        framing, head = self._respond_head(request, conn, rewritten=stream)
-        sink: StreamSink | BodySink
-        if stream:
-            assert wish is not None
-            sink = StreamSink(client, framing, head, ex, wish=wish, relay=self.relay)
-        else:
-            sink = BodySink(client, framing, head, ex, self.clock)
+        sink = self._sink(client, request, conn, ex, wish, release=release)
+        if sink is None:
+            conn.close()  # vLLM sees the disconnect and aborts the request
+            return
         self._open[id(ex)] = (ex, conn)
         try:
             await self._relay(client, conn, sink, settle=False)
@@ -403,6 +411,40 @@ class Proxy:
                 # Closing (not releasing) drops the connection: vLLM sees the disconnect and
                 # aborts the request, freeing its KV blocks.
                 conn.close()
+
+    def _sink(
+        self,
+        client: ClientConnection,
+        request: Incoming,
+        conn: UpstreamConnection,
+        ex: Exchange,
+        wish: UsageWish | None,
+        *,
+        release: Callable[[], None] | None,
+    ) -> StreamSink | BodySink | None:
+        """Where vLLM's answer goes: an accounted stream is rewritten (inflated first if vLLM
+        gzipped it though asked for identity), anything else is read as it passes. None when
+        the client was answered instead: a stream in a coding kvtax cannot read would hand the
+        client usage it did not ask for."""
+        ok = conn.status < 300
+        if ok and ex.model is not None:
+            self.ledger.names.learn(ex.model)
+        stream = wish is not None and ok and _is_sse(conn)
+        coding = _coding(conn) if ok else None
+        if stream and coding is not None and coding not in INFLATABLE:
+            assert wish is not None
+            self.encoded_streams += 1
+            if not (wish.include_usage and wish.continuous):
+                client.answer(undecodable(coding.decode("latin-1")), request)
+                return None
+            stream = False  # the client asked for all kvtax did: it passes unread
+        decoded = stream and coding is not None
+        framing, head = self._respond_head(request, conn, rewritten=stream, decoded=decoded)
+        if not stream:
+            return BodySink(client, framing, head, ex, self.clock)
+        assert wish is not None
+        kind = InflatingStreamSink if decoded else StreamSink
+        return kind(client, framing, head, ex, wish=wish, relay=self.relay, on_done=release)
 
     async def _relay(
         self,
@@ -442,7 +484,7 @@ class Proxy:
 
     @staticmethod
     def _respond_head(
-        request: Incoming, conn: UpstreamConnection, *, rewritten: bool
+        request: Incoming, conn: UpstreamConnection, *, rewritten: bool, decoded: bool = False
     ) -> tuple[Framing, bytes]:
         """The body's framing for the client, and vLLM's status and headers for it (written
         with the first bytes of the body that are in by then)."""
@@ -461,6 +503,8 @@ class Proxy:
         if close:
             request.keep_alive = False
         headers = forwarded(conn.headers)
+        if decoded:  # inflated for the client: it gets the stream plain
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-encoding"]
         if framing == "none":
             # Keep the length vLLM gave (the body a GET would have); there is no body to frame.
             given = header(conn.headers, b"content-length")
@@ -477,6 +521,13 @@ def _length(conn: UpstreamConnection) -> int | None:
     if header(conn.headers, b"transfer-encoding") is not None:
         return None
     return content_length(conn.headers)
+
+
+def _coding(conn: UpstreamConnection) -> bytes | None:
+    """vLLM's Content-Encoding, lower case, when it is one (gzip, say) other than identity."""
+    value = header(conn.headers, b"content-encoding")
+    coding = value.strip().lower() if value is not None else b""
+    return None if coding in (b"", b"identity") else coding
 
 
 def _is_sse(conn: UpstreamConnection) -> bool:

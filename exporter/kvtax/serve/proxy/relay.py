@@ -8,7 +8,13 @@ close the body and resolve :attr:`done`, which the request's handler awaits.
   StreamRewriter` that cuts the usage the client did not ask for. Every write is recorded with
   the client's acknowledgement tracker (:mod:`~kvtax.serve.proxy.acks`) and the stream's timing.
   A stream vLLM does not finish (it broke off, timed out, or shutdown cut it) ends with an
-  OpenAI-style error event and a clean end: its headers and 200 are long gone.
+  OpenAI-style error event and a clean end: its headers and 200 are long gone. Once its
+  ``[DONE]`` or final usage event went out (vLLM has finished the request), ``on_done`` is
+  called, once: the admission gate frees the request's slot there, not when vLLM's connection
+  ends, which an upstream that keeps it open would put off for good.
+- :class:`InflatingStreamSink`: the same for a stream vLLM gzipped although kvtax asked for
+  identity; inflated as it comes, so the usage the client did not ask for is still cut, and the
+  client gets it plain.
 - :class:`BodySink`: an accounted answer that is not a stream, its usage read as it passes
   (:class:`~kvtax.delivery.usage.UsageScanner`).
 - :class:`PlainSink`: any other path's answer, as it is.
@@ -27,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +47,19 @@ from kvtax.serve.proxy.client import ClientConnection
 from kvtax.serve.proxy.exchange import Exchange, Phase
 from kvtax.serve.proxy.wire import LAST_CHUNK, Framing, chunk
 
-__all__ = ["BodySink", "PlainSink", "RelaySettings", "StreamSink"]
+__all__ = [
+    "INFLATABLE",
+    "BodySink",
+    "InflatingStreamSink",
+    "PlainSink",
+    "RelaySettings",
+    "StreamSink",
+]
+
+# Codings an InflatingStreamSink reads: zlib's gzip and (zlib-wrapped) deflate.
+INFLATABLE = frozenset({b"gzip", b"x-gzip", b"deflate"})
+# Inflated in pieces of at most this, each rewritten before the next is inflated.
+_INFLATE_PIECE = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +187,11 @@ class StreamSink(_Sink):
         *,
         wish: UsageWish,
         relay: RelaySettings,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(client, framing, head)
         self.ex = ex
+        self.on_done = on_done
         self.relay = relay
         self.clock = relay.clock
         self.rewriter = ex.rewriter = StreamRewriter(wish, budget=relay.held)
@@ -184,6 +205,14 @@ class StreamSink(_Sink):
             self._write(out.payload, out.completion_tokens)
             if rewriter.done:
                 self.ex.wrote_all = True  # [DONE] is with the client's kernel
+        if self.on_done is not None and (
+            rewriter.done or rewriter.final_completion_tokens is not None
+        ):
+            # The stream's end is relayed (this read's bytes go out in its flush), or the final
+            # usage was dropped for the client: the request is over in vLLM, whatever its
+            # connection does next.
+            done, self.on_done = self.on_done, None
+            done()
 
     def end(self) -> None:
         rewriter = self.rewriter
@@ -224,3 +253,56 @@ class StreamSink(_Sink):
         if tokens > before:
             self.timing.tokens_written(self.clock(), self.rewriter.prompt_tokens + before)
         acks.wrote(sent, max(tokens, before))
+
+
+class InflatingStreamSink(StreamSink):
+    """An accounted SSE stream that vLLM compressed (gzip or deflate, :data:`INFLATABLE`) though
+    kvtax asked for identity: each read is inflated, in bounded pieces, and rewritten like any
+    stream. Bytes zlib cannot read end the stream as a break does."""
+
+    def __init__(
+        self,
+        client: ClientConnection,
+        framing: Framing,
+        head: bytes,
+        ex: Exchange,
+        *,
+        wish: UsageWish,
+        relay: RelaySettings,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(client, framing, head, ex, wish=wish, relay=relay, on_done=on_done)
+        # 32 + MAX_WBITS: a gzip or a zlib header, whichever comes.
+        self.inflater = zlib.decompressobj(32 + zlib.MAX_WBITS)
+        self.failed = False
+
+    def feed(self, data: bytes) -> None:
+        if self.failed:
+            return
+        try:
+            plain = self.inflater.decompress(data, _INFLATE_PIECE)
+            while plain:
+                super().feed(plain)
+                tail = self.inflater.unconsumed_tail
+                plain = self.inflater.decompress(tail, _INFLATE_PIECE) if tail else b""
+        except zlib.error as exc:
+            self.failed = True
+            super().broke(exc)
+
+    def end(self) -> None:
+        if self.failed:
+            return
+        try:
+            rest = self.inflater.flush()
+        except zlib.error as exc:
+            self.failed = True
+            super().broke(exc)
+            return
+        if rest:
+            super().feed(rest)
+        super().end()
+
+    def broke(self, cause: BaseException) -> None:
+        if not self.failed:
+            self.failed = True
+            super().broke(cause)
