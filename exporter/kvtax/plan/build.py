@@ -240,6 +240,26 @@ def _candidates(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def _what_if_pool(
+    args: argparse.Namespace, sizing: Sizing | None, page: dict[str, Any]
+) -> tuple[int, int]:
+    """The simulated pool's blocks and block size: ``--num-blocks``, else the sized pool, else
+    the one the /metrics page reports."""
+    block_size = args.block_size
+    blocks = args.num_blocks
+    if blocks is None and sizing is not None:
+        blocks = sizing.num_blocks
+    if blocks is None and page.get("num_gpu_blocks"):
+        capacity = kv_capacity_tokens(page)
+        block_size = int(page.get("block_size", block_size))
+        blocks = int(capacity // block_size) if capacity else None
+    if blocks is None:
+        raise PlanError(
+            "--num-blocks", "needed by --what-if (or a model and memory to size the pool)"
+        )
+    return blocks, block_size
+
+
 def _what_if(
     args: argparse.Namespace,
     sizing: Sizing | None,
@@ -264,18 +284,7 @@ def _what_if(
             "needed by --what-if: its trace draws lengths through the p50s and p95s "
             "(sizing alone needs only the p95s)",
         )
-    block_size = args.block_size
-    blocks = args.num_blocks
-    if blocks is None and sizing is not None:
-        blocks = sizing.num_blocks
-    if blocks is None and page.get("num_gpu_blocks"):
-        capacity = kv_capacity_tokens(page)
-        block_size = int(page.get("block_size", block_size))
-        blocks = int(capacity // block_size) if capacity else None
-    if blocks is None:
-        raise PlanError(
-            "--num-blocks", "needed by --what-if (or a model and memory to size the pool)"
-        )
+    blocks, block_size = _what_if_pool(args, sizing, page)
     reqs = trace(
         profile,
         requests=args.requests,
