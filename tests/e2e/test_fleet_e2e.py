@@ -1,12 +1,14 @@
 """End to end: two real vLLM replicas, one overloaded and one calm, seen as one fleet.
 
 Each replica is a real vLLM CPU engine (the session's, and a second one started here) with its
-own ``kvtax serve`` in front (proxy on, as in a pod). The second one is a stock vLLM that loads
-kvtax's plugin the way a pod does by default: from a folder on ``PYTHONPATH`` made from this
-checkout's wheel, as the image makes it (docs/plugin.md). The last tests here check that folder
-and that vLLM loaded the plugin from it. One real Prometheus scrapes all four
-targets every second, with the labels a PodMonitor would attach (``namespace`` and ``pod``, the
-same on a pod's vLLM and kvtax), and evaluates kvtax's rules three times over:
+own ``kvtax serve`` in front (proxy on, as in a pod). The two engines compute on separate cores
+(the session's on core 0, as vLLM binds it by default; the second on core 1). The second one
+is a stock vLLM that loads kvtax's plugin the way a pod does by default: from a folder on
+``PYTHONPATH`` made from this checkout's wheel, as the image makes it (docs/plugin.md). The last
+tests here check that folder and that vLLM loaded the plugin from it. One real Prometheus
+scrapes all four targets every second, with the labels a PodMonitor would attach
+(``namespace`` and ``pod``, the same on a pod's vLLM and kvtax), and evaluates kvtax's rules
+three times over:
 
 - the committed recording rules (5m windows), which the Fleet dashboard reads;
 - the same rules with a 15m window, longer than this whole test, so that each pod's rate spans
@@ -20,7 +22,9 @@ requests name the adapter. Then:
 
 - the fleet tax record equals the tax computed here from both engines' own counters (recompute,
   computed prompt and generated tokens, read from each vLLM's /metrics before and after);
-- the preemption alerts fire for the hot pod, name it, and no alert names the calm pod;
+- the preemption alerts fire for the hot pod and name it; no alert names the calm pod, pending
+  or firing, unless the test's own timing of its clients and of its /metrics shows the
+  alert's condition true;
 - every query of the Fleet dashboard returns one series per replica (or one per model for the
   fleet panels), with the hot replica's tax above the calm one's;
 - the adapter's tokens count under the base model, whose engine generated them (the calm pod
@@ -43,12 +47,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+import requests
 
 from kvtax import plugin
 from kvtax.dashboards.generate import dashboards
 from kvtax.dashboards.lint import queries
 from kvtax.dashboards.promql import expand
+from kvtax.delivery.timing import StreamTiming
 from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.rules import DEFAULT, TEST_PROFILE, RulesConfig, fleet, per_pod
 from kvtax.rules.render import alerts_yaml, dump, recording_groups
@@ -58,7 +65,7 @@ from kvtax_dev.plugindir import build_plugin_dir
 from kvtax_dev.promapi import PrometheusApi
 from kvtax_dev.testbed import EngineStartError, VllmEngine
 from kvtax_dev.testbed.engine import cache_dir, ensure_vllm_venv
-from kvtax_dev.testbed.load import RequestResult, drive
+from kvtax_dev.testbed.load import PROMPT, RequestResult, drive
 from kvtax_dev.testbed.lora import RANK, ensure_adapter
 from kvtax_dev.testbed.promstack import PrometheusProcess
 from kvtax_dev.testbed.sidecar import KvtaxProcess, series_key
@@ -76,16 +83,21 @@ FLEET_TAX = fleet("kvtax_preemption_tax", "ratio_rate15m")
 POD_TAX = per_pod("kvtax_preemption_tax", "ratio_rate15m")
 # Alerts that a thrashing replica must raise (both read vLLM's own series or kvtax's counters).
 MUST_FIRE = {"KvtaxVllmPreempting", "KvtaxPreemptionTaxHigh"}
-# Every alert about KV pressure and its cost: none of them may name the calm replica. The others
-# (stream stalls, slow scrapes, a lagging yield, TTFT) can fire for it here, truthfully: both
-# engines share this machine's cores (vLLM's CPU build pins each to core 0), so the hot one's
-# overload starves the calm one's streams, and the sidecars' scrapes, of CPU.
+# Every alert about KV pressure and its cost: none of them may name the calm replica.
 KV_ALERTS = MUST_FIRE | {
     "KvtaxThrashing",
     "KvtaxKvCacheNearFull",
     "KvtaxQueueGrowing",
     "KvtaxOverAdmitted",
 }
+# The calm replica raises no alert at all, pending or firing, except one whose condition a
+# measurement of the test's own showed true (see _excused). The engines compute on separate
+# cores (vLLM's "auto" binding would put both on core 0); the rest of this 2-core machine (two
+# API servers, two sidecars, Prometheus and the clients) still shares both cores, so the calm
+# pod's clients can truly wait, and its /metrics truly answer late.
+# vLLM's OpenMP binding of each engine's worker (VLLM_CPU_OMP_THREADS_BIND): core 0 for the
+# session's engine (vLLM's "auto"), core 1 for the calm one.
+HOT_CORES, CALM_CORES = "[0]", "[1]"
 # rate()'s extrapolation to the window's edges differs by up to one scrape (1 s) between the two
 # pods' targets, over a span of a minute or more: at most ~1.5 % of a pod's weight in the sum.
 # Measured in three runs: |recorded - by hand| 0.0002, 0.0000, 0.0002 (fleet taxes 0.22-0.25).
@@ -93,6 +105,9 @@ KV_ALERTS = MUST_FIRE | {
 TAX_TOLERANCE = 0.005
 HANG_GUARD_S = 420.0  # fails a hung run; not a performance claim
 ALERT_WAIT_S = 90.0  # how long past the load's end the alerts may still take to fire
+# How long past the load's end the calm pod is still watched: the test profile's 20 s windows
+# sliding past the load's last samples, plus its 5 s hold and a few evaluations.
+CALM_WATCH_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +128,32 @@ class FleetRun:
     results: dict[str, list[RequestResult]]
     firing: list[dict[str, Any]]
     capacity: int  # both pools, tokens
+    # The calm pod's alerts in Prometheus' ALERTS series over the run: name -> states seen.
+    calm_alerts: dict[str, set[str]]
+    # The calm pod's streams as its clients timed them.
+    calm_streams: list[Timed]
+    # The longest a GET of each calm /metrics took the test's own prober, in seconds.
+    calm_metrics_latency: dict[str, float]
+    # The lowest join coverage and 20 s delivery yield Prometheus held for the calm pod over the
+    # run (printed, so that a run shows how far they stayed from the alerts' thresholds).
+    calm_lows: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One calm stream as its client saw it: the result and when each text chunk arrived
+    (seconds after the request was sent)."""
+
+    result: RequestResult
+    arrivals: tuple[float, ...]
+
+    def timing(self) -> StreamTiming:
+        """The client's view run through kvtax's own definition of TTFT and stalls (the proxy's
+        defaults: 5x the running median gap, and at least 50 ms)."""
+        timing = StreamTiming(started=0.0, factor=5.0, floor=0.05)
+        for n, at in enumerate(self.arrivals):
+            timing.tokens_written(at, context=n)
+        return timing
 
 
 def _windowed_records(config: RulesConfig) -> str:
@@ -190,25 +231,143 @@ def _increase(run: FleetRun, pod: str) -> dict[str, float]:
     return {k: run.after[pod][k] - run.before[pod][k] for k in run.after[pod]}
 
 
-async def _loads(hot: Replica, calm: Replica) -> dict[str, list[RequestResult]]:
+async def _timed_streams(url: str, model: str, *, requests: int, max_tokens: int) -> list[Timed]:
+    """``requests`` streamed completions one after another, as drive() sends them (usage asked
+    for), each chunk's arrival timed by the client."""
+    endpoint = url.rstrip("/") + "/v1/completions"
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    out: list[Timed] = []
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600.0)
+    ) as session:
+        for index in range(requests):
+            body = {
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "seed": index,
+                "stream_options": {"include_usage": True},
+            }
+            began = time.monotonic()
+            arrivals: list[float] = []
+            parts: list[str] = []
+            usage: dict[str, Any] | None = None
+            status, error, finish = 0, None, None
+            try:
+                async with session.post(endpoint, json=body) as resp:
+                    status = resp.status
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[len("data:") :].strip()
+                        if data == "[DONE]":
+                            break
+                        event = json.loads(data)
+                        usage = event.get("usage") or usage
+                        for choice in event.get("choices") or []:
+                            text = str(choice.get("text") or "")
+                            if text:
+                                arrivals.append(time.monotonic() - began)
+                                parts.append(text)
+                            finish = choice.get("finish_reason") or finish
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            result = RequestResult(
+                index=index,
+                status=status,
+                completion_tokens=None if usage is None else usage.get("completion_tokens"),
+                prompt_tokens=None if usage is None else usage.get("prompt_tokens"),
+                chunks=len(arrivals),
+                text="".join(parts),
+                finish_reason=finish,
+                ttft_s=arrivals[0] if arrivals else None,
+                latency_s=time.monotonic() - began,
+                disconnected=False,
+                error=error,
+            )
+            out.append(Timed(result, tuple(arrivals)))
+    return out
+
+
+async def _loads(hot: Replica, calm: Replica) -> tuple[dict[str, list[RequestResult]], list[Timed]]:
     assert hot.kvtax.proxy_url is not None
     assert calm.kvtax.proxy_url is not None
     model = hot.engine.model_name
-    calm_load: dict[str, Any] = {
-        "concurrency": 1,
-        "max_tokens": 200,
-        "stream": True,
-        "requests": 8,
-    }
-    hot_results, calm_results, adapter_results = await asyncio.gather(
+    hot_results, calm_streams, adapter_streams = await asyncio.gather(
         # One wave that overflows the pool; the calm one's two streams never do.
         drive(hot.kvtax.proxy_url, model, concurrency=64, max_tokens=500, stream=True, requests=64),
         # One stream for the base model and one for its adapter, through the calm pod's proxy.
         # Usage asked for, so each client knows how many tokens it received.
-        drive(calm.kvtax.proxy_url, model, include_usage=True, **calm_load),
-        drive(calm.kvtax.proxy_url, ADAPTER, include_usage=True, **calm_load),
+        _timed_streams(calm.kvtax.proxy_url, model, requests=8, max_tokens=200),
+        _timed_streams(calm.kvtax.proxy_url, ADAPTER, requests=8, max_tokens=200),
     )
-    return {HOT: hot_results, CALM: calm_results, ADAPTER: adapter_results}
+    results = {
+        HOT: hot_results,
+        CALM: [t.result for t in calm_streams],
+        ADAPTER: [t.result for t in adapter_streams],
+    }
+    return results, [*calm_streams, *adapter_streams]
+
+
+class _Prober:
+    """GETs each calm /metrics once a second while the run lasts and keeps the longest wait:
+    the test's own view of whether an endpoint answered later than its scrapers wait."""
+
+    def __init__(self, urls: dict[str, str]) -> None:
+        self.urls = urls
+        self.longest = dict.fromkeys(urls, 0.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            for name, url in self.urls.items():
+                began = time.monotonic()
+                try:
+                    requests.get(url, timeout=10.0).raise_for_status()
+                    took = time.monotonic() - began
+                except requests.RequestException:
+                    took = float("inf")
+                self.longest[name] = max(self.longest[name], took)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join(timeout=15.0)
+        return dict(self.longest)
+
+
+def _alerts_over(api: PrometheusApi, pod: str, seconds: float) -> dict[str, set[str]]:
+    """Every alert Prometheus held for ``pod``, pending or firing, over the last ``seconds``:
+    the ALERTS series it writes at each evaluation, so no state is missed between polls."""
+    selector = f'ALERTS{{namespace="{NAMESPACE}",pod="{pod}"}}'
+    seen: dict[str, set[str]] = {}
+    for s in api.query(f"{selector}[{max(1, int(seconds) + 1)}s]", time.time()):
+        seen.setdefault(s.labels["alertname"], set()).add(s.labels["alertstate"])
+    return seen
+
+
+def _lows_over(api: PrometheusApi, pod: str, seconds: float) -> dict[str, float]:
+    """The lowest join coverage and short-window delivery yield of ``pod`` over the last
+    ``seconds``, from the series Prometheus stored (the gauge and the test profile's record)."""
+    rate = f"ratio_rate{TEST_PROFILE.rate_window}"
+    selector = f'{{namespace="{NAMESPACE}",pod="{pod}"}}'
+    span = f"[{max(1, int(seconds) + 1)}s]"
+    lows: dict[str, float] = {}
+    for name, series in (
+        ("coverage", "kvtax_join_coverage_ratio"),
+        ("yield", per_pod("kvtax_delivery_yield", rate)),
+    ):
+        found = api.query(f"min(min_over_time({series}{selector}{span}))", time.time())
+        if found and found[0].points:
+            lows[name] = found[0].points[-1][1]
+    return lows
 
 
 def _firing(api: PrometheusApi) -> list[dict[str, Any]]:
@@ -236,6 +395,8 @@ def second_engine(
         adapter = ensure_adapter(ensure_vllm_venv(), cache_dir() / "tiny-llama", tmp / ADAPTER)
         engine = VllmEngine(
             log_path=tmp / "engine.log",
+            # Its own core: the session's engine computes on core 0, as vLLM's "auto" binds it.
+            cpus=CALM_CORES.strip("[]"),
             # PYTHONPATH is the folder alone, as in the pod: not the checkout's exporter/ that
             # the testbed puts there for its own child processes.
             extra_env={"PYTHONPATH": str(plugin_dir)},
@@ -278,19 +439,27 @@ def run(
         for r in (hot, calm):
             assert r.kvtax.proxy_url is not None
             # One small request each, so every counter exists before Prometheus' first scrape
-            # and rate() sees the load's whole increase.
+            # and rate() sees the load's whole increase. The join counters appear at the
+            # scrape of vLLM after it, as of which the yield rule divides them.
             asyncio.run(drive(r.kvtax.proxy_url, model, concurrency=1, max_tokens=8, stream=True))
             r.kvtax.wait_for(
-                lambda m: (
-                    any(k.startswith("kvtax_delivered_tokens_total{") for k in m)
-                    and any(k.startswith("kvtax_recomputed_tokens_measured_total{") for k in m)
+                lambda m: all(
+                    any(k.startswith(f"{name}{{") for k in m)
+                    for name in (
+                        "kvtax_delivered_tokens_total",
+                        "kvtax_join_delivered_tokens_total",
+                        "kvtax_join_undelivered_tokens_total",
+                        "kvtax_recomputed_tokens_measured_total",
+                    )
                 ),
-                what="the delivery and measured recompute counters",
+                what="the delivery, join and measured recompute counters",
             )
         config = _scrape_config([hot, calm])
+        probed = {"vllm": f"{second_engine.url}/metrics", "kvtax": kvtax_calm.metrics_url}
         with PrometheusProcess(
             config, [COMMITTED_RULES, *rules], log_path=tmp / "prom.log"
         ) as prom:
+            prom_started = time.monotonic()
             prom.wait_for(
                 lambda: len(prom.query(f'kvtax_vllm_up{{namespace="{NAMESPACE}"}} == 1')) == 2,
                 what="both sidecars scraped, both reading their vLLM",
@@ -298,24 +467,41 @@ def run(
             prom.wait_for(lambda: prom.query(FLEET_TAX), what="a first fleet tax record")
             before = {r.pod: _work(r) for r in (hot, calm)}
             results: dict[str, list[RequestResult]] = {}
-            load = threading.Thread(target=lambda: results.update(asyncio.run(_loads(hot, calm))))
+            calm_streams: list[Timed] = []
+
+            def load_both() -> None:
+                by_pod, timed = asyncio.run(_loads(hot, calm))
+                results.update(by_pod)
+                calm_streams.extend(timed)
+
+            load = threading.Thread(target=load_both)
+            prober = _Prober(probed)
+            prober.start()
             load.start()
             began = time.monotonic()
             firing: list[dict[str, Any]] = []
             deadline = time.monotonic() + HANG_GUARD_S
             load_end: float | None = None
             # Poll the alerts while the load runs and until the hot pod's have fired: they
-            # resolve once the 20 s windows slide past the load.
-            while time.monotonic() < deadline:
-                firing.extend(_firing(prom.api))
-                if load_end is None and not load.is_alive():
-                    load_end = time.monotonic()
-                if load_end is not None and (
-                    _fired_for(firing, HOT) >= MUST_FIRE
-                    or time.monotonic() > load_end + ALERT_WAIT_S
-                ):
-                    break
-                time.sleep(1.0)
+            # resolve once the 20 s windows slide past the load. The calm pod is watched until
+            # its windows have slid past the load too (ALERTS keeps every state in between).
+            try:
+                while time.monotonic() < deadline:
+                    firing.extend(_firing(prom.api))
+                    if load_end is None and not load.is_alive():
+                        load_end = time.monotonic()
+                    if (
+                        load_end is not None
+                        and time.monotonic() > load_end + CALM_WATCH_S
+                        and (
+                            _fired_for(firing, HOT) >= MUST_FIRE
+                            or time.monotonic() > load_end + ALERT_WAIT_S
+                        )
+                    ):
+                        break
+                    time.sleep(1.0)
+            finally:
+                metrics_latency = prober.stop()
             load.join(timeout=1.0)
             assert not load.is_alive(), "the load did not finish"
             print(
@@ -326,20 +512,22 @@ def run(
             # Every counter settled: each kvtax scraped its engine after the load, and
             # Prometheus scraped each kvtax after that.
             for r in (hot, calm):
-                generated = after[r.pod]["generated"]
-                r.kvtax.wait_for(
-                    lambda m, g=generated: (
+
+                def caught_up(m: dict[str, float], g: float = after[r.pod]["generated"]) -> bool:
+                    return (
                         sum(
                             v
                             for k, v in m.items()
                             if k.startswith("kvtax_engine_generation_tokens")
                         )
                         >= g
-                    ),
-                    what="kvtax caught up with its engine",
-                )
+                    )
+
+                r.kvtax.wait_for(caught_up, what="kvtax caught up with its engine")
             time.sleep(3.0)  # two Prometheus scrapes and rule evaluations
             capacity = vllm_engine.kv_capacity_tokens + second_engine.kv_capacity_tokens
+            calm_alerts = _alerts_over(prom.api, CALM, time.monotonic() - prom_started)
+            calm_lows = _lows_over(prom.api, CALM, time.monotonic() - prom_started)
             yield FleetRun(
                 prom.api,
                 model,
@@ -350,6 +538,10 @@ def run(
                 results,
                 firing,
                 capacity,
+                calm_alerts,
+                calm_streams,
+                metrics_latency,
+                calm_lows,
             )
 
 
@@ -385,6 +577,17 @@ def test_fleet_tax_is_the_ratio_of_both_engines_sums(run: FleetRun) -> None:
     assert pods[HOT].labels["method"] == pods[CALM].labels["method"] == "measured"
 
 
+def test_the_engines_compute_on_separate_cores(
+    vllm_engine: VllmEngine, second_engine: VllmEngine
+) -> None:
+    # vLLM logs the cores it bound each worker's OpenMP threads to.
+    for engine, cores in ((vllm_engine, HOT_CORES), (second_engine, CALM_CORES)):
+        log = engine.log_path.read_text(errors="replace")
+        bound = [ln for ln in log.splitlines() if "local_rank=0, core ids=" in ln]
+        assert bound, f"no OpenMP binding line in {engine.log_path}"
+        assert bound[-1].rstrip().endswith(f"core ids={cores}"), bound
+
+
 def test_the_thrashing_pod_alerts_and_the_calm_one_stays_silent(run: FleetRun) -> None:
     fired = {
         (a["labels"]["alertname"], a["labels"].get("pod")): a["annotations"] for a in run.firing
@@ -398,6 +601,75 @@ def test_the_thrashing_pod_alerts_and_the_calm_one_stays_silent(run: FleetRun) -
     for alert in run.firing:
         if alert["labels"]["alertname"] in KV_ALERTS:
             assert alert["labels"].get("pod") == HOT, alert["labels"]
+
+
+def _excused(run: FleetRun) -> dict[str, str]:
+    """The calm pod's alerts whose condition the test's own measurements saw true, each with
+    that evidence: its clients' timing of every stream, and its prober's GETs of both /metrics.
+    Nothing here excuses an alert about KV, the tax, the yield or the join: the clients sent
+    every calm request through the proxy and received every token the engine generated
+    (test_adapter_tokens_join_the_base_models_engine), so those conditions were false."""
+    rules, excused = TEST_PROFILE, {}
+    timings = [t.timing() for t in run.calm_streams]
+    late = [t.ttft for t in timings if t.ttft is not None and t.ttft > rules.slo_ttft_seconds]
+    if late:
+        excused["KvtaxTtftSloBreach"] = (
+            f"{len(late)} calm streams' first token came after {rules.slo_ttft_seconds:g} s "
+            f"(the latest {max(late):.2f} s)"
+        )
+    stalls = [gap for t in timings for gap, _ in t.stalls]
+    if stalls:
+        excused["KvtaxStreamStalls"] = (
+            f"the calm clients saw {len(stalls)} stalls in {len(timings)} streams "
+            f"(the longest {max(stalls):.2f} s)"
+        )
+    # kvtax gives up on vLLM's page after 0.8 of its 1 s interval; Prometheus on any target
+    # after its 1 s scrape interval.
+    vllm_wait, kvtax_wait = run.calm_metrics_latency["vllm"], run.calm_metrics_latency["kvtax"]
+    if vllm_wait > 0.8:
+        excused["KvtaxVllmScrapeFailing"] = f"vLLM's /metrics answered after {vllm_wait:.2f} s"
+    if vllm_wait > 1.0:
+        excused["KvtaxVllmMetricsAbsent"] = f"vLLM's /metrics answered after {vllm_wait:.2f} s"
+    if kvtax_wait > 1.0:
+        excused["KvtaxSidecarDown"] = f"kvtax's /metrics answered after {kvtax_wait:.2f} s"
+    return excused
+
+
+def test_calm_pod_raises_no_alert(run: FleetRun) -> None:
+    """No alert names the calm pod, pending or firing, over the whole run, unless the test's
+    own measurement shows its condition was true.
+
+    The calm pod's clients sent every request through its proxy: vLLM's http_requests_total and
+    the ledger's joined requests both end at 17, and the clients received every token generated
+    (3,208). Yet, before kvtax fixed the two figures, measured on it with Prometheus' samples of
+    kvtax and vLLM:
+
+    - KvtaxJoinCoverageLow fired (both engines on core 0, kvtax's 30 s window): the coverage
+      gauge read 0.667, 0.75 and 0.75. Each time the window's base point held a ledger count
+      read after a request settled and a vLLM count from a page fetched before vLLM counted it
+      (joined 1, 3, 11 against served 0, 1, 9): kvtax read its ledger at the fold, after the
+      page's fetch and parse (0.1-4.9 s on this loaded machine). With ~6 requests in 30 s that
+      one pair is 25-33 %; the scrapes of the next 5 s then timed out, the gauge held 0.75, and
+      the test profile's 5 s hold let it fire. kvtax now reads the ledger's joined requests
+      before each fetch as well, and the window counts from the first point's earlier read to
+      the last point's later one (kvtax.figures.derive.coverage), so this skew can only raise
+      the ratio (tests/unit/test_join_timing.py).
+    - KvtaxGoodputDiverging went pending (yield 0.72-0.89, and 0 as the window left the load):
+      the yield rule divided the ledger's delivered tokens, published live, by the engine's
+      generated tokens, published as of kvtax's last completed scrape of vLLM. Right after a
+      stream settled, delivered led generated by 25-163 tokens until the next scrape completed
+      (1-5 s here), and a 20 s window whose base sample carries that lead counts those tokens as
+      generated but not delivered: at the load's end delivered was 3,208 and generated 3,183 for
+      one sample, and the window starting there read 0 delivered against 25 generated. The
+      rule now reads kvtax_join_delivered_tokens_total, the ledger as of the same scrape.
+    """
+    excused = _excused(run)
+    unexplained = {name: sorted(states) for name, states in run.calm_alerts.items()}
+    print(f"\ncalm pod's alerts: {unexplained}; excused by the test's measurements: {excused}")
+    print(f"calm pod's lowest coverage and {TEST_PROFILE.rate_window} yield: {run.calm_lows}")
+    for name in excused:
+        unexplained.pop(name, None)
+    assert unexplained == {}, (unexplained, excused)
 
 
 def _fleet_targets() -> list[tuple[str, str, str, str]]:

@@ -12,7 +12,15 @@ import yaml
 from kvtax.cli import main
 from kvtax.expose import catalog
 from kvtax.expose.catalog import MetricSpec
-from kvtax.rules import DEFAULT, TEST_PROFILE, record_names, recording_rules, short_profile
+from kvtax.rules import (
+    DEFAULT,
+    TEST_PROFILE,
+    fleet,
+    per_pod,
+    record_names,
+    recording_rules,
+    short_profile,
+)
 from kvtax.rules.alertmanager import alertmanager_config
 from kvtax.rules.alerts import alert_names, alert_rules
 from kvtax.rules.promql import series_names, unknown_series
@@ -86,6 +94,27 @@ def test_fleet_rules_only_read_per_pod_records_defined_before_them() -> None:
             assert reads, rule.record
             assert reads <= seen, rule.record
         seen.add(rule.record)
+
+
+def test_ledger_over_engine_ratios_read_the_join_counters() -> None:
+    # kvtax_delivered_tokens_total counts live, the engine's counters as of kvtax's last scrape
+    # of vLLM: right after streams settle the live one leads by their tokens, and a window
+    # starting there read a yield of 0.72-0.89 on the fleet e2e's calm pod, which lost nothing.
+    # The join counters are as of the same scrape as the engine's.
+    exprs = {r.record: r.expr for r in recording_rules()}
+    for level in (per_pod, fleet):
+        yield_ = series_names(exprs[level("kvtax_delivery_yield", "ratio_rate5m")])
+        waste = series_names(exprs[level("kvtax_waste", "ratio_rate5m")])
+        assert level("kvtax_join_delivered_tokens", "rate5m") in yield_
+        assert level("kvtax_join_undelivered_tokens", "rate5m") in waste
+        live = {level(m, "rate5m") for m in ("kvtax_delivered_tokens", "kvtax_undelivered_tokens")}
+        assert not live & (yield_ | waste)
+    for metric in ("kvtax_join_delivered_tokens", "kvtax_join_undelivered_tokens"):
+        assert series_names(exprs[per_pod(metric, "rate5m")]) == {f"{metric}_total"}
+    # Goodput stays live: it must keep counting while vLLM's /metrics is down.
+    assert series_names(exprs[per_pod("kvtax_delivered_tokens", "rate5m")]) == {
+        "kvtax_delivered_tokens_total"
+    }
 
 
 def test_recompute_prefers_measured_then_estimated_then_stall_estimated() -> None:

@@ -349,6 +349,24 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "join",
     ),
     _S(
+        "kvtax_join_delivered_tokens_total",
+        "counter",
+        "kvtax_delivered_tokens_total over every source, as of kvtax's last scrape of vLLM (read "
+        "as vLLM's page arrived), like the kvtax_engine_* counters: the numerator of the "
+        "delivery yield. The source-labelled counter is live and leads the engine's counters "
+        "between scrapes.",
+        (M,),
+        "join",
+    ),
+    _S(
+        "kvtax_join_undelivered_tokens_total",
+        "counter",
+        "kvtax_undelivered_tokens_total over every source, as of kvtax's last scrape of vLLM, "
+        "like the kvtax_engine_* counters: the U of the waste recording rules.",
+        (M,),
+        "join",
+    ),
+    _S(
         "kvtax_join_coverage_ratio",
         "gauge",
         "Requests the ledger saw / requests vLLM served; below 1 traffic bypasses kvtax.",

@@ -5,6 +5,14 @@ Pure. A figure that is ``None`` produces no sample, so a concept a vLLM version 
 from kvtax's output, not zero. Reading never changes what is read: the figures are computed at
 the scrape of vLLM, and the ledger's running streams are credited there too.
 
+The ledger's tokens appear twice. ``kvtax_delivered_tokens_total`` and
+``kvtax_undelivered_tokens_total`` (:func:`ledger_samples`) are live: goodput keeps counting
+while vLLM's /metrics is down or slow. ``kvtax_join_delivered_tokens_total`` and
+``kvtax_join_undelivered_tokens_total`` (:func:`model_samples`) are the ledger's totals in the
+window's last point, as of the same scrape of vLLM as the ``kvtax_engine_*`` counters: a rule
+that divides ledger tokens by engine tokens reads these, or the live ones would lead the engine's
+by whatever streams delivered since that scrape.
+
 Example::
 
     list(model_samples(derive_all(window, settings), configured_max_num_seqs=None))
@@ -50,6 +58,13 @@ def model_samples(
         for method, key in METHODS:
             if key in f.totals:
                 yield Sample(RECOMPUTED_COUNTERS[method], m, f.totals[key])
+        # The ledger's side of the join, as of the same scrape as the engine's counters above.
+        for metric, value in (
+            ("kvtax_join_delivered_tokens_total", f.delivered_total),
+            ("kvtax_join_undelivered_tokens_total", f.undelivered_total),
+        ):
+            if value is not None:
+                yield Sample(metric, m, value)
         gauges = (
             ("kvtax_kv_cache_usage_ratio", f.kv_usage),
             ("kvtax_requests_running", f.running),

@@ -89,6 +89,10 @@ class ModelFigures:
     slo_goodput_tokens: float | None = None
     coverage: float | None = None
     served_requests_total: float | None = None
+    # The ledger's lifetime totals at the last point, as of the same scrape as ``totals``;
+    # None while the ledger has not counted the model.
+    delivered_total: float | None = None
+    undelivered_total: float | None = None
     # With the best recompute method of the window (see best_method).
     tax: MethodValue | None = None
     waste: MethodValue | None = None
@@ -136,15 +140,22 @@ def best_method(increases: Mapping[str, float]) -> tuple[str, float] | None:
 
 
 def coverage(first: Point, last: Point) -> float | None:
-    """Requests the ledger saw / requests vLLM served over the window (server-wide)."""
+    """Requests the ledger saw / requests vLLM served over the window (server-wide).
+
+    The ledger cannot be read at the instant vLLM wrote its page, so each point brackets it: a
+    count read before the page was fetched, and one read after it was parsed (seconds later on
+    a starved machine, while requests kept settling). The window's joined requests run from
+    the first point's earlier count to the last point's later one, so a request that settled
+    while a page was in flight counts in the window whichever side of vLLM's count it fell: the
+    skew can only raise the ratio, and an excess over 1 is skew, not more traffic than vLLM saw.
+    """
     if first.served_requests is None or last.served_requests is None:
         return None
     served = last.served_requests - first.served_requests
     if served <= 0:
         return None
-    joined = last.joined_requests - first.joined_requests
-    # The ledger settles a request when its response ends, vLLM's counter a moment earlier or
-    # later; a small excess is timing skew, not more traffic than vLLM saw.
+    base = first.joined_requests if first.joined_before is None else first.joined_before
+    joined = last.joined_requests - base
     return min(1.0, joined / served)
 
 
@@ -198,6 +209,8 @@ def derive_model(points: Sequence[Point], settings: EngineSettings) -> ModelFigu
         slo_goodput_tokens=per_second(last.ledger.slo_met_tokens - first.ledger.slo_met_tokens),
         coverage=coverage(first, last),
         served_requests_total=last.served_requests,
+        delivered_total=last.ledger.delivered if last.booked else None,
+        undelivered_total=last.ledger.undelivered if last.booked else None,
         tax=tax,
         waste=waste,
     )

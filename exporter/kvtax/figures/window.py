@@ -1,12 +1,14 @@
 """The window: per model, one history of points pairing the engine's totals with the ledger's.
 
 :class:`Window` is the only state between a scrape and the derived numbers. Each
-:meth:`Window.observe` takes one normalized scrape of vLLM and the delivery ledger's totals at the
-same instant, and appends to every model's deque one :class:`Point` that carries both: the
+:meth:`Window.observe` takes one normalized scrape of vLLM and the delivery ledger's totals read
+as the page arrived, and appends to every model's deque one :class:`Point` that carries both: the
 engine's reset-corrected totals, gauges, histograms and cache info, the ledger's totals, vLLM's
-server-wide count of requests served and the recompute totals (the formulas are in
-:mod:`kvtax.figures.recompute`). Pairing them at one instant keeps a window's numerator and
-denominator aligned. :mod:`kvtax.figures.derive` reads the points as plain values. No I/O.
+server-wide count of requests served, the ledger's joined requests read on either side of the
+page, and the recompute totals (the formulas are in :mod:`kvtax.figures.recompute`). Pairing
+them at one scrape keeps a window's numerator and denominator aligned, and kvtax publishes the
+ledger's half of the last point beside the engine's (``kvtax_join_*_tokens_total``) so that
+Prometheus can pair them too. :mod:`kvtax.figures.derive` reads the points as plain values. No I/O.
 
 Models come from vLLM's page, so they are bounded here: at most ``max_models`` are tracked.
 Models already tracked keep their place; a new one takes a free place, else the place of the
@@ -69,8 +71,12 @@ class Point:
     ``counters`` holds reset-corrected totals: the tracked vLLM counters plus ``prompt_computed``
     and the ``recomputed_*`` total of each method whose source exists (see
     :data:`kvtax.figures.recompute.METHODS`). The engine fields are empty when the page lacks
-    the model. ``served_requests`` (vLLM) and ``joined_requests`` (the ledger) are server-wide:
-    vLLM's HTTP counter has no model label.
+    the model. ``ledger`` is the model's ledger totals (``booked``: the ledger has counted the
+    model), read as close after vLLM's page as the scrape could. ``served_requests`` (vLLM) and
+    the two ledger counts of joined requests are server-wide, as vLLM's HTTP counter has no model
+    label. The ledger cannot be read at the instant vLLM wrote its page, so it is read on both
+    sides of it: ``joined_before`` just before the page was fetched, ``joined_requests`` after
+    it was parsed. A request settled between the two can sit on either side of vLLM's count.
     """
 
     t: float
@@ -79,8 +85,11 @@ class Point:
     histograms: Mapping[str, Histogram] = field(default_factory=dict)
     info: Mapping[str, str] = field(default_factory=dict)
     ledger: LedgerTotals = field(default_factory=LedgerTotals)
+    booked: bool = False
     served_requests: float | None = None
     joined_requests: float = 0.0
+    # None: read at the same instant as joined_requests.
+    joined_before: float | None = None
 
 
 def served_requests(snap: VllmSnapshot) -> float:
@@ -151,14 +160,26 @@ class Window:
         return tuple(state.points) if state else ()
 
     def observe(
-        self, snap: VllmSnapshot, ledger: Mapping[str, LedgerTotals] | None = None
+        self,
+        snap: VllmSnapshot,
+        ledger: Mapping[str, LedgerTotals] | None = None,
+        *,
+        joined_before: float | None = None,
+        joined_after: float | None = None,
     ) -> VllmSnapshot:
-        """Fold one scrape and the ledger's totals; returns the snapshot cut to tracked models."""
+        """Fold one scrape and the ledger's totals; returns the snapshot cut to tracked models.
+
+        ``joined_before`` and ``joined_after`` are the ledger's joined requests, every label
+        together, read just before vLLM's page was fetched and after it was parsed (see
+        :class:`Point`); each defaults to the count in ``ledger``.
+        """
         books = {label: t for label, t in (ledger or {}).items() if label != OTHER}
         self._served.update("served", served_requests(snap))
         served = self._served.total("served")
         # Requests the ledger could not attribute (label "other") still reached vLLM.
-        joined = sum(t.joined_requests for t in (ledger or {}).values())
+        read = sum(t.joined_requests for t in (ledger or {}).values())
+        after = read if joined_after is None else max(read, joined_after)
+        before = read if joined_before is None else min(read, joined_before)
         kept = self._admit(snap, books)
         restarted = False
         for model, state in self._models.items():
@@ -166,11 +187,19 @@ class Window:
             if metrics is None and model not in books:
                 continue
             state.last_present = snap.timestamp
-            book = books.get(model, LedgerTotals())
+            booked = model in books
+            book = books[model] if booked else LedgerTotals()
             resets_before = state.tracker.resets
             engine = self._engine_part(state, metrics, snap, book)
             restarted |= state.tracker.resets > resets_before
-            point = replace(engine, ledger=book, served_requests=served, joined_requests=joined)
+            point = replace(
+                engine,
+                ledger=book,
+                booked=booked,
+                served_requests=served,
+                joined_requests=after,
+                joined_before=before,
+            )
             state.points.append(point)
             horizon = snap.timestamp - self.window_seconds
             # Keep one point at or before the window's start so a full-window rate is possible.

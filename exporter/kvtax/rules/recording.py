@@ -105,6 +105,15 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
         ("kvtax_engine_prompt_computed_tokens", "Engine prompt tokens computed per second."),
         ("kvtax_engine_preemptions", "Preemptions per second."),
         ("kvtax_undelivered_tokens", "Tokens/s generated for clients that had gone."),
+        (
+            "kvtax_join_delivered_tokens",
+            "Goodput as of kvtax's scrapes of vLLM, in step with the engine's counters: the "
+            "delivery yield's numerator.",
+        ),
+        (
+            "kvtax_join_undelivered_tokens",
+            "Undelivered tokens/s as of kvtax's scrapes of vLLM: the waste's U.",
+        ),
     )
     for metric, help_text in counters:
         add(per_pod(metric, rate), kvtax_rate(f"{metric}_total"), help_text)
@@ -135,14 +144,17 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
         f"{per_pod('kvtax_recomputed_tokens', rate)} / ignoring (method) group_left {work}",
         "Preemption tax: the share of engine token work that was recompute, 0-1.",
     )
+    # Ledger tokens over engine tokens: the join counters, which kvtax publishes as of the same
+    # scrape of vLLM as the engine's. The live delivered counter leads the engine's between
+    # scrapes, and a short window starting on such a sample reads a yield below 1 for nothing.
     add(
         per_pod("kvtax_waste", ratio),
-        f"({recomputed_sum} + {per_pod('kvtax_undelivered_tokens', rate)}) / {work}",
+        f"({recomputed_sum} + {per_pod('kvtax_join_undelivered_tokens', rate)}) / {work}",
         "Waste: the share of engine token work no client received, 0-1.",
     )
     add(
         per_pod("kvtax_delivery_yield", ratio),
-        f"{per_pod('kvtax_delivered_tokens', rate)} / {gen}",
+        f"{per_pod('kvtax_join_delivered_tokens', rate)} / {gen}",
         "Delivery yield: delivered / generated tokens, 0-1 while the join covers all traffic.",
     )
     usage = config.name_selector(CONCEPTS["kv_usage"].names, config.vllm_selector)
@@ -180,12 +192,12 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
     )
     add(
         fleet("kvtax_waste", ratio),
-        f"({f_recomputed} + {fleet('kvtax_undelivered_tokens', rate)}) / {f_work}",
+        f"({f_recomputed} + {fleet('kvtax_join_undelivered_tokens', rate)}) / {f_work}",
         "Fleet waste per model, 0-1.",
     )
     add(
         fleet("kvtax_delivery_yield", ratio),
-        f"{fleet('kvtax_delivered_tokens', rate)} / "
+        f"{fleet('kvtax_join_delivered_tokens', rate)} / "
         f"{fleet('kvtax_engine_generation_tokens', rate)}",
         "Fleet delivery yield per model, 0-1.",
     )

@@ -8,6 +8,14 @@ stops the sidecar. The scrape is the write path: with a :class:`LedgerFeed`, it 
 proxy's running streams and pairs the ledger's totals with the engine's in the window. A GET of
 ``/metrics`` only reads. :func:`kvtax.serve.wiring.build` passes each part what it needs.
 
+The ledger is read as near to vLLM's page as the scrape can: its totals as soon as the page has
+arrived, before the parse (which can take seconds on a starved machine, while streams go on
+delivering), and its joined requests on both sides of the page, just before the fetch and again
+at the fold, so that join coverage can bracket the instant vLLM counted its requests
+(:func:`kvtax.figures.derive.coverage`). A page whose models differ from the last one's is the
+exception: the names the ledger labels running streams with are learned from that page, so the
+totals are read again at the fold, after the names.
+
 The page is parsed in a worker process (:class:`~kvtax.serve.parsepool.ParsePool`), so a big page
 never holds up the event loop that also relays the proxy's streams. For the same reason kvtax's
 own page is rendered at most once per turn of that loop: a render costs milliseconds, and a
@@ -140,6 +148,9 @@ class Sidecar:
         self._scheduler: AsyncIOScheduler | None = None
         self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
+        # The models of the last page folded: while a page has the same ones, the ledger's
+        # labels are already right when the page arrives (see _read_on_arrival).
+        self._page_models: frozenset[str] = frozenset()
         self._first: asyncio.Task[None] | None = None
         # kvtax's own page as rendered in this turn of the loop; None: render anew when asked.
         self._page: bytes | None = None
@@ -155,26 +166,64 @@ class Sidecar:
             normalize(text, timestamp=timestamp, version=self.health.version, max_series=max_series)
         )
 
-    def _fold(self, parsed: VllmSnapshot) -> VllmSnapshot:
+    def _fold(
+        self,
+        parsed: VllmSnapshot,
+        *,
+        joined_before: float | None = None,
+        arrived: Mapping[str, LedgerTotals] | None = None,
+    ) -> VllmSnapshot:
         """The one state change of a scrape: the window, then the figures derived from it.
 
-        Returns the snapshot cut to the models tracked.
+        ``joined_before`` is the ledger's joined requests read before the page was fetched,
+        ``arrived`` its totals read as the page arrived (:meth:`scrape_once`); without them
+        (:meth:`ingest`) the ledger is read here. Returns the snapshot cut to the models tracked.
         """
         for reason, count in parsed.rejected.items():
             self.health.rejected[reason] += count
-        snap = self.window.observe(parsed, self._ledger_totals(parsed))
+        totals, joined_after = self._ledger_totals(parsed, arrived)
+        snap = self.window.observe(
+            parsed, totals, joined_before=joined_before, joined_after=joined_after
+        )
         self.figures = derive_all(self.window, self.settings)
         self._page = None  # the next GET of /metrics shows the new figures
         return snap
 
-    def _ledger_totals(self, parsed: VllmSnapshot) -> Mapping[str, LedgerTotals]:
-        """The ledger's totals at this instant, its running streams credited first."""
+    def _ledger_totals(
+        self, parsed: VllmSnapshot, arrived: Mapping[str, LedgerTotals] | None
+    ) -> tuple[Mapping[str, LedgerTotals], float | None]:
+        """The ledger's totals for this scrape's points, and its joined requests now.
+
+        The totals are ``arrived`` when the page has the models of the last one, else read now,
+        after the page's models are learned and the running streams credited under them.
+        """
         feed = self.feed
         if feed is None:
-            return {}
+            return {}, None
         # The models this scrape will track: running streams credit under their own label.
         kept = candidates(parsed, self.window.models(), self.window.max_models)
+        models = frozenset(kept.models)
         feed.names.update(kept.models)
+        known, self._page_models = self._page_models, models
+        if arrived is not None and models == known:
+            return arrived, _joined(feed.ledger.totals())
+        feed.credit()
+        totals = feed.ledger.totals()
+        return totals, _joined(totals)
+
+    def _joined_now(self) -> float | None:
+        """The ledger's joined requests, every label together (None without a ledger)."""
+        return None if self.feed is None else _joined(self.feed.ledger.totals())
+
+    def _read_on_arrival(self) -> Mapping[str, LedgerTotals] | None:
+        """The ledger's totals as vLLM's page arrives, running streams credited, or None.
+
+        None before a page was folded: the labels of the running streams are learned from the
+        page, so the fold reads the ledger then.
+        """
+        feed = self.feed
+        if feed is None or not self._page_models:
+            return None
         feed.credit()
         return feed.ledger.totals()
 
@@ -184,7 +233,9 @@ class Sidecar:
             started = time.perf_counter()
             self.health.scrapes += 1
             try:
+                joined_before = self._joined_now()
                 text = await self.scraper.fetch_metrics()
+                arrived = self._read_on_arrival()
                 if not self.health.up:
                     # (Re)connected: the server may have been upgraded in between.
                     self.health.version = await self.scraper.fetch_version()
@@ -197,7 +248,7 @@ class Sidecar:
                     max_models=self.window.max_models,
                 )
                 del text  # the page can be megabytes: do not hold it while folding
-                snap = self._fold(parsed)
+                snap = self._fold(parsed, joined_before=joined_before, arrived=arrived)
                 self._note_metrics_missing(not snap.models)
                 if not snap.models:
                     raise ScrapeError("no_models", "no vllm: series with a model_name label")
@@ -406,3 +457,8 @@ class Sidecar:
             self._runner = None
         await self.scraper.close()
         await self.vllm_health.close()
+
+
+def _joined(totals: Mapping[str, LedgerTotals]) -> float:
+    """Joined requests over every label: those the ledger could not attribute reached vLLM too."""
+    return sum(t.joined_requests for t in totals.values())

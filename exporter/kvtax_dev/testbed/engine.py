@@ -169,6 +169,7 @@ class VllmEngine:
         max_model_len: int = 1024,
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
+        cpus: str | None = None,
         log_path: Path | None = None,
         model_dir: Path | None = None,
         model_name: str = DEFAULT_MODEL_NAME,
@@ -185,6 +186,11 @@ class VllmEngine:
         self.kv_capacity_tokens = num_gpu_blocks * BLOCK_SIZE_TOKENS
         self.extra_args: tuple[str, ...] = tuple(extra_args)
         self.extra_env: dict[str, str] = dict(extra_env or {})
+        # The cores the engine's worker (its OpenMP threads) runs on, as vLLM's
+        # VLLM_CPU_OMP_THREADS_BIND reads them ("1", "0-3"). None keeps vLLM's "auto", which on
+        # a 2-core machine binds the worker to core 0 and leaves core 1 to the API server and
+        # the rest: two engines started with the default both compute on core 0.
+        self.cpus = cpus
         self.log_path: Path = (
             log_path
             if log_path is not None
@@ -235,6 +241,8 @@ class VllmEngine:
         # 1 GiB bounds the CPU KV allocation; --num-gpu-blocks-override then picks the
         # actual (much smaller) pool inside it.
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         env.update(self.extra_env)
         self._child = ChildProcess(
             "vLLM",
