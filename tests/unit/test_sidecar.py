@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +126,7 @@ async def test_a_good_scrape_publishes_up_and_the_engine_figures(
     m = metrics(sidecar)
     assert one(m, "kvtax_vllm_up") == 1.0
     assert one(m, "kvtax_scrapes_total") == 2.0
-    assert one(m, "kvtax_vllm_info", version="0.32.0", engine="v1") == 1.0
+    assert one(m, "kvtax_vllm_info", version="0.32.0", engine="v1", api_servers="1") == 1.0
     assert one(m, "kvtax_kv_capacity_tokens", model_name="tiny-llama") == 2048.0
     assert one(m, "kvtax_last_scrape_success_timestamp_seconds") == clock.now
     assert m["kvtax_scrape_duration_seconds"][frozenset()] >= 0
@@ -342,7 +343,34 @@ async def test_version_and_engine_kind_are_published(vllm: FakeVllm, sidecar: Si
     await sidecar.scrape_once()
     m = metrics(sidecar)
     assert one(m, "kvtax_vllm_up") == 1.0
-    assert one(m, "kvtax_vllm_info", version="unknown", engine="v0") == 1.0
+    assert one(m, "kvtax_vllm_info", version="unknown", engine="v0", api_servers="1") == 1.0
+
+
+async def test_a_page_served_by_several_api_servers_is_named_on_the_info_series(
+    vllm: FakeVllm, sidecar: Sidecar, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With --api-server-count > 1 vLLM serves /metrics from prometheus-client's multiprocess
+    # collector: the default registry's python_*/process_* series are gone (the real 2- and
+    # 3-server pages of docs/multi-api-server.md); the figures are the processes' sums.
+    default_registry = ("python_", "process_")
+
+    def family(line: str) -> str:  # "# TYPE name counter" or "name{...} value"
+        return line.split()[2] if line.startswith("#") else line
+
+    vllm.body = "".join(
+        line + "\n"
+        for line in read_fixture("0.32-preempting.prom").splitlines()
+        if not family(line).startswith(default_registry)
+    )
+    caplog.set_level(logging.INFO, logger="kvtax.serve.sidecar")
+    await sidecar.scrape_once()
+    clock.advance(5)
+    await sidecar.scrape_once()
+    m = metrics(sidecar)
+    assert one(m, "kvtax_vllm_info", version="0.32.0", engine="v1", api_servers="several") == 1.0
+    assert one(m, "kvtax_kv_capacity_tokens", model_name="tiny-llama") == 2048.0
+    said = [r.getMessage() for r in caplog.records if "API-server" in r.getMessage()]
+    assert len(said) == 1  # once, not per scrape
 
 
 async def test_the_server_version_decides_prefix_cache_units(

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtax.engine.apiservers import ApiServerSignals
 from kvtax.engine.snapshot import Histogram, ModelMetrics, VllmSnapshot
 from kvtax.engine.vocabulary import CONCEPTS, FINGERPRINTS, Aggregate, Concept, Kind, concept_for
 
@@ -125,10 +126,12 @@ def normalize(
     accs: dict[tuple[str, str, int], _Acc] = {}
     marks: set[str] = set()
     rejected = dict.fromkeys(REJECT_REASONS, 0)
+    servers = ApiServerSignals()
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 name = sample.name
+                servers.see(name, sample.labels, sample.value)
                 mark = FINGERPRINTS.get(name) or FINGERPRINTS.get(family.name)
                 if mark:
                     marks.add(mark)
@@ -158,7 +161,7 @@ def normalize(
                 _accumulate(acc, concept, part, labels, sample.value)
     except ValueError as exc:  # prometheus-client raises ValueError on malformed text
         raise ParseError(str(exc)) from exc
-    return _finish(accs, marks, timestamp, version, rejected)
+    return replace(_finish(accs, marks, timestamp, version, rejected), api_servers=servers.report())
 
 
 def _rejected(concept: Concept, value: float) -> str | None:

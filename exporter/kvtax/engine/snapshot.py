@@ -16,6 +16,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvtax.engine.apiservers import ApiServerReport
+
 __all__ = ["Histogram", "ModelMetrics", "VllmSnapshot"]
 
 
@@ -88,6 +90,9 @@ class VllmSnapshot:
     version: str | None = None
     rejected: Mapping[str, int] = field(default_factory=dict)
     models_on_page: int | None = None
+    # How many API-server processes serve the page, as far as it tells (several: vLLM's
+    # multiprocess collector, see kvtax.engine.apiservers); None when not read from a page.
+    api_servers: ApiServerReport | None = None
 
     @property
     def is_v0(self) -> bool:

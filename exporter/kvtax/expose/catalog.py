@@ -95,8 +95,10 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     _S(
         "kvtax_vllm_info",
         "info",
-        "What kvtax detected about the scraped vLLM: version (from /version) and engine (v0/v1).",
-        ("version", "engine"),
+        "What kvtax detected about the scraped vLLM: version (from /version), engine (v0/v1) "
+        "and api_servers: the API-server processes behind its page (1; several, from "
+        "--api-server-count, when a multiprocess collector serves it; or unknown).",
+        ("version", "engine", "api_servers"),
         "sidecar",
     ),
     # -- engine work, from vLLM's counters (reset-corrected) ---------------------------------

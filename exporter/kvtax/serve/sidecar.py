@@ -49,6 +49,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtax import __version__
 from kvtax.delivery.ledger import DeliveryLedger, LedgerTotals, ModelNames
+from kvtax.engine.apiservers import ApiServerReport
 from kvtax.engine.normalize import REJECT_REASONS, ParseError, normalize
 from kvtax.engine.snapshot import VllmSnapshot
 from kvtax.expose.exposition import ReportCollector
@@ -100,6 +101,9 @@ class ScrapeHealth:
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     version: str | None = None
     engine: str | None = None
+    # API-server processes behind vLLM's page: "1", a count, "several" (count unknown), or
+    # "unknown" (see kvtax.engine.apiservers).
+    api_servers: str | None = None
     # vLLM answered, but its page held no vllm: series with model_name (stats off, renamed).
     metrics_missing: bool = False
 
@@ -268,9 +272,30 @@ class Sidecar:
                 self.health.last_error = None
                 self.health.last_reason = None
                 self.health.engine = "v0" if snap.is_v0 else "v1"
+                self._note_api_servers(snap.api_servers)
             finally:
                 self.health.last_duration = time.perf_counter() - started
                 self._page = None  # up, errors and figures changed: render anew when asked
+
+    def _note_api_servers(self, report: ApiServerReport | None) -> None:
+        """Keep what the page says about vLLM's API-server processes; say once when several
+        serve it, so an operator reading the figures knows they are the processes' sums."""
+        if report is None:
+            return
+        if report.mode == "multiprocess":
+            servers = "several" if report.api_servers is None else str(report.api_servers)
+        else:
+            servers = "1" if report.mode == "single" else "unknown"
+        if report.several and self.health.api_servers != servers:
+            log.info(
+                "vLLM at %s serves /metrics from several API-server processes (%s; %s): its "
+                "counters and kvtax's plugin counters are the sums over all of them, so the "
+                "figures stay whole (docs/multi-api-server.md)",
+                self.config.vllm_url,
+                servers,
+                report.evidence,
+            )
+        self.health.api_servers = servers
 
     def _note_metrics_missing(self, missing: bool) -> None:
         """Log the moment vLLM's page loses (or regains) every series kvtax reads."""
@@ -313,7 +338,8 @@ class Sidecar:
         yield Sample("kvtax_vllm_restarts_total", (), float(self.window.restarts))
         yield Sample("kvtax_vllm_metrics_missing", (), float(h.metrics_missing))
         if h.engine is not None:
-            yield Sample("kvtax_vllm_info", (h.version or "unknown", h.engine), 1.0)
+            servers = h.api_servers or "unknown"
+            yield Sample("kvtax_vllm_info", (h.version or "unknown", h.engine, servers), 1.0)
         yield from model_samples(self.figures, self.config.max_num_seqs)
 
     # -- HTTP --------------------------------------------------------------------------------
