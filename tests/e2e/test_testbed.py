@@ -83,6 +83,16 @@ def test_prometheus_scrapes_kvtax_and_every_server_stops_cleanly(tmp_path: Path)
                 json.dumps({"__name__": "kvtax_vllm_up", "instance": address, "job": "kvtax"}): 0.0
             }
             assert [t["health"] for t in prom.targets()] == ["up"]
+            # Prometheus asks for OpenMetrics and gzip by default; kvtax answers both (its own
+            # count of /metrics answers says which it gave), and Prometheus reads the page.
+            negotiated = prom.wait_for(
+                lambda: prom.query(
+                    'kvtax_metrics_requests_total{format="openmetrics",encoding="gzip"} > 0'
+                ),
+                what="an OpenMetrics, gzipped scrape",
+            )
+            assert len(negotiated) == 1
+            assert not prom.query('kvtax_metrics_requests_total{format="text"}')
             assert {g["file"] for g in prom.rule_groups()} == {str(ALERTS)}
             am.post_alerts([{"labels": {"alertname": "TestbedSmoke"}}])
             posted = am.wait_for(am.alerts, what="the posted alert")

@@ -8,6 +8,8 @@ timeout, a 500, a garbage body, and a comeback whose counters restarted lower. T
 from __future__ import annotations
 
 import asyncio
+import gzip
+import io
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -17,7 +19,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, unused_port
-from prometheus_client.exposition import generate_latest
+from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.openmetrics.parser import text_fd_to_metric_families
 
 from kvtax.serve import sidecar as sidecar_module
 from kvtax.serve.config import load_config
@@ -439,11 +442,16 @@ def count_renders(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """Every /metrics page the sidecar renders, in order."""
     pages: list[bytes] = []
 
-    def render(registry: Any) -> bytes:
-        pages.append(generate_latest(registry))
-        return pages[-1]
+    def choose(accept: str) -> tuple[Callable[[Any], bytes], str]:
+        encoder, content_type = choose_encoder(accept)
 
-    monkeypatch.setattr(sidecar_module, "generate_latest", render)
+        def render(registry: Any) -> bytes:
+            pages.append(encoder(registry))
+            return pages[-1]
+
+        return render, content_type
+
+    monkeypatch.setattr(sidecar_module, "choose_encoder", choose)
     return pages
 
 
@@ -494,10 +502,59 @@ async def test_a_page_is_shared_within_one_turn_of_the_loop_and_never_after(
     # Between scrapes of vLLM the proxy's counters still move: a page asked for in a later turn
     # of the loop is rendered anew, so no reader ever gets counters older than its own ask.
     pages = count_renders(monkeypatch)
-    first = [sidecar.page() for _ in range(50)]
+    first = [sidecar.page()[0] for _ in range(50)]
     assert len(pages) == 1
     assert set(first) == {pages[0]}
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     sidecar.page()
     assert len(pages) == 2
+
+
+# What Prometheus 2.x sends by default (scrape/scrape.go's acceptHeader).
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        (PROMETHEUS_ACCEPT, "gzip", "application/openmetrics-text", True),
+        (PROMETHEUS_ACCEPT, "", "application/openmetrics-text", False),
+        ("text/plain;version=0.0.4", "gzip, deflate", "text/plain", True),
+        ("", "", "text/plain", False),
+    ],
+)
+async def test_metrics_answers_the_format_and_encoding_the_scraper_asks_for(
+    sidecar: Sidecar, aiohttp_client: ClientFactory, case: tuple[str, str, str, bool]
+) -> None:
+    # Protection: /metrics was always text 0.0.4 and never gzipped, whatever was asked.
+    accept, encoding, kind, gzipped = case
+    await sidecar.scrape_once()
+    client = await aiohttp_client(sidecar.web_app())
+    headers = {"Accept": accept, "Accept-Encoding": encoding}
+    resp = await client.get("/metrics", headers=headers, auto_decompress=False)
+    raw = await resp.read()
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith(kind)
+    assert (resp.headers.get("Content-Encoding") == "gzip") is gzipped
+    text = (gzip.decompress(raw) if gzipped else raw).decode()
+    if kind == "application/openmetrics-text":
+        assert text.endswith("# EOF\n")
+        families = {f.name: f for f in text_fd_to_metric_families(io.StringIO(text))}
+        assert families["kvtax_vllm_up"].samples[0].value == 1.0
+    else:
+        assert one(parse_exposition(text), "kvtax_vllm_up") == 1.0
+    form = "openmetrics" if kind.startswith("application") else "text"
+    served = parse_exposition((await (await client.get("/metrics")).read()).decode())
+    assert (
+        one(
+            served,
+            "kvtax_metrics_requests_total",
+            format=form,
+            encoding="gzip" if gzipped else "identity",
+        )
+        == 1.0
+    )

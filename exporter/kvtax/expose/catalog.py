@@ -44,6 +44,14 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     ),
     _S("kvtax_scrapes_total", "counter", "Scrapes of vLLM attempted.", (), "sidecar"),
     _S(
+        "kvtax_metrics_requests_total",
+        "counter",
+        "Answers of kvtax's own /metrics by format (openmetrics or text, as the scraper's Accept "
+        "asked) and encoding (gzip or identity, as its Accept-Encoding asked).",
+        ("format", "encoding"),
+        "sidecar",
+    ),
+    _S(
         "kvtax_scrape_errors_total",
         "counter",
         "Failed scrapes of vLLM by reason: timeout (vLLM slow), refused (nothing listens: "

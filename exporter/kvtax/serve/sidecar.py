@@ -36,16 +36,18 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import platform
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from kvtax import __version__
 from kvtax.delivery.ledger import DeliveryLedger, LedgerTotals, ModelNames
@@ -156,9 +158,11 @@ class Sidecar:
         # labels are already right when the page arrives (see _read_on_arrival).
         self._page_models: frozenset[str] = frozenset()
         self._first: asyncio.Task[None] | None = None
-        # kvtax's own page as rendered in this turn of the loop; None: render anew when asked.
-        self._page: bytes | None = None
+        # kvtax's own page as rendered in this turn of the loop, by format and encoding.
+        self._pages: dict[tuple[str, bool], bytes] = {}
         self.renders = 0
+        # /metrics answers by format (openmetrics, text) and encoding (gzip, identity).
+        self.served: Counter[tuple[str, str]] = Counter()
         # Set on SIGTERM: /readyz fails so the Service stops sending new requests.
         self.draining = False
 
@@ -190,7 +194,7 @@ class Sidecar:
             parsed, totals, joined_before=joined_before, joined_after=joined_after
         )
         self.figures = derive_all(self.window, self.settings)
-        self._page = None  # the next GET of /metrics shows the new figures
+        self._pages.clear()  # the next GET of /metrics shows the new figures
         return snap
 
     def _ledger_totals(
@@ -275,7 +279,7 @@ class Sidecar:
                 self._note_api_servers(snap.api_servers)
             finally:
                 self.health.last_duration = time.perf_counter() - started
-                self._page = None  # up, errors and figures changed: render anew when asked
+                self._pages.clear()  # up, errors and figures changed: render anew when asked
 
     def _note_api_servers(self, report: ApiServerReport | None) -> None:
         """Keep what the page says about vLLM's API-server processes; say once when several
@@ -340,6 +344,8 @@ class Sidecar:
         if h.engine is not None:
             servers = h.api_servers or "unknown"
             yield Sample("kvtax_vllm_info", (h.version or "unknown", h.engine, servers), 1.0)
+        for (form, encoding), count in sorted(self.served.items()):
+            yield Sample("kvtax_metrics_requests_total", (form, encoding), float(count))
         yield from model_samples(self.figures, self.config.max_num_seqs)
 
     # -- HTTP --------------------------------------------------------------------------------
@@ -360,28 +366,41 @@ class Sidecar:
             return False, f"the proxy cannot reach vLLM: {failure.reason}: {failure.detail}"
         return True, "ok"
 
-    def page(self) -> bytes:
-        """kvtax's /metrics page, rendered at most once per turn of the event loop.
+    def page(self, accept: str = "", *, gzipped: bool = False) -> tuple[bytes, str]:
+        """kvtax's /metrics page in the format ``accept`` asks for (prometheus-client's own
+        negotiation: OpenMetrics or text 0.0.4), gzipped if asked, and its Content-Type.
 
-        Scrapers that ask in the same turn (a burst of them lands in one or a few turns) share
-        one render; the next turn renders anew, so a page never shows counters older than the
-        turn it was asked in, and a test or a scraper that reads right after a change sees it.
+        Each format is rendered at most once per turn of the event loop: scrapers that ask in
+        the same turn (a burst of them lands in one or a few turns) share one render; the next
+        turn renders anew, so a page never shows counters older than the turn it was asked in.
         """
-        if self._page is None:
-            self._page = generate_latest(self.registry)
-            self.renders += 1
-            try:
-                asyncio.get_running_loop().call_soon(self._drop_page)
-            except RuntimeError:  # no loop (a direct call): nothing would drop it, so keep none
-                page, self._page = self._page, None
-                return page
-        return self._page
-
-    def _drop_page(self) -> None:
-        self._page = None
+        encoder, content_type = choose_encoder(accept)
+        key = (content_type, gzipped)
+        body = self._pages.get(key)
+        if body is None:
+            plain = self._pages.get((content_type, False))
+            if plain is None:
+                plain = encoder(self.registry)
+                self.renders += 1
+            body = gzip.compress(plain, compresslevel=6, mtime=0) if gzipped else plain
+            if not self._pages:
+                try:
+                    asyncio.get_running_loop().call_soon(self._pages.clear)
+                except RuntimeError:  # no loop (a direct call): nothing would clear it
+                    return body, content_type
+            self._pages[(content_type, False)] = plain
+            self._pages[key] = body
+        return body, content_type
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.page(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        gzipped = gzip_accepted(request.headers.get("Accept-Encoding", ""))
+        body, content_type = self.page(request.headers.get("Accept", ""), gzipped=gzipped)
+        form = "openmetrics" if content_type.startswith("application/openmetrics") else "text"
+        self.served[form, "gzip" if gzipped else "identity"] += 1
+        headers = {"Content-Type": content_type}
+        if gzipped:
+            headers["Content-Encoding"] = "gzip"
+        return web.Response(body=body, headers=headers)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
