@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from kvtax.cli import main
+from kvtax.dashboards.lint import panels
 from kvtax.engine import vocabulary
 from kvtax.expose import catalog, reference
 from kvtax.serve import config
@@ -101,3 +103,34 @@ def test_no_rule_dashboard_or_doc_counts_kvtax_rejections_or_its_429s() -> None:
         assert 'outcome="rejected"' not in text, path
         assert "kvtax 429" not in text.lower(), path
         assert "kvtax's admission gate" not in text.lower(), path
+
+
+# -- vLLM's own admission limits and --max-num-active-seqs (vLLM 0.33+) ----------------------
+
+
+def _runbook_sections() -> dict[str, str]:
+    text = (ROOT / "docs/runbooks.md").read_text()
+    return {s.split("\n", 1)[0]: s for s in text.split("\n## ")[1:]}
+
+
+def test_vllm_rejections_are_503s_and_active_seqs_is_advised_beside_max_num_seqs() -> None:
+    # vLLM answers --max-num-queued-reqs/-tokens with 503, which the proxy files as upstream_error.
+    sections = _runbook_sections()
+    shedding = sections["KvtaxLoadShedding"]
+    assert "503" in shedding
+    assert 'outcome="upstream_error"' in shedding
+    assert "503" in catalog.METRICS["kvtax_requests_total"].help
+    delivery = (ROOT / "docs/delivery.md").read_text()
+    line_4xx = next(line for line in delivery.splitlines() if "- `upstream_4xx`:" in line)
+    assert "admission" not in line_4xx
+    boards = [json.loads(p.read_text()) for p in sorted((ROOT / "dashboards").glob("*.json"))]
+    described = {p["title"]: p.get("description", "") for d in boards for p in panels(d)}
+    assert "503" in described["Rejected requests"]
+    assert "upstream_error" in described["Rejected requests"]
+    # Drift: wherever --max-num-seqs is advised, so is --max-num-active-seqs.
+    advising = {title for title, s in sections.items() if "`--max-num-seqs`" in s}
+    assert {"KvtaxVllmPreempting", "KvtaxOverAdmitted", "KvtaxStreamStalls"} <= advising
+    assert {t for t in advising if "`--max-num-active-seqs`" not in sections[t]} == set()
+    panels_advising = {t for t, d in described.items() if "--max-num-seqs" in d}
+    assert "max_num_seqs: recommended / configured" in panels_advising
+    assert {t for t in panels_advising if "--max-num-active-seqs" not in described[t]} == set()

@@ -66,7 +66,9 @@ CAPACITY = Board(
                     (Target(by(POD, "min", recommended), "{{model_name}} {{pod}}"),),
                     SEQS,
                     "floor(KV capacity x target usage / p95 request length): the most sequences "
-                    "that can run to completion without preemption at today's lengths.",
+                    "that can run to completion without preemption at today's lengths. Set it "
+                    "as --max-num-seqs, or on vLLM 0.33+ as --max-num-active-seqs with "
+                    "--max-num-seqs left at its default (keeps CUDA-graph capacity).",
                     "KvtaxOverAdmitted",
                     width=6,
                     height=5,
@@ -149,8 +151,9 @@ CAPACITY = Board(
                         Target(by(POD, "max", running), "running {{pod}}"),
                     ),
                     SEQS,
-                    "Running sequences against the recommendation and the configured limit. "
-                    "Running above recommended is where the pool runs out mid-decode.",
+                    "Running sequences against the recommendation and the configured limit "
+                    "(--max-num-seqs, or --max-num-active-seqs on vLLM 0.33+). Running above "
+                    "recommended is where the pool runs out mid-decode.",
                     "KvtaxOverAdmitted",
                     min=0,
                 ),

@@ -27,7 +27,8 @@ _cap = Panel(
     SEQS,
     "The gate's cap on requests in flight and how it was chosen (source: static, floor, "
     "cold_start, formula, budget, cut, raise), the cap the auto mode advises (dashed; "
-    "published with the gate off too, for vLLM's --max-num-seqs), and the requests in flight.",
+    "published with the gate off too, for vLLM's --max-num-seqs, or --max-num-active-seqs on "
+    "0.33+), and the requests in flight.",
     "KvtaxGateShedding",
     width=8,
     min=0,

@@ -92,7 +92,9 @@ _max_num_seqs_now = Panel(
     ),
     SEQS,
     "What to set --max-num-seqs to: floor(KV capacity x target usage / p95 request length), "
-    "next to the value vLLM runs with (kvtax serve --max-num-seqs). Configured well above "
+    "next to the value vLLM runs with (kvtax serve --max-num-seqs). On vLLM 0.33+ set "
+    "--max-num-active-seqs to it instead, with --max-num-seqs left at its default (>= it): it "
+    "caps the running batch without shrinking CUDA-graph capacity. Configured well above "
     "recommended means the engine admits more sequences than its KV cache can finish.",
     "KvtaxOverAdmitted",
     width=4,
@@ -189,10 +191,12 @@ _rejections = Panel(
         ),
     ),
     "reqps",
-    "Requests refused per second. vLLM's admission rejections (0.32+, by reason) are load "
-    "shedding: capacity is short, and the alert watches them. vLLM 4xx answers (outcome "
-    "upstream_4xx) are mostly malformed or over-long requests; too large (dashed) are bodies "
-    "over kvtax's proxy limit, answered 413 by the proxy itself.",
+    "Requests refused per second. vLLM's admission rejections (0.32+, by reason: "
+    "--max-num-queued-reqs or --max-num-queued-tokens full) are load shedding, answered 503: "
+    "capacity is short, and the alert watches them. The proxy counts those 503s as "
+    "outcome upstream_error, not upstream_4xx. vLLM 4xx answers (outcome upstream_4xx) are "
+    "malformed or over-long requests, not load; too large (dashed) are bodies over kvtax's "
+    "proxy limit, answered 413 by the proxy itself.",
     "KvtaxLoadShedding",
     width=8,
     min=0,
@@ -229,7 +233,8 @@ _recommended_vs_configured = Panel(
     ),
     SEQS,
     "The recommendation moves with the request length mix; configured is a flat line. Running "
-    "above recommended is where preemption starts.",
+    "above recommended is where preemption starts. Cap it with --max-num-seqs, or on vLLM "
+    "0.33+ with --max-num-active-seqs (--max-num-seqs left at its default).",
     "KvtaxOverAdmitted",
     width=8,
     min=0,

@@ -184,19 +184,22 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     _S(
         "kvtax_recommended_max_num_seqs",
         "gauge",
-        "floor(KV capacity x target usage / p95 request length).",
+        "floor(KV capacity x target usage / p95 request length): the value for vLLM's "
+        "--max-num-seqs, or --max-num-active-seqs on 0.33+ (--max-num-seqs left at its default).",
         (M,),
     ),
     _S(
         "kvtax_configured_max_num_seqs",
         "gauge",
-        "The --max-num-seqs the operator told kvtax vLLM runs with.",
+        "The --max-num-seqs the operator told kvtax vLLM runs with (its --max-num-active-seqs "
+        "where set).",
         (M,),
     ),
     _S(
         "kvtax_over_admission_ratio",
         "gauge",
-        "Configured max_num_seqs / recommended max_num_seqs; above 1 the engine can over-admit.",
+        "Configured max_num_seqs / recommended max_num_seqs; above 1 the engine can over-admit "
+        "(lower --max-num-seqs, or --max-num-active-seqs on vLLM 0.33+).",
         (M,),
     ),
     _S("kvtax_thrash_state", "gauge", "0 ok, 1 at risk, 2 thrashing (see docs/tax.md).", (M,)),
@@ -263,7 +266,8 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "kvtax_requests_total",
         "counter",
         "Requests through kvtax by outcome: completed, client_disconnected, upstream_error "
-        "(5xx or no answer), upstream_4xx (vLLM refused it), too_large (kvtax's own 413), "
+        "(5xx or no answer, including vLLM's own admission rejections, a 503), upstream_4xx "
+        "(vLLM answered 4xx: a bad request), too_large (kvtax's own 413), "
         "shutdown (ended by kvtax's shutdown: cut when the grace period ran out, or turned away "
         "with a 503), shed (the admission gate's "
         "429 or 400: never sent to vLLM).",

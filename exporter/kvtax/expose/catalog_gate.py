@@ -1,8 +1,8 @@
 """The admission gate's metrics (docs/admission.md), a table of :mod:`kvtax.expose.catalog`.
 
 With the gate off only ``kvtax_gate_advised_cap`` is published: the value to copy into vLLM's
-``--max-num-seqs``. Kept apart from the catalog's other tables because it is the one feature
-that is opt-in.
+``--max-num-seqs`` (``--max-num-active-seqs`` on 0.33+). Kept apart from the catalog's other
+tables because it is the one feature that is opt-in.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ GATE_METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "Requests in flight the auto mode would allow now: floor(capacity x target usage / p95 "
         "request length), bounded by --admission.floor and --admission.ceiling. Published with "
-        "the gate off too, as a value for vLLM's --max-num-seqs or --max-num-queued-reqs.",
+        "the gate off too, as a value for vLLM's --max-num-seqs (--max-num-active-seqs on "
+        "0.33+, --max-num-seqs left at its default) or --max-num-queued-reqs.",
         (),
         "admission",
     ),

@@ -240,8 +240,9 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         f"Streams of {WHERE} stalled {VALUE} times per request over {w} "
         f"(threshold {c.stalls_per_request:g}); a stall is usually a preempted sequence.",
     )
-    # vLLM's own admission limits (0.32+). A 4xx from vLLM (upstream_4xx) is not counted: most
-    # are malformed requests, not a lack of capacity; the Overview's rejections panel shows both.
+    # vLLM's own admission limits (0.32+): --max-num-queued-reqs/-tokens full, answered 503 (the
+    # proxy's outcome upstream_error). A 4xx from vLLM (upstream_4xx) is not counted: those are
+    # malformed requests, not a lack of capacity; the Overview's rejections panel shows both.
     add(
         "kvtax-clients",
         "KvtaxLoadShedding",
@@ -250,7 +251,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         "warning",
         "vLLM is turning requests away for lack of capacity.",
         f"vLLM serving {WHERE} has rejected {VALUE} requests/s at admission over {w} "
-        "(its own queue or capacity limits).",
+        "with 503 (its own queue limits, --max-num-queued-reqs or --max-num-queued-tokens).",
     )
 
     # -- the pipeline itself -------------------------------------------------------------------

@@ -109,7 +109,8 @@ class Config:
         "max_num_seqs",
         None,
         v.optional_positive_int,
-        "The --max-num-seqs vLLM runs with, to publish the over-admission ratio.",
+        "The --max-num-seqs vLLM runs with (its --max-num-active-seqs where set), to publish "
+        "the over-admission ratio.",
         "N",
     )
     proxy_listen_address: tuple[str, int] | None = option(
