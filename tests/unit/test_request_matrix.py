@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
