@@ -3,7 +3,8 @@
 Each step's engine figures come from :func:`kvtax.loadtest.measure.engine_step` over the
 timeline's slice for the step (:meth:`~kvtax.loadtest.timeline.Timeline.span`), so they are the
 numbers ``kvtax loadtest`` and the dashboards compute. The x axis of the table is the tool's
-concurrency when every step has one, else the request rate it achieved.
+concurrency when every step has one, else the request rate it achieved. The tool is any whose
+report :mod:`kvtax.loadtest.tools` reads: guidellm, AIPerf, ``vllm bench serve``.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ def annotate_steps(
     model: str,
     settings: EngineSettings,
     field: str,
+    *,
+    step_field: str = "REPORT benchmarks",
 ) -> list[EngineStep]:
     out = []
     for step in steps:
         points = timeline.span(model, step.start, step.end)
         if len(points) < 2:
             raise InputError(
-                f"REPORT benchmarks[{step.index}]",
+                f"{step_field}[{step.index}]",
                 f"step {step.label} ({step.start:.3f} to {step.end:.3f}) is not covered by "
                 f"{field}: too short to measure, or recorded outside its span",
             )
@@ -54,7 +57,12 @@ def annotate_steps(
     return out
 
 
-def annotation_table(steps: Sequence[ToolStep], engine: Sequence[EngineStep]) -> Table:
+def annotation_table(
+    steps: Sequence[ToolStep],
+    engine: Sequence[EngineStep],
+    *,
+    throughput_label: str = "guidellm output tokens/s",
+) -> Table:
     by_concurrency = all(s.concurrency is not None for s in steps)
     x = tuple(
         (s.concurrency if by_concurrency else s.requests_per_s) or float(s.index) for s in steps
@@ -79,7 +87,7 @@ def annotation_table(steps: Sequence[ToolStep], engine: Sequence[EngineStep]) ->
         preemption_knee=preemption_knee(preempt),
         throughput_knee=throughput_knee(tool),
         tax_method=tuple(e.tax_method for e in engine),
-        throughput_label="guidellm output tokens/s",
+        throughput_label=throughput_label,
     )
 
 
@@ -91,20 +99,23 @@ def annotation_json(
     *,
     source: str,
     model: str,
+    tool: str = "guidellm",
 ) -> dict[str, Any]:
-    """The tool's report with ``kvtax`` added to each benchmark and at the top."""
+    """The tool's report with ``kvtax`` added to each benchmark and at the top (``report`` is
+    a :attr:`kvtax.loadtest.tools.ToolReport.document`: its ``benchmarks`` are the steps)."""
     out = dict(report)
     benches = [dict(b) for b in report["benchmarks"]]
     for bench, step, e in zip(benches, steps, engine, strict=True):
         bench["kvtax"] = {"label": step.label, **asdict(e)}
     out["benchmarks"] = benches
     out["kvtax"] = {
+        "tool": tool,
         "source": source,
         "model": model,
         "x": table.x_label,
         "knees": {
             "preemption": knee_json(table.preemption_knee, table.x),
-            # guidellm's output tokens/s over the steps, by kvtax's rule (5 % gain).
+            # The tool's output tokens/s over the steps, by kvtax's rule (5 % gain).
             "throughput": knee_json(table.throughput_knee, table.x),
         },
     }

@@ -6,6 +6,10 @@ Two uses:
   ``--duration``), while the benchmark runs;
 - ``kvtax annotate REPORT --recording run.jsonl.gz`` (or ``--prometheus URL``) writes
   ``<stem>-kvtax.json``, ``.md`` and PNG plots with the engine's figures per step.
+
+REPORT is guidellm's JSON, AIPerf's ``profile_export_aiperf.json`` (or a directory holding one
+per run, as an AIPerf sweep writes), or ``vllm bench serve --save-result`` output (one object,
+or one per line with ``--append-result``, or a JSON array of them).
 """
 
 from __future__ import annotations
@@ -23,23 +27,26 @@ from typing import Any
 from kvtax.figures.derive import EngineSettings
 from kvtax.loadtest.annotate import annotate_steps, annotation_json, annotation_table, pick_model
 from kvtax.loadtest.errors import InputError
-from kvtax.loadtest.guidellm import read_guidellm
 from kvtax.loadtest.output import write_report
 from kvtax.loadtest.timeline import Scrape, Timeline
+from kvtax.loadtest.tools import FORMATS, read_report
 
 __all__ = ["MAX_REPORT_BYTES", "add_parser", "run"]
 
 GIB = 2**30
 # The most JSON a report may hold, decompressed: guidellm's reports are megabytes, and reading a
 # gzip bomb whole would end in MemoryError. Read in a stream, and refused past this, naming it.
+# For a directory of AIPerf exports, the bound is on all of them together.
 MAX_REPORT_BYTES = GIB
+# The export AIPerf writes for each run; a sweep's artifact directory holds one per run.
+AIPERF_EXPORT = "profile_export_aiperf.json"
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "annotate",
         help="Add the engine's preemptions, tax, KV usage and thrash state to a benchmark "
-        "report (guidellm JSON), or record the engine during a benchmark.",
+        "report (guidellm, AIPerf, vllm bench serve), or record the engine during a benchmark.",
         description="Annotate every step of a benchmark tool's report with the engine's "
         "figures over that step's time span, from a recording kvtax made during the run "
         "(--recording) or a Prometheus (--prometheus); or make such a recording (--record).",
@@ -49,8 +56,16 @@ def add_parser(sub: Any) -> None:
         nargs="?",
         type=Path,
         metavar="REPORT",
-        help="The tool's JSON report (guidellm 0.8; .json or .json.gz; "
-        "at most 1 GiB of JSON once decompressed).",
+        help="The tool's JSON report: guidellm 0.8's, AIPerf 0.13's "
+        f"{AIPERF_EXPORT} (or a directory of them, one per run of a sweep), or "
+        "vllm bench serve --save-result's (one object per line with --append-result); "
+        ".json, .jsonl or .gz; at most 1 GiB of JSON once decompressed.",
+    )
+    p.add_argument(
+        "--format",
+        choices=("auto", *FORMATS),
+        default="auto",
+        help="The tool that wrote REPORT (default: told by its fields).",
     )
     p.add_argument(
         "--recording",
@@ -164,8 +179,27 @@ def _cancel(task: asyncio.Task[Any] | None) -> None:
 
 
 def _load_report(path: Path) -> Any:
-    """The report's JSON, read (and gunzipped, streaming) up to :data:`MAX_REPORT_BYTES`."""
-    limit = MAX_REPORT_BYTES
+    """The report's JSON, read (and gunzipped, streaming) up to :data:`MAX_REPORT_BYTES`; for
+    a directory, the list of the AIPerf exports under it, within the same bound."""
+    if not path.is_dir():
+        return _load_json(path, MAX_REPORT_BYTES)[0]
+    files = sorted(
+        p
+        for p in path.rglob(AIPERF_EXPORT + "*")
+        if p.name in (AIPERF_EXPORT, AIPERF_EXPORT + ".gz")
+    )
+    if not files:
+        raise InputError("REPORT", f"{path} is a directory without a {AIPERF_EXPORT}")
+    exports, left = [], MAX_REPORT_BYTES
+    for file in files:
+        export, size = _load_json(file, left)
+        exports.append(export)
+        left -= size
+    return exports
+
+
+def _load_json(path: Path, limit: int) -> tuple[Any, int]:
+    """The JSON in ``path`` and its size, or the objects of a JSON-lines file as a list."""
     try:
         with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
             raw = f.read(limit + 1)
@@ -175,15 +209,34 @@ def _load_report(path: Path) -> Any:
     if len(raw) > limit:
         raise InputError(
             "REPORT",
-            f"{path} holds more than {_size(limit)} of JSON"
+            f"{path} holds more than {_size(MAX_REPORT_BYTES)} of JSON"
             f"{' once decompressed' if path.suffix == '.gz' else ''}, kvtax annotate's limit",
         )
     try:
-        return json.loads(raw)
+        return json.loads(raw), len(raw)
     except RecursionError:
         raise InputError("REPORT", f"{path} is JSON nested too deeply to read") from None
+    except json.JSONDecodeError as exc:
+        if exc.msg != "Extra data":
+            raise InputError("REPORT", f"{path} is not JSON: {exc}") from None
     except ValueError as exc:
         raise InputError("REPORT", f"{path} is not JSON: {exc}") from None
+    return _json_lines(raw, path), len(raw)
+
+
+def _json_lines(raw: bytes, path: Path) -> list[Any]:
+    """One JSON value per line (``vllm bench serve --append-result``)."""
+    values = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            values.append(json.loads(line))
+        except RecursionError:
+            raise InputError("REPORT", f"{path} line {n} is JSON nested too deeply") from None
+        except ValueError as exc:
+            raise InputError("REPORT", f"{path} line {n} is not JSON: {exc}") from None
+    return values
 
 
 def _size(n: int) -> str:
@@ -198,8 +251,8 @@ def _annotate(args: argparse.Namespace) -> int:
         raise InputError("REPORT", "give a report to annotate (or --record FILE to record)")
     if (args.recording is None) == (args.prometheus is None):
         raise InputError("--recording", "give exactly one of --recording FILE or --prometheus URL")
-    report = _load_report(args.report)
-    steps = read_guidellm(report)
+    tool = read_report(_load_report(args.report), args.format)
+    steps = tool.steps
     scrapes: list[Scrape]
     if args.recording is not None:
         from kvtax.loadtest.sources import read_recording
@@ -217,22 +270,29 @@ def _annotate(args: argparse.Namespace) -> int:
         scrapes = asyncio.run(prometheus_scrapes(args.prometheus, start, end, args.prometheus_step))
     timeline = Timeline(scrapes, field=field)
     model = pick_model(timeline, args.model, field)
-    engine = annotate_steps(steps, timeline, model, EngineSettings(), field)
-    table = annotation_table(steps, engine)
-    out = annotation_json(report, steps, engine, table, source=source, model=model)
-    stem = args.report.name.removesuffix(".gz").removesuffix(".json") + "-kvtax"
+    engine = annotate_steps(
+        steps, timeline, model, EngineSettings(), field, step_field=tool.step_field
+    )
+    table = annotation_table(steps, engine, throughput_label=tool.throughput_label)
+    out = annotation_json(
+        tool.document, steps, engine, table, source=source, model=model, tool=tool.tool
+    )
+    name = args.report.name
+    for suffix in (".gz", ".json", ".jsonl"):
+        name = name.removesuffix(suffix)
+    stem = name + "-kvtax"
     intro = [
-        f"guidellm report {args.report.name}, annotated with the engine's figures for model "
+        f"{tool.name} report {args.report.name}, annotated with the engine's figures for model "
         f"{model} from {source}.",
         "",
-        "Throughput is guidellm's output tokens/s; preemptions, tax, KV and thrash are the "
+        f"Throughput is {tool.name}'s output tokens/s; preemptions, tax, KV and thrash are the "
         "engine's over each benchmark's span.",
     ]
     write_report(
-        args.out or args.report.parent,
+        args.out or (args.report if args.report.is_dir() else args.report.parent),
         stem,
         out,
-        title="guidellm run with the engine's side",
+        title=f"{tool.name} run with the engine's side",
         intro=intro,
         table=table,
     )
