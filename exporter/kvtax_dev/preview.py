@@ -6,9 +6,12 @@ docs. :func:`fetch` fills in the template variables as Grafana would and runs ev
 through Prometheus' HTTP API; :func:`draw` lays the panels out by their ``gridPos`` and draws
 time series (stacking, dashed lines, threshold lines), stat tiles (value mappings and threshold
 colours) and bar gauges. It reads the dashboard JSON, not the Python definitions, so the picture
-is of what Grafana would load. matplotlib comes from the ``preview`` extra. :func:`run_preview`
-is the ``kvtax dashboards preview`` command; its flags stay in :mod:`kvtax.dashboards.cli`, so
-that an installed kvtax, which has no preview, can still say where to find one.
+is of what Grafana would load. Beside each PNG it writes ``<uid>.panels.json``, the titles of
+the panels it drew and the PNG's sha256: :func:`record_problems` compares that record with the
+current dashboards, so a committed picture that no longer shows them fails a test. matplotlib
+comes from the ``preview`` extra. :func:`run_preview` is the ``kvtax dashboards preview``
+command; its flags stay in :mod:`kvtax.dashboards.cli`, so that an installed kvtax, which has no
+preview, can still say where to find one.
 
 Example::
 
@@ -20,7 +23,9 @@ Example::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
+import json
 import math
 import re
 import sys
@@ -46,7 +51,10 @@ __all__ = [
     "fetch",
     "format_value",
     "legend_text",
+    "panel_titles",
     "rate_interval",
+    "record_path",
+    "record_problems",
     "require_matplotlib",
     "run_preview",
 ]
@@ -355,6 +363,18 @@ def _draw_bargauge(ax: Any, panel: JSON, data: list[TargetData]) -> None:
     ax.tick_params(labelsize=6.5)
 
 
+def _fit(text: Any, inches: float, dpi: int) -> None:
+    """Shrink ``text`` until it is at most ``inches`` wide, as a panel header never overflows
+    its panel (Grafana cuts it short; a smaller font keeps every word)."""
+    renderer = text.figure.canvas.get_renderer()
+    # Glyph widths do not scale exactly with the size (hinting): shrink until it fits.
+    for _ in range(8):
+        width = text.get_window_extent(renderer=renderer).width / dpi
+        if width <= inches or text.get_fontsize() <= 5:
+            return
+        text.set_fontsize(max(5.0, text.get_fontsize() * inches / width * 0.97))
+
+
 # Inches around a panel's plot area inside its grid cell: left, bottom, right, top (title).
 _PADDING = {
     "timeseries": (0.62, 0.28, 0.08, 0.26),
@@ -374,7 +394,9 @@ def draw(
     width_inches: float = 14.0,
     dpi: int = 80,
 ) -> Path:
-    """Draw every panel at its grid position into one PNG at ``path``."""
+    """Draw every panel at its grid position into one PNG at ``path``, and record beside it
+    (:func:`record_path`) the dashboard's uid, the span drawn, the PNG's sha256 and the title of
+    every panel drawn."""
     plt = _pyplot()
     every = dashboard.get("panels", [])
     rows = max((p["gridPos"]["y"] + p["gridPos"]["h"] for p in every), default=1)
@@ -404,17 +426,21 @@ def draw(
             ax.text(0.005, 0.3, panel["title"], fontsize=10, weight="bold", transform=ax.transAxes)
             continue
         # The title sits in the top padding, like a Grafana panel header.
-        ax.text(
-            -left / w if panel["type"] == "timeseries" else 0,
+        inset = left if panel["type"] == "timeseries" else 0.0
+        title = ax.text(
+            -inset / w,
             1 + 0.06 / h,
             panel["title"],
             fontsize=8.5,
             weight="bold",
             transform=ax.transAxes,
         )
+        _fit(title, pos["w"] * unit_w - (left - inset) - 0.05, dpi)
         rows_data = data.get(int(panel["id"]), [])
         if panel["type"] == "timeseries":
             _draw_timeseries(ax, panel, rows_data)
+            # The dashboard's time range, drawn or not: an empty panel keeps the same axis.
+            ax.set_xlim(datetime.fromtimestamp(start, UTC), datetime.fromtimestamp(end, UTC))
         elif panel["type"] == "stat":
             _draw_stat(ax, panel, rows_data)
         else:
@@ -422,7 +448,66 @@ def draw(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+    _write_record(dashboard, path, start=start, end=end)
     return path
+
+
+# -- what a picture shows --------------------------------------------------------------------
+
+
+def panel_titles(dashboard: JSON) -> list[str]:
+    """The title of every panel :func:`draw` draws (rows included), in the dashboard's order."""
+    return [str(p["title"]) for p in dashboard.get("panels", [])]
+
+
+def record_path(png: Path) -> Path:
+    """Where the record of what ``png`` shows lies: ``kvtax-overview.png`` ->
+    ``kvtax-overview.panels.json``."""
+    return png.with_suffix(".panels.json")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_record(dashboard: JSON, png: Path, *, start: float, end: float) -> Path:
+    record = {
+        "dashboard": dashboard.get("uid", ""),
+        "title": dashboard.get("title", ""),
+        "from": datetime.fromtimestamp(start, UTC).isoformat(timespec="seconds"),
+        "to": datetime.fromtimestamp(end, UTC).isoformat(timespec="seconds"),
+        "png_sha256": _sha256(png),
+        "panels": panel_titles(dashboard),
+    }
+    path = record_path(png)
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def record_problems(png: Path, current: Mapping[str, JSON]) -> list[str]:
+    """Why the picture ``png`` no longer shows the dashboards ``current`` (uid -> JSON), or
+    ``[]``. It must have its record, be the PNG that record was written for, show a dashboard
+    that still exists, and show exactly its panel titles in its order."""
+    where = record_path(png)
+    if not where.is_file():
+        return [f"{png.name}: no {where.name} beside it; redraw it with kvtax dashboards preview"]
+    record = json.loads(where.read_text(encoding="utf-8"))
+    problems = []
+    if record.get("png_sha256") != _sha256(png):
+        problems.append(f"{png.name} is not the PNG {where.name} was written for")
+    uid = record.get("dashboard")
+    if uid not in current:
+        return [*problems, f"{png.name} shows dashboard {uid!r}, which no longer exists"]
+    drawn, now = list(record.get("panels", [])), panel_titles(current[uid])
+    gone = [t for t in drawn if t not in now]
+    missing = [t for t in now if t not in drawn]
+    if gone:
+        problems.append(f"{png.name} shows panels the dashboard no longer has: {gone}")
+    if missing:
+        problems.append(f"{png.name} lacks panels the dashboard has: {missing}")
+    if drawn != now and not gone and not missing:
+        problems.append(f"{png.name} shows the panels in another order or number than now")
+    return problems
 
 
 # -- the command -----------------------------------------------------------------------------

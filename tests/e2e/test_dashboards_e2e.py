@@ -8,12 +8,14 @@ hang up early. Then every target of every panel, with the template variables
 filled in as Grafana would, must parse and return at least one series with a number in it,
 and ``kvtax dashboards preview`` must draw each dashboard from that Prometheus.
 
-Set ``KVTAX_SAVE_PREVIEW=DIR`` to keep the PNGs (the README's picture comes from this run).
+Set ``KVTAX_SAVE_PREVIEW=DIR`` to keep the PNGs and their ``.panels.json`` records (the README's
+picture, docs/img/kvtax-overview.png, comes from this run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import shutil
@@ -32,6 +34,7 @@ from kvtax.rules.promql import series_names
 from kvtax.rules.recording import RECOMPUTE_COUNTERS
 from kvtax.serve.config import parse_duration
 from kvtax_dev import repo_root
+from kvtax_dev.preview import panel_titles, record_path
 from kvtax_dev.promapi import PrometheusApi
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import drive
@@ -206,7 +209,12 @@ def test_preview_draws_every_dashboard(
         # A drawn dashboard, not an empty canvas.
         assert len(data) > 30_000, (png.name, len(data))
     assert out.count(": 0 query errors") == 3, out
+    current = {doc["uid"]: doc for doc in dashboards().values()}
+    for png in pngs:
+        record = json.loads(record_path(png).read_text())
+        assert record["panels"] == panel_titles(current[png.stem]), png.name
     save = os.environ.get("KVTAX_SAVE_PREVIEW")
     if save:
         for png in pngs:
             shutil.copy(png, Path(save) / png.name)
+            shutil.copy(record_path(png), Path(save) / record_path(png).name)

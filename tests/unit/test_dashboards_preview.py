@@ -1,7 +1,9 @@
-"""The preview's pure parts, its drawing on synthetic data, its Prometheus client and its CLI."""
+"""The preview's pure parts, its drawing on synthetic data, its Prometheus client and its CLI,
+and the committed pictures in docs/img against the dashboards they claim to show."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -17,13 +19,17 @@ import pytest
 from kvtax.cli import main
 from kvtax.dashboards import dashboards
 from kvtax.dashboards.lint import panels, queries
+from kvtax_dev import repo_root
 from kvtax_dev.preview import (
     TargetData,
     draw,
     fetch,
     format_value,
     legend_text,
+    panel_titles,
     rate_interval,
+    record_path,
+    record_problems,
 )
 from kvtax_dev.promapi import AlertmanagerApi, PrometheusApi, QueryError, Series
 
@@ -148,6 +154,7 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers["Content-Length"])
         form = parse_qs(self.rfile.read(length).decode())
         expr = form["query"][0]
+        body: dict[str, Any]
         if expr == "broken(":
             status, body = 400, {"status": "error", "errorType": "bad_data", "error": "parse error"}
         elif self.path == "/api/v1/query_range":
@@ -255,6 +262,11 @@ def test_preview_cli_draws_every_dashboard(
         "kvtax-overview.png",
     ]
     assert capsys.readouterr().out.count("0 query errors") == 3
+    # Each picture has its record beside it, and it matches the dashboards just drawn.
+    current = {doc["uid"]: doc for doc in dashboards().values()}
+    for png in tmp_path.glob("*.png"):
+        assert record_problems(png, current) == []
+        assert json.loads(record_path(png).read_text())["dashboard"] == png.stem
 
 
 def test_preview_cli_needs_matplotlib(
@@ -308,3 +320,93 @@ def test_preview_cli_fails_when_queries_fail_but_still_draws(
     assert code == 1
     assert [p.name for p in tmp_path.glob("*.png")] == ["kvtax-fleet.png"]
     assert "cannot query" in capsys.readouterr().err
+
+
+# -- the committed pictures -----------------------------------------------------------------
+
+PICTURES = repo_root() / "docs" / "img"
+COMMITTED = sorted(PICTURES.glob("*.png"))
+
+
+def _current() -> dict[str, Any]:
+    return {doc["uid"]: doc for doc in dashboards().values()}
+
+
+def test_the_docs_show_committed_previews() -> None:
+    assert "kvtax-overview.png" in [p.name for p in COMMITTED]
+    # A record without its picture is left over from a picture that was removed.
+    for record in PICTURES.glob("*.panels.json"):
+        assert record.with_name(record.name.removesuffix(".panels.json") + ".png").is_file()
+
+
+@pytest.mark.parametrize("png", COMMITTED, ids=[p.name for p in COMMITTED])
+def test_a_committed_preview_shows_the_panels_the_dashboards_have(png: Path) -> None:
+    # Fails when a panel is renamed, added, removed or moved, until the picture is redrawn from
+    # a real overload: KVTAX_SAVE_PREVIEW=DIR pytest tests/e2e/test_dashboards_e2e.py -k preview,
+    # then copy DIR/<uid>.png and DIR/<uid>.panels.json into docs/img.
+    assert record_problems(png, _current()) == []
+
+
+@pytest.fixture
+def drawn(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    doc = _current()["kvtax-fleet"]
+    return draw(doc, {}, tmp_path / "kvtax-fleet.png", start=T0, end=T0 + 300), doc
+
+
+def test_the_record_lists_every_panel_drawn(drawn: tuple[Path, dict[str, Any]]) -> None:
+    png, doc = drawn
+    record = json.loads(record_path(png).read_text())
+    assert record["dashboard"] == "kvtax-fleet"
+    assert record["panels"] == [p["title"] for p in doc["panels"]]
+    assert record_problems(png, {"kvtax-fleet": doc}) == []
+
+
+def test_a_renamed_panel_makes_the_picture_stale(drawn: tuple[Path, dict[str, Any]]) -> None:
+    png, doc = drawn
+    now = copy.deepcopy(doc)
+    old = now["panels"][1]["title"]
+    now["panels"][1]["title"] = "Renamed"
+    assert record_problems(png, {"kvtax-fleet": now}) == [
+        f"kvtax-fleet.png shows panels the dashboard no longer has: [{old!r}]",
+        "kvtax-fleet.png lacks panels the dashboard has: ['Renamed']",
+    ]
+
+
+def test_an_added_or_removed_panel_makes_the_picture_stale(
+    drawn: tuple[Path, dict[str, Any]],
+) -> None:
+    png, doc = drawn
+    added = copy.deepcopy(doc)
+    added["panels"].append({**doc["panels"][1], "title": "New panel"})
+    assert record_problems(png, {"kvtax-fleet": added}) == [
+        "kvtax-fleet.png lacks panels the dashboard has: ['New panel']"
+    ]
+    removed = copy.deepcopy(doc)
+    gone = removed["panels"].pop()["title"]
+    assert record_problems(png, {"kvtax-fleet": removed}) == [
+        f"kvtax-fleet.png shows panels the dashboard no longer has: [{gone!r}]"
+    ]
+    moved = copy.deepcopy(doc)
+    moved["panels"][1], moved["panels"][2] = moved["panels"][2], moved["panels"][1]
+    assert panel_titles(moved) != panel_titles(doc)
+    assert record_problems(png, {"kvtax-fleet": moved}) == [
+        "kvtax-fleet.png shows the panels in another order or number than now"
+    ]
+
+
+def test_a_picture_without_its_record_or_replaced_is_stale(
+    drawn: tuple[Path, dict[str, Any]],
+) -> None:
+    png, doc = drawn
+    assert record_problems(png, {}) == [
+        "kvtax-fleet.png shows dashboard 'kvtax-fleet', which no longer exists"
+    ]
+    png.write_bytes(png.read_bytes() + b"\0")
+    assert record_problems(png, {"kvtax-fleet": doc}) == [
+        "kvtax-fleet.png is not the PNG kvtax-fleet.panels.json was written for"
+    ]
+    record_path(png).unlink()
+    assert record_problems(png, {"kvtax-fleet": doc}) == [
+        "kvtax-fleet.png: no kvtax-fleet.panels.json beside it; redraw it with kvtax dashboards "
+        "preview"
+    ]
