@@ -47,7 +47,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import requests
 
@@ -65,7 +64,7 @@ from kvtax_dev.plugindir import build_plugin_dir
 from kvtax_dev.promapi import PrometheusApi
 from kvtax_dev.testbed import EngineStartError, VllmEngine
 from kvtax_dev.testbed.engine import cache_dir, ensure_vllm_venv
-from kvtax_dev.testbed.load import PROMPT, RequestResult, drive
+from kvtax_dev.testbed.load import RequestResult, drive
 from kvtax_dev.testbed.lora import RANK, ensure_adapter
 from kvtax_dev.testbed.promstack import PrometheusProcess
 from kvtax_dev.testbed.sidecar import KvtaxProcess, series_key
@@ -232,65 +231,18 @@ def _increase(run: FleetRun, pod: str) -> dict[str, float]:
 
 
 async def _timed_streams(url: str, model: str, *, requests: int, max_tokens: int) -> list[Timed]:
-    """``requests`` streamed completions one after another, as drive() sends them (usage asked
-    for), each chunk's arrival timed by the client."""
-    endpoint = url.rstrip("/") + "/v1/completions"
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    out: list[Timed] = []
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=600.0)
-    ) as session:
-        for index in range(requests):
-            body = {
-                "model": model,
-                "prompt": PROMPT,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "seed": index,
-                "stream_options": {"include_usage": True},
-            }
-            began = time.monotonic()
-            arrivals: list[float] = []
-            parts: list[str] = []
-            usage: dict[str, Any] | None = None
-            status, error, finish = 0, None, None
-            try:
-                async with session.post(endpoint, json=body) as resp:
-                    status = resp.status
-                    async for raw in resp.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[len("data:") :].strip()
-                        if data == "[DONE]":
-                            break
-                        event = json.loads(data)
-                        usage = event.get("usage") or usage
-                        for choice in event.get("choices") or []:
-                            text = str(choice.get("text") or "")
-                            if text:
-                                arrivals.append(time.monotonic() - began)
-                                parts.append(text)
-                            finish = choice.get("finish_reason") or finish
-            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            result = RequestResult(
-                index=index,
-                status=status,
-                completion_tokens=None if usage is None else usage.get("completion_tokens"),
-                prompt_tokens=None if usage is None else usage.get("prompt_tokens"),
-                chunks=len(arrivals),
-                text="".join(parts),
-                finish_reason=finish,
-                ttft_s=arrivals[0] if arrivals else None,
-                latency_s=time.monotonic() - began,
-                disconnected=False,
-                error=error,
-            )
-            out.append(Timed(result, tuple(arrivals)))
-    return out
+    """``requests`` streamed completions one after another (usage asked for, so each client
+    knows how many tokens it received), each text chunk's arrival timed by the client."""
+    results = await drive(
+        url,
+        model,
+        concurrency=1,
+        requests=requests,
+        max_tokens=max_tokens,
+        stream=True,
+        include_usage=True,
+    )
+    return [Timed(r, r.arrivals) for r in results]
 
 
 async def _loads(hot: Replica, calm: Replica) -> tuple[dict[str, list[RequestResult]], list[Timed]]:

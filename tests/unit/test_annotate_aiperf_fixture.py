@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -23,9 +22,9 @@ import pytest
 
 from kvtax import cli
 from kvtax.loadtest.tools import read_report
+from tests.unit.recorded_counter import increase, preemption_series
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "aiperf"
-_PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
 @pytest.fixture
@@ -45,22 +44,6 @@ def _exports() -> list[dict[str, Any]]:
 
 def _seconds(iso: str) -> float:
     return datetime.fromisoformat(iso).replace(tzinfo=UTC).timestamp()
-
-
-def _counter_series() -> list[tuple[float, float]]:
-    series = []
-    with gzip.open(FIXTURE / "recording.jsonl.gz", "rt") as f:
-        for line in f:
-            row = json.loads(line)
-            values = [float(v) for v in _PREEMPTIONS.findall(row["page"])]
-            series.append((float(row["t"]), sum(values)))
-    return sorted(series)
-
-
-def _increase(series: list[tuple[float, float]], start: float, end: float) -> float:
-    before = [v for t, v in series if t <= start]
-    after = [v for t, v in series if t >= end]
-    return after[0] - before[-1]
 
 
 def test_the_fixture_is_a_real_aiperf_sweep() -> None:
@@ -113,9 +96,9 @@ def test_annotated_preemptions_equal_the_engines_counter_over_each_run(
     assert code == 0
     out = json.loads((tmp_path / "artifacts-kvtax.json").read_text())
     assert out["kvtax"]["tool"] == "aiperf"
-    series = _counter_series()
+    series = preemption_series(FIXTURE / "recording.jsonl.gz")
     runs = sorted(_exports(), key=lambda e: _seconds(e["start_time"]))
-    engine = [_increase(series, _seconds(e["start_time"]), _seconds(e["end_time"])) for e in runs]
+    engine = [increase(series, _seconds(e["start_time"]), _seconds(e["end_time"])) for e in runs]
     annotated = [b["kvtax"]["preemptions"] for b in out["benchmarks"]]
     assert annotated == engine
     assert [b["kvtax"]["label"] for b in out["benchmarks"]] == [

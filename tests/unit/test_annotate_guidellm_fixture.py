@@ -11,29 +11,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 from pathlib import Path
 
 from kvtax import cli
+from tests.unit.recorded_counter import increase, preemption_series
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "guidellm"
-_PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", re.MULTILINE)
-
-
-def _counter_series() -> list[tuple[float, float]]:
-    series = []
-    with gzip.open(FIXTURE / "recording.jsonl.gz", "rt") as f:
-        for line in f:
-            row = json.loads(line)
-            values = [float(v) for v in _PREEMPTIONS.findall(row["page"])]
-            series.append((float(row["t"]), sum(values)))
-    return sorted(series)
-
-
-def _increase(series: list[tuple[float, float]], start: float, end: float) -> float:
-    before = [v for t, v in series if t <= start]
-    after = [v for t, v in series if t >= end]
-    return after[0] - before[-1]
 
 
 def test_annotated_preemptions_equal_the_engines_counter_over_each_step(tmp_path: Path) -> None:
@@ -52,9 +35,9 @@ def test_annotated_preemptions_equal_the_engines_counter_over_each_step(tmp_path
     )
     assert code == 0
     out = json.loads((tmp_path / "guidellm-report-kvtax.json").read_text())
-    series = _counter_series()
+    series = preemption_series(FIXTURE / "recording.jsonl.gz")
     annotated = [b["kvtax"]["preemptions"] for b in out["benchmarks"]]
-    engine = [_increase(series, b["start_time"], b["end_time"]) for b in report["benchmarks"]]
+    engine = [increase(series, b["start_time"], b["end_time"]) for b in report["benchmarks"]]
     assert annotated == engine
     # Not vacuous: the run has steps without preemptions and steps with them.
     assert 0 in engine

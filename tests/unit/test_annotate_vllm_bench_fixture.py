@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -27,10 +26,10 @@ import pytest
 
 from kvtax import cli
 from kvtax.loadtest.tools import read_report
+from tests.unit.recorded_counter import increase, preemption_series
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-bench"
 REPORT = FIXTURE / "vllm-bench.jsonl.gz"
-_PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
 @pytest.fixture
@@ -51,22 +50,6 @@ def _results() -> list[dict[str, Any]]:
 def _span(result: dict[str, Any]) -> tuple[float, float]:
     end = datetime.strptime(result["date"], "%Y%m%d-%H%M%S").replace(tzinfo=UTC).timestamp()
     return end - result["duration"] - 1.0, end + 1.0
-
-
-def _counter_series() -> list[tuple[float, float]]:
-    series = []
-    with gzip.open(FIXTURE / "recording.jsonl.gz", "rt") as f:
-        for line in f:
-            row = json.loads(line)
-            values = [float(v) for v in _PREEMPTIONS.findall(row["page"])]
-            series.append((float(row["t"]), sum(values)))
-    return sorted(series)
-
-
-def _increase(series: list[tuple[float, float]], start: float, end: float) -> float:
-    before = [v for t, v in series if t <= start]
-    after = [v for t, v in series if t >= end]
-    return after[0] - before[-1]
 
 
 def test_the_fixture_is_three_real_runs_appended() -> None:
@@ -110,8 +93,8 @@ def test_annotated_preemptions_equal_the_engines_counter_over_each_run(
     assert code == 0
     out = json.loads((tmp_path / "vllm-bench-kvtax.json").read_text())
     assert out["kvtax"]["tool"] == "vllm-bench"
-    series = _counter_series()
-    engine = [_increase(series, *_span(r)) for r in _results()]
+    series = preemption_series(FIXTURE / "recording.jsonl.gz")
+    engine = [increase(series, *_span(r)) for r in _results()]
     annotated = [b["kvtax"]["preemptions"] for b in out["benchmarks"]]
     assert annotated == engine
     assert [b["kvtax"]["label"] for b in out["benchmarks"]] == [

@@ -24,12 +24,12 @@ The fields used, as AIPerf 0.13.0 writes them (checked against the package's
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime, tzinfo
 from typing import Any
 
 from kvtax.loadtest.errors import InputError
+from kvtax.loadtest.finite import finite
 from kvtax.loadtest.guidellm import ToolStep
 
 __all__ = ["aiperf_exports", "is_aiperf", "read_aiperf"]
@@ -55,21 +55,11 @@ def aiperf_exports(report: Any) -> list[Any] | None:
     return None
 
 
-def _finite(value: Any) -> float | None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _stat(export: Mapping[str, Any], name: str, stat: str, seconds: bool = False) -> float | None:
     metric = export.get(name)
     if not isinstance(metric, Mapping):
         return None
-    value = _finite(metric.get(stat))
+    value = finite(metric.get(stat))
     if value is None or not seconds:
         return value
     scale = _SECONDS.get(str(metric.get("unit", "")).strip().lower())
@@ -131,8 +121,8 @@ def read_aiperf(
         export = exports[i]
         phase = _profiling_phase(export)
         kind = str(phase.get("type", "?"))[:40]
-        concurrency = _finite(phase.get("concurrency"))
-        rate = _finite(phase.get("rate"))
+        concurrency = finite(phase.get("concurrency"))
+        rate = finite(phase.get("rate"))
         if kind == "concurrency" and concurrency is None:
             concurrency = 1.0  # AIPerf's default for a concurrency phase
         if kind in _RATE_TYPES and rate is not None:

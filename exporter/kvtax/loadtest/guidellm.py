@@ -14,12 +14,12 @@ pydantic models in ``guidellm/benchmark/schemas``):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtax.loadtest.errors import InputError
+from kvtax.loadtest.finite import finite
 
 __all__ = ["ToolStep", "read_guidellm"]
 
@@ -53,24 +53,12 @@ def _summary(
         if not isinstance(node, Mapping):
             return None
         node = node.get(key)
-    value = _finite(node)
+    value = finite(node)
     return None if value is None else value * scale
 
 
-def _finite(value: Any) -> float | None:
-    """``value`` as a float when it is a finite JSON number, else None (NaN, infinities and
-    integers beyond a float's range included: they are no measurement)."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _number(value: Any, field: str) -> float:
-    number = _finite(value)
+    number = finite(value)
     if number is None:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         raise InputError(field, f"missing or not a finite number ({shown})")
@@ -101,8 +89,8 @@ def read_guidellm(report: Any, field: str = "REPORT") -> list[ToolStep]:
             raise InputError(f"{where}.config.strategy", "is not an object")
         kind = str(strategy.get("type_", "?"))[:40]
         streams = strategy.get("streams")
-        rate = _finite(strategy.get("rate"))
-        concurrency = _finite(streams)
+        rate = finite(strategy.get("rate"))
+        concurrency = finite(streams)
         if kind == "synchronous":
             concurrency = 1.0
         label = kind

@@ -26,12 +26,12 @@ before the span it loads the tokenizer and samples prompts, after it only summar
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime, tzinfo
 from typing import Any
 
 from kvtax.loadtest.errors import InputError
+from kvtax.loadtest.finite import finite
 from kvtax.loadtest.guidellm import ToolStep
 
 __all__ = ["SLACK_S", "is_vllm_bench", "read_vllm_bench", "vllm_bench_results"]
@@ -62,18 +62,8 @@ def vllm_bench_results(report: Any) -> list[Any] | None:
     return None
 
 
-def _finite(value: Any) -> float | None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _ms(result: Mapping[str, Any], key: str) -> float | None:
-    value = _finite(result.get(key))
+    value = finite(result.get(key))
     return None if value is None else value * 1e-3
 
 
@@ -102,12 +92,12 @@ def read_vllm_bench(
         where = f"{field} result[{i}]"
         if not isinstance(result, Mapping):
             raise InputError(where, "is not an object")
-        duration = _finite(result.get("duration"))
+        duration = finite(result.get("duration"))
         if duration is None or duration <= 0:
             raise InputError(f"{where}.duration", "missing or not a positive number of seconds")
         end = _end(result.get("date"), where, tz)
-        concurrency = _finite(result.get("max_concurrency"))
-        rate = _finite(result.get("request_rate"))  # "inf" is no rate: all at once
+        concurrency = finite(result.get("max_concurrency"))
+        rate = finite(result.get("request_rate"))  # "inf" is no rate: all at once
         if concurrency is not None:
             label = f"concurrency@{concurrency:g}"
         elif rate is not None:
@@ -122,8 +112,8 @@ def read_vllm_bench(
                 end=end + SLACK_S,
                 concurrency=concurrency,
                 rate=rate,
-                requests_per_s=_finite(result.get("request_throughput")),
-                output_tokens_per_s=_finite(result.get("output_throughput")),
+                requests_per_s=finite(result.get("request_throughput")),
+                output_tokens_per_s=finite(result.get("output_throughput")),
                 ttft_p50=_ms(result, "median_ttft_ms"),
                 ttft_p99=_ms(result, "p99_ttft_ms"),
                 itl_p50=_ms(result, "median_itl_ms"),

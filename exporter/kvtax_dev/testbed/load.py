@@ -48,6 +48,8 @@ class RequestResult:
     disconnected: bool
     """True when the client closed the stream early on purpose."""
     error: str | None = None
+    arrivals: tuple[float, ...] = ()
+    """Seconds from sending to each streamed event that carried text (empty if not streamed)."""
 
     @property
     def ok(self) -> bool:
@@ -106,12 +108,15 @@ class _Seen:
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
     ttft: float | None = None
+    arrivals: list[float] = field(default_factory=list)
 
     def choices(self, choices: list[dict[str, Any]], streamed: bool) -> None:
-        for choice in choices:
-            text = _choice_text(choice, self.chat)
-            if streamed and text and self.ttft is None:
-                self.ttft = time.monotonic() - self.began
+        texts = [_choice_text(choice, self.chat) for choice in choices]
+        if streamed and any(texts):
+            self.arrivals.append(time.monotonic() - self.began)
+            if self.ttft is None:
+                self.ttft = self.arrivals[0]
+        for choice, text in zip(choices, texts, strict=True):
             self.parts.append(text)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
@@ -181,6 +186,7 @@ async def _one(
         latency_s=time.monotonic() - seen.began,
         disconnected=disconnected,
         error=error,
+        arrivals=tuple(seen.arrivals),
     )
 
 

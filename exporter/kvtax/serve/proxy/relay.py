@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -260,21 +261,12 @@ class InflatingStreamSink(StreamSink):
     kvtax asked for identity: each read is inflated, in bounded pieces, and rewritten like any
     stream. Bytes zlib cannot read end the stream as a break does."""
 
-    def __init__(
-        self,
-        client: ClientConnection,
-        framing: Framing,
-        head: bytes,
-        ex: Exchange,
-        *,
-        wish: UsageWish,
-        relay: RelaySettings,
-        on_done: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(client, framing, head, ex, wish=wish, relay=relay, on_done=on_done)
+    failed = False
+
+    @functools.cached_property
+    def inflater(self) -> zlib._Decompress:
         # 32 + MAX_WBITS: a gzip or a zlib header, whichever comes.
-        self.inflater = zlib.decompressobj(32 + zlib.MAX_WBITS)
-        self.failed = False
+        return zlib.decompressobj(32 + zlib.MAX_WBITS)
 
     def feed(self, data: bytes) -> None:
         if self.failed:
