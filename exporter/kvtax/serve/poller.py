@@ -56,7 +56,8 @@ class Poller(ABC):
         try:
             await self.read(self._session)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            self._failed(str(exc))
+            # A timeout has no message of its own; its type says what happened.
+            self._failed(str(exc) or type(exc).__name__)
         except Exception as exc:
             # One unforeseen page must not end polling. Its type only: the message of an
             # exception nobody foresaw may quote the body.

@@ -24,6 +24,7 @@ from kvtax.serve.logformat import FORMATS
 __all__ = [
     "ConfigError",
     "boolean",
+    "endpoint_url",
     "fraction",
     "log_level",
     "nonnegative_duration",
@@ -77,10 +78,16 @@ def parse_address(text: str) -> tuple[str, int]:
 
 def url(value: Any) -> str:
     """An http(s) URL, without a trailing slash (kvtax appends paths such as /metrics)."""
+    return endpoint_url(value).rstrip("/")
+
+
+def endpoint_url(value: Any) -> str:
+    """An http(s) URL that kvtax reads as given, trailing slash and all: LiteLLM serves its page
+    at ``/metrics/`` and answers ``/metrics`` with a redirect, which kvtax does not follow."""
     parts = urlsplit(str(value))
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError("expected an http:// or https:// URL")
-    return str(value).rstrip("/")
+    return str(value)
 
 
 def positive(kind: Callable[[Any], float]) -> Callable[[Any], float]:
@@ -132,7 +139,8 @@ def optional_address(value: Any) -> tuple[str, int] | None:
 
 
 def optional_url(value: Any) -> str | None:
-    return None if value in (None, "") else url(value)
+    """A full endpoint URL (``--gateway.url``), or None."""
+    return None if value in (None, "") else endpoint_url(value)
 
 
 def optional_path(value: Any) -> Path | None:
