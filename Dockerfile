@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1
 # kvtax's image. It holds two things:
 #   /opt/kvtax         the sidecar: the `kvtax` console script and its small runtime dependencies
-#                      (aiohttp, apscheduler, httptools, orjson, prometheus-client, pyyaml, uvloop)
-#                      in a venv;
+#                      (aiohttp, apscheduler, bcrypt, httptools, orjson, prometheus-client, pydantic,
+#                      pyyaml, uvloop) in a venv;
 #   /opt/kvtax-plugin  the vLLM plugin folder: kvtax alone, no dependencies (vLLM already ships
 #                      prometheus-client), made by `pip install --no-deps --target`. An init
 #                      container copies it into an emptyDir and vLLM gets PYTHONPATH pointing
