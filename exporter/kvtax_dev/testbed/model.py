@@ -18,6 +18,7 @@ import importlib
 import json
 import shutil
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Bump when anything below changes what is written, so cached copies are rebuilt.
@@ -29,6 +30,24 @@ VOCAB_SIZE = 512
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 PAD_TOKEN = "<pad>"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The Llama's size and stored dtype. The defaults are the tiny testbed model; other
+    shapes (kvtax_dev.testbed.prefill_model) are recorded in the build marker."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    # The CPU attention kernels reject head_dim 16; 64 is supported.
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+
+
+TINY_SHAPE = ModelShape()
 
 # A plain, line-per-turn template: the model is random, so the format only has to be
 # well formed for vLLM's chat endpoint, not meaningful.
@@ -97,7 +116,7 @@ def _build_tokenizer(directory: Path) -> None:
     fast.save_pretrained(str(directory))
 
 
-def _build_weights(directory: Path) -> None:
+def _build_weights(directory: Path, shape: ModelShape = TINY_SHAPE) -> None:
     """Save a random-weight Llama whose shapes the vLLM CPU attention kernels accept."""
     # Imported by name: torch has no stubs and lives only in the engine venv.
     torch = importlib.import_module("torch")
@@ -107,42 +126,51 @@ def _build_weights(directory: Path) -> None:
     torch.manual_seed(SEED)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        # The CPU attention kernels reject head_dim 16; 64 is supported.
-        head_dim=64,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
         max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype=shape.dtype,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(getattr(torch, shape.dtype))
     model.save_pretrained(str(directory), safe_serialization=True)
 
 
-def is_complete(directory: Path) -> bool:
-    """True when ``directory`` holds a complete build of the current recipe."""
+def _marker(shape: ModelShape) -> dict[str, object]:
+    data: dict[str, object] = {"recipe": RECIPE_VERSION, "seed": SEED}
+    if shape != TINY_SHAPE:
+        data["shape"] = asdict(shape)
+    return data
+
+
+def is_complete(directory: Path, shape: ModelShape | None = None) -> bool:
+    """True when ``directory`` holds a complete build of the current recipe (and, when
+    ``shape`` is given, of that shape)."""
     marker = directory / MARKER_NAME
     try:
         data = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and data.get("recipe") == RECIPE_VERSION
+    if not (isinstance(data, dict) and data.get("recipe") == RECIPE_VERSION):
+        return False
+    return shape is None or data.get("shape") == _marker(shape).get("shape")
 
 
-def make_tiny_model(directory: Path) -> Path:
+def make_tiny_model(directory: Path, shape: ModelShape = TINY_SHAPE) -> Path:
     """Write the tiny Llama (weights, config, tokenizer) into ``directory``; return it.
 
     Idempotent: a marker file written last records a complete build, so a directory left
     half-written by an interrupted run is rebuilt rather than trusted.
     """
     directory = Path(directory).expanduser().resolve()
-    if is_complete(directory):
+    if is_complete(directory, shape):
         return directory
     # Build beside the target and rename at the end, so a concurrent reader never sees a
     # directory that has a tokenizer but no weights.
@@ -150,8 +178,8 @@ def make_tiny_model(directory: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     _build_tokenizer(staging)
-    _build_weights(staging)
-    (staging / MARKER_NAME).write_text(json.dumps({"recipe": RECIPE_VERSION, "seed": SEED}) + "\n")
+    _build_weights(staging, shape)
+    (staging / MARKER_NAME).write_text(json.dumps(_marker(shape)) + "\n")
     shutil.rmtree(directory, ignore_errors=True)
     staging.rename(directory)
     return directory
