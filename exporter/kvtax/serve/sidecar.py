@@ -160,7 +160,6 @@ class Sidecar:
         self._first: asyncio.Task[None] | None = None
         # kvtax's own page as rendered in this turn of the loop, by format and encoding.
         self._pages: dict[tuple[str, bool], bytes] = {}
-        self.renders = 0
         # /metrics answers by format (openmetrics, text) and encoding (gzip, identity).
         self.served: Counter[tuple[str, str]] = Counter()
         # Set on SIGTERM: /readyz fails so the Service stops sending new requests.
@@ -381,7 +380,6 @@ class Sidecar:
             plain = self._pages.get((content_type, False))
             if plain is None:
                 plain = encoder(self.registry)
-                self.renders += 1
             body = gzip.compress(plain, compresslevel=6, mtime=0) if gzipped else plain
             if not self._pages:
                 try:
