@@ -136,6 +136,8 @@ class FleetRun:
     # The lowest join coverage and 20 s delivery yield Prometheus held for the calm pod over the
     # run (printed, so that a run shows how far they stayed from the alerts' thresholds).
     calm_lows: dict[str, float]
+    # How many of Prometheus' scrapes of the calm pod's targets failed, by job.
+    calm_failed_scrapes: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +324,17 @@ def _lows_over(api: PrometheusApi, pod: str, seconds: float) -> dict[str, float]
     return lows
 
 
+def _failed_scrapes_over(api: PrometheusApi, pod: str, seconds: float) -> dict[str, int]:
+    """How many of Prometheus' own scrapes of ``pod``'s targets failed over the last
+    ``seconds``, by job: the samples of ``up`` it stored as 0. A failed scrape of vLLM marks its
+    series stale at once, which is exactly the condition of KvtaxVllmMetricsAbsent."""
+    selector = f'up{{namespace="{NAMESPACE}",pod="{pod}"}}'
+    failed: dict[str, int] = {}
+    for s in api.query(f"{selector}[{max(1, int(seconds) + 1)}s]", time.time()):
+        failed[s.labels["job"]] = sum(1 for _, value in s.points if value == 0)
+    return failed
+
+
 def _firing(api: PrometheusApi) -> list[dict[str, Any]]:
     return [a for a in api.alerts() if a["state"] == "firing"]
 
@@ -480,6 +493,7 @@ def run(
             capacity = vllm_engine.kv_capacity_tokens + second_engine.kv_capacity_tokens
             calm_alerts = _alerts_over(prom.api, CALM, time.monotonic() - prom_started)
             calm_lows = _lows_over(prom.api, CALM, time.monotonic() - prom_started)
+            calm_failed = _failed_scrapes_over(prom.api, CALM, time.monotonic() - prom_started)
             yield FleetRun(
                 prom.api,
                 model,
@@ -494,6 +508,7 @@ def run(
                 calm_streams,
                 metrics_latency,
                 calm_lows,
+                calm_failed,
             )
 
 
@@ -584,6 +599,15 @@ def _excused(run: FleetRun) -> dict[str, str]:
         excused["KvtaxVllmMetricsAbsent"] = f"vLLM's /metrics answered after {vllm_wait:.2f} s"
     if kvtax_wait > 1.0:
         excused["KvtaxSidecarDown"] = f"kvtax's /metrics answered after {kvtax_wait:.2f} s"
+    # The prober samples once a second and can miss the one slow page that Prometheus' own
+    # scrape met; Prometheus' record of its failed scrapes is the condition itself.
+    failed = run.calm_failed_scrapes
+    if failed.get("vllm", 0) and "KvtaxVllmMetricsAbsent" not in excused:
+        excused["KvtaxVllmMetricsAbsent"] = (
+            f"{failed['vllm']} of Prometheus' scrapes of vLLM's /metrics failed"
+        )
+    if failed.get("kvtax", 0) and "KvtaxSidecarDown" not in excused:
+        excused["KvtaxSidecarDown"] = f"{failed['kvtax']} of Prometheus' scrapes of kvtax failed"
     return excused
 
 
@@ -619,6 +643,7 @@ def test_calm_pod_raises_no_alert(run: FleetRun) -> None:
     unexplained = {name: sorted(states) for name, states in run.calm_alerts.items()}
     print(f"\ncalm pod's alerts: {unexplained}; excused by the test's measurements: {excused}")
     print(f"calm pod's lowest coverage and {TEST_PROFILE.rate_window} yield: {run.calm_lows}")
+    print(f"Prometheus' failed scrapes of the calm pod, by job: {run.calm_failed_scrapes}")
     for name in excused:
         unexplained.pop(name, None)
     assert unexplained == {}, (unexplained, excused)
