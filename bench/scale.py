@@ -51,6 +51,7 @@ import requests
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.pipeline import multi_model_payload
 from kvtax.delivery.ledger import RequestRecord
 from kvtax.rules import DEFAULT, fleet, per_pod, recording_rules
 from kvtax.rules.alerts import alert_rules
@@ -61,8 +62,6 @@ from kvtax_dev.exposition import Samples, read_samples
 from kvtax_dev.promapi import PrometheusApi
 from kvtax_dev.testbed.engine import free_port
 from kvtax_dev.testbed.promstack import PrometheusProcess
-
-from .pipeline import multi_model_payload
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm"

@@ -17,15 +17,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtax import __version__
+from kvtax.checkout import harness_missing, needs_checkout
+from kvtax.dashboards.cli import add_dashboards_parser, run_dashboards
+from kvtax.generated import add_output_arguments, write_or_check
+from kvtax.loadtest.cli import add_annotate_parser, add_loadtest_parser, run_annotate, run_loadtest
+from kvtax.plan.cli import add_plan_parser, run_plan
+from kvtax.rules.cli import add_rules_parser, run_rules
 from kvtax.serve import logformat, logsafe
 from kvtax.serve.config import OPTIONS, Config, ConfigError, Option, load_config, unknown_env
-
-from .checkout import harness_missing, needs_checkout
-from .dashboards.cli import add_dashboards_parser, run_dashboards
-from .generated import add_output_arguments, write_or_check
-from .loadtest.cli import add_annotate_parser, add_loadtest_parser, run_annotate, run_loadtest
-from .plan.cli import add_plan_parser, run_plan
-from .rules.cli import add_rules_parser, run_rules
 
 __all__ = ["build_parser", "main"]
 

@@ -27,13 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dev_env
-from .demo_view import PhaseResult, phase_result, render_status, render_summary, window_holds
-from .testbed.engine import VllmEngine
-from .testbed.load import drive
-from .testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
-from .testbed.sidecar import KvtaxProcess
-from .testbed.webhook import WebhookReceiver
+from kvtax_dev import dev_env
+from kvtax_dev.demo_view import (
+    PhaseResult,
+    phase_result,
+    render_status,
+    render_summary,
+    window_holds,
+)
+from kvtax_dev.testbed.engine import VllmEngine
+from kvtax_dev.testbed.load import drive
+from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
+from kvtax_dev.testbed.sidecar import KvtaxProcess
+from kvtax_dev.testbed.webhook import WebhookReceiver
 
 __all__ = ["PHASES", "Phase", "run_demo"]
 

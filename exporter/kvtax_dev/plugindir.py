@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import repo_root
+from kvtax_dev import repo_root
 
 # What the image's build context holds (.dockerignore): the wheel is built from these alone.
 CONTEXT = ("pyproject.toml", "README.md", "LICENSE", "exporter")

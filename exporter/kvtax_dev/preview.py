@@ -41,8 +41,7 @@ from kvtax.dashboards.lint import panels
 from kvtax.dashboards.model import GRID_WIDTH, JSON
 from kvtax.dashboards.promql import expand
 from kvtax.serve.config import parse_duration
-
-from .promapi import PrometheusApi, QueryError, Series
+from kvtax_dev.promapi import PrometheusApi, QueryError, Series
 
 __all__ = [
     "PreviewUnavailableError",

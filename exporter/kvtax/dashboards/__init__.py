@@ -11,8 +11,8 @@ The preview that draws them as PNG from a live Prometheus is development tooling
 :mod:`kvtax_dev.preview` (a checkout only).
 """
 
-from .boards import BOARDS
-from .generate import artifacts, dashboards
-from .lint import problems
+from kvtax.dashboards.boards import BOARDS
+from kvtax.dashboards.generate import artifacts, dashboards
+from kvtax.dashboards.lint import problems
 
 __all__ = ["BOARDS", "artifacts", "dashboards", "problems"]

@@ -14,11 +14,11 @@ Example::
 
 from __future__ import annotations
 
-from .capacity import CAPACITY
-from .common import THRASH_MAPPINGS
-from .fleet import FLEET
-from .model import Board
-from .overview import OVERVIEW
+from kvtax.dashboards.capacity import CAPACITY
+from kvtax.dashboards.common import THRASH_MAPPINGS
+from kvtax.dashboards.fleet import FLEET
+from kvtax.dashboards.model import Board
+from kvtax.dashboards.overview import OVERVIEW
 
 __all__ = ["BOARDS", "CAPACITY", "FLEET", "OVERVIEW", "THRASH_MAPPINGS"]
 

@@ -6,7 +6,7 @@ pool now, and sequences the recommendation still allows beyond those running. Pu
 
 from __future__ import annotations
 
-from .common import (
+from kvtax.dashboards.common import (
     POD,
     SEQS,
     TOKENS,
@@ -18,8 +18,8 @@ from .common import (
     running,
     waiting,
 )
-from .model import Board, Panel, Row, Target, Threshold
-from .promql import by, histogram_quantile, kvtax, vllm
+from kvtax.dashboards.model import Board, Panel, Row, Target, Threshold
+from kvtax.dashboards.promql import by, histogram_quantile, kvtax, vllm
 
 __all__ = ["CAPACITY"]
 

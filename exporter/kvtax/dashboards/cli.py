@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtax.checkout import harness_missing, needs_checkout
+from kvtax.dashboards.generate import artifacts
 from kvtax.generated import add_output_arguments, write_or_check
 from kvtax.rules.cli import add_config_argument, config_of
-
-from .generate import artifacts
 
 __all__ = ["add_dashboards_parser", "run_dashboards"]
 

@@ -7,11 +7,10 @@ no I/O.
 
 from __future__ import annotations
 
+from kvtax.dashboards.model import Threshold, ValueText
+from kvtax.dashboards.promql import by, kvtax, rate
 from kvtax.figures.derive import ThrashState
 from kvtax.rules.config import DEFAULT as RULES
-
-from .model import Threshold, ValueText
-from .promql import by, kvtax, rate
 
 __all__ = [
     "KV_THRESHOLDS",

@@ -8,9 +8,7 @@ definition"), so the methods can be compared. Pure: no I/O.
 
 from __future__ import annotations
 
-from kvtax.rules.recording import METHOD_PREFERENCE, RECOMPUTE_COUNTERS
-
-from .common import (
+from kvtax.dashboards.common import (
     MODEL,
     TAX_DEFINITION,
     TAX_THRESHOLDS,
@@ -20,8 +18,9 @@ from .common import (
     sum_rate,
     tax_of,
 )
-from .model import Panel, Target
-from .promql import by, kvtax
+from kvtax.dashboards.model import Panel, Target
+from kvtax.dashboards.promql import by, kvtax
+from kvtax.rules.recording import METHOD_PREFERENCE, RECOMPUTE_COUNTERS
 
 __all__ = [
     "GOODPUT_NOW",

@@ -6,7 +6,7 @@ per-pod ones are ``namespace_pod_model_name:`` records. Pure: no I/O.
 
 from __future__ import annotations
 
-from .common import (
+from kvtax.dashboards.common import (
     KV_THRESHOLDS,
     MODEL,
     POD,
@@ -22,8 +22,8 @@ from .common import (
     running,
     waiting,
 )
-from .model import Board, Panel, Row, Target
-from .promql import by, kvtax, recorded
+from kvtax.dashboards.model import Board, Panel, Row, Target
+from kvtax.dashboards.promql import by, kvtax, recorded
 
 __all__ = ["FLEET"]
 

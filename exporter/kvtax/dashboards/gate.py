@@ -7,9 +7,9 @@ whichever model is chosen. Pure: no I/O.
 
 from __future__ import annotations
 
-from .common import PER_S, SEQS
-from .model import Panel, Row, Target
-from .promql import by, histogram_quantile, kvtax, rate
+from kvtax.dashboards.common import PER_S, SEQS
+from kvtax.dashboards.model import Panel, Row, Target
+from kvtax.dashboards.promql import by, histogram_quantile, kvtax, rate
 
 __all__ = ["GATE_ROW"]
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 
+from kvtax.dashboards.boards import BOARDS
+from kvtax.dashboards.model import JSON, Board
+from kvtax.dashboards.render import render, uid_for
 from kvtax.rules.config import DEFAULT as RULES
 from kvtax.rules.config import RulesConfig
-
-from .boards import BOARDS
-from .model import JSON, Board
-from .render import render, uid_for
 
 __all__ = ["CONFIGMAP_FILE", "CONFIGMAP_NAME", "artifacts", "dashboard", "dashboards", "file_name"]
 

@@ -21,12 +21,11 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from kvtax.dashboards.model import DATASOURCE, GRID_WIDTH, JSON, TAG
+from kvtax.dashboards.promql import RATE_INTERVAL
 from kvtax.rules.alerts import alert_names
 from kvtax.rules.config import DEFAULT as RULES
 from kvtax.rules.promql import known_series, series_names
-
-from .model import DATASOURCE, GRID_WIDTH, JSON, TAG
-from .promql import RATE_INTERVAL
 
 __all__ = ["panels", "problems", "queries"]
 

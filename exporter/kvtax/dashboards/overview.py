@@ -8,9 +8,7 @@ max_num_seqs, rejections, coverage). Pure: no I/O.
 
 from __future__ import annotations
 
-from kvtax.rules.config import DEFAULT as RULES
-
-from .common import (
+from kvtax.dashboards.common import (
     KV_THRESHOLDS,
     MODEL,
     PER_S,
@@ -20,7 +18,7 @@ from .common import (
     THRASH_THRESHOLDS,
     sum_rate,
 )
-from .costs import (
+from kvtax.dashboards.costs import (
     GOODPUT_NOW,
     GOODPUT_VS_ENGINE,
     SLO_GOODPUT_NOW,
@@ -29,9 +27,10 @@ from .costs import (
     TAX_OVER_TIME,
     WASTE_NOW,
 )
-from .gate import GATE_ROW
-from .model import Board, Panel, Row, Target, Threshold
-from .promql import by, histogram_quantile, kvtax, rate, vllm
+from kvtax.dashboards.gate import GATE_ROW
+from kvtax.dashboards.model import Board, Panel, Row, Target, Threshold
+from kvtax.dashboards.promql import by, histogram_quantile, kvtax, rate, vllm
+from kvtax.rules.config import DEFAULT as RULES
 
 __all__ = ["OVERVIEW"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .model import DATASOURCE, JSON, Panel, Setting, Threshold
+from kvtax.dashboards.model import DATASOURCE, JSON, Panel, Setting, Threshold
 
 __all__ = ["panel_json"]
 

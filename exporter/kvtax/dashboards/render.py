@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from .model import GRID_WIDTH, JSON, SCHEMA_VERSION, TAG, Board, Panel, Row, Setting
-from .panels import panel_json
-from .templating import variables, with_cluster
+from kvtax.dashboards.model import GRID_WIDTH, JSON, SCHEMA_VERSION, TAG, Board, Panel, Row, Setting
+from kvtax.dashboards.panels import panel_json
+from kvtax.dashboards.templating import variables, with_cluster
 
 __all__ = ["render", "uid_for"]
 

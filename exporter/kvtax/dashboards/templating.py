@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from .model import DATASOURCE, JSON, Board
+from kvtax.dashboards.model import DATASOURCE, JSON, Board
 
 __all__ = ["variables", "with_cluster"]
 

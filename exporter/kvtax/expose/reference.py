@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtax.engine.vocabulary import CONCEPTS
-
-from .catalog import METRIC_LIST, PROCESS_METRICS
+from kvtax.expose.catalog import METRIC_LIST, PROCESS_METRICS
 
 __all__ = ["CHANGES_0_2", "CHANGES_HEADING", "REMOVED_0_2", "Change", "render_markdown"]
 

@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from kvtax.figures.derive import kv_capacity_tokens
-
-from .errors import PlanError
-from .inputs import config_file, read_pool, read_profile, read_shape
-from .modelcfg import MAX_TOKENS, KvShape, context_limit, dtype_bytes, show_number
-from .profile import LengthProfile, arrivals, trace
-from .report import plan_dict
-from .simtypes import Result, Settings
-from .simulate import simulate
-from .sizing import GIB, Flags, Memory, Sizing, recommend, size
+from kvtax.plan.errors import PlanError
+from kvtax.plan.inputs import config_file, read_pool, read_profile, read_shape
+from kvtax.plan.modelcfg import MAX_TOKENS, KvShape, context_limit, dtype_bytes, show_number
+from kvtax.plan.profile import LengthProfile, arrivals, trace
+from kvtax.plan.report import plan_dict
+from kvtax.plan.simtypes import Result, Settings
+from kvtax.plan.simulate import simulate
+from kvtax.plan.sizing import GIB, Flags, Memory, Sizing, recommend, size
 
 __all__ = ["build_plan"]
 

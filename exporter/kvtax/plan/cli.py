@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .build import build_plan
-from .errors import PlanError
-from .gpus import GPUS
-from .report import render_table
+from kvtax.plan.build import build_plan
+from kvtax.plan.errors import PlanError
+from kvtax.plan.gpus import GPUS
+from kvtax.plan.report import render_table
 
 __all__ = ["add_plan_parser", "run_plan"]
 

@@ -16,8 +16,7 @@ import urllib.request
 from typing import Any
 
 from kvtax.engine.snapshot import Histogram
-
-from .errors import PlanError
+from kvtax.plan.errors import PlanError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "get_text", "prometheus_histogram"]
 

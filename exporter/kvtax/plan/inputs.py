@@ -14,16 +14,15 @@ from typing import Any
 
 from kvtax.engine.normalize import ParseError, normalize
 from kvtax.engine.vocabulary import CONCEPTS
-
-from . import fetch
-from .errors import PlanError
-from .files import read_json
-from .gpus import find_gpu
-from .modelcfg import KvShape, shape_from_config, shape_from_flags
-from .params import WeightEstimate, estimate_weights
-from .profile import LengthProfile, profile_from_histograms, profile_from_kvtax_page
-from .sizing import GIB, Memory, pool_bytes
-from .weights import INDEX_NAME, weight_bytes
+from kvtax.plan import fetch
+from kvtax.plan.errors import PlanError
+from kvtax.plan.files import read_json
+from kvtax.plan.gpus import find_gpu
+from kvtax.plan.modelcfg import KvShape, shape_from_config, shape_from_flags
+from kvtax.plan.params import WeightEstimate, estimate_weights
+from kvtax.plan.profile import LengthProfile, profile_from_histograms, profile_from_kvtax_page
+from kvtax.plan.sizing import GIB, Memory, pool_bytes
+from kvtax.plan.weights import INDEX_NAME, weight_bytes
 
 __all__ = ["config_file", "read_pool", "read_profile", "read_shape"]
 

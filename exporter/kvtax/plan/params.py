@@ -36,8 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PlanError
-from .modelcfg import config_int, dtype_bytes, language_config, opt_config_int
+from kvtax.plan.errors import PlanError
+from kvtax.plan.modelcfg import config_int, dtype_bytes, language_config, opt_config_int
 
 __all__ = ["MAX_ESTIMATE_BYTES", "WeightEstimate", "estimate_weights"]
 

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtax.engine.snapshot import Histogram
-
-from .errors import PlanError
-from .simtypes import Request
+from kvtax.plan.errors import PlanError
+from kvtax.plan.simtypes import Request
 
 __all__ = [
     "KVTAX_LENGTH_P50",

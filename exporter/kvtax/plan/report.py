@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .modelcfg import KvShape, dtype_bytes
-from .profile import LengthProfile
-from .simtypes import Result
-from .sizing import GIB, Flags, Memory, Sizing
+from kvtax.plan.modelcfg import KvShape, dtype_bytes
+from kvtax.plan.profile import LengthProfile
+from kvtax.plan.simtypes import Result
+from kvtax.plan.sizing import GIB, Flags, Memory, Sizing
 
 __all__ = [
     "ACTIVE_SEQS_FLAG",

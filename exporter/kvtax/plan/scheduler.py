@@ -12,8 +12,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from .blockpool import BlockPool
-from .simtypes import Settings
+from kvtax.plan.blockpool import BlockPool
+from kvtax.plan.simtypes import Settings
 
 __all__ = ["NEVER", "Scheduler", "SimRequest", "ceil_div"]
 

@@ -40,10 +40,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from .blockpool import BlockPool
-from .errors import PlanError
-from .scheduler import NEVER, Scheduler, SimRequest, ceil_div
-from .simtypes import Request, Result, Settings
+from kvtax.plan.blockpool import BlockPool
+from kvtax.plan.errors import PlanError
+from kvtax.plan.scheduler import NEVER, Scheduler, SimRequest, ceil_div
+from kvtax.plan.simtypes import Request, Result, Settings
 
 __all__ = ["Request", "Result", "Settings", "simulate"]
 

@@ -22,9 +22,8 @@ import math
 from dataclasses import dataclass
 
 from kvtax.figures.derive import recommended_max_num_seqs
-
-from .errors import PlanError
-from .modelcfg import KvShape
+from kvtax.plan.errors import PlanError
+from kvtax.plan.modelcfg import KvShape
 
 __all__ = ["GIB", "Flags", "Memory", "Sizing", "pool_bytes", "recommend", "size"]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from .errors import PlanError
-from .files import parse_json, read_json
-from .modelcfg import show_number
+from kvtax.plan.errors import PlanError
+from kvtax.plan.files import parse_json, read_json
+from kvtax.plan.modelcfg import show_number
 
 __all__ = ["INDEX_NAME", "MAX_HEADER_BYTES", "MAX_MODEL_BYTES", "header_bytes", "weight_bytes"]
 

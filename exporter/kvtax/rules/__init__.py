@@ -5,8 +5,8 @@
 turns them into the committed YAML under ``alerts/`` (``kvtax rules`` writes or checks it).
 """
 
-from .config import DEFAULT, FLEET, POD, TEST_PROFILE, RulesConfig, short_profile
-from .recording import RecordingRule, fleet, per_pod, record_names, recording_rules
+from kvtax.rules.config import DEFAULT, FLEET, POD, TEST_PROFILE, RulesConfig, short_profile
+from kvtax.rules.recording import RecordingRule, fleet, per_pod, record_names, recording_rules
 
 __all__ = [
     "DEFAULT",

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtax.engine.vocabulary import CONCEPTS
-
-from .config import DEFAULT, RulesConfig
-from .recording import per_pod
+from kvtax.rules.config import DEFAULT, RulesConfig
+from kvtax.rules.recording import per_pod
 
 __all__ = ["AlertRule", "alert_names", "alert_rules", "groups"]
 

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtax.generated import add_output_arguments, write_or_check
-
-from .config import DEFAULT, RulesConfig
-from .configfile import RulesConfigError, read
-from .render import render_files
+from kvtax.rules.config import DEFAULT, RulesConfig
+from kvtax.rules.configfile import RulesConfigError, read
+from kvtax.rules.render import render_files
 
 __all__ = ["add_config_argument", "add_rules_parser", "config_of", "run_rules"]
 

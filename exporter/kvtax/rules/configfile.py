@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from .config import DEFAULT, RulesConfig, threshold_problem
+from kvtax.rules.config import DEFAULT, RulesConfig, threshold_problem
 
 __all__ = [
     "MAX_DURATION",
@@ -121,7 +121,7 @@ def _text(name: str, raw: Any) -> str:
 
 
 def _severities(raw: Any) -> Mapping[str, str]:
-    from .alerts import alert_names  # alerts read this module's config: import late
+    from kvtax.rules.alerts import alert_names  # alerts read this module's config: import late
 
     if not isinstance(raw, Mapping):
         raise ValueError("expected a mapping of alert name to severity")

@@ -26,9 +26,8 @@ from collections.abc import Iterable, Mapping
 
 from kvtax.engine import vocabulary
 from kvtax.expose import catalog
-
-from .config import DEFAULT, RulesConfig
-from .recording import record_names
+from kvtax.rules.config import DEFAULT, RulesConfig
+from kvtax.rules.recording import record_names
 
 __all__ = ["PROMETHEUS_SERIES", "known_series", "series_names", "unknown_series"]
 

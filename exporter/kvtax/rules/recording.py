@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.expose.publish import RECOMPUTED_COUNTERS
 from kvtax.figures.recompute import METHODS
-
-from .config import DEFAULT, FLEET, POD, RulesConfig
+from kvtax.rules.config import DEFAULT, FLEET, POD, RulesConfig
 
 __all__ = [
     "METHOD_PREFERENCE",

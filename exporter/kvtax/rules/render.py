@@ -17,10 +17,10 @@ from typing import Any
 
 import yaml
 
-from .alertmanager import alertmanager_config
-from .alerts import groups as alert_groups
-from .config import DEFAULT, RulesConfig
-from .recording import recording_rules
+from kvtax.rules.alertmanager import alertmanager_config
+from kvtax.rules.alerts import groups as alert_groups
+from kvtax.rules.config import DEFAULT, RulesConfig
+from kvtax.rules.recording import recording_rules
 
 __all__ = [
     "ALERTMANAGER_FILE",

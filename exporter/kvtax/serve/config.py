@@ -25,10 +25,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .configdocs import render_markdown
-from .configfile import read_file
-from .options import OPTIONS, Config, Option, env_name
-from .values import ConfigError, parse_address, parse_duration, token
+from kvtax.serve.configdocs import render_markdown
+from kvtax.serve.configfile import read_file
+from kvtax.serve.options import OPTIONS, Config, Option, env_name
+from kvtax.serve.values import ConfigError, parse_address, parse_duration, token
 
 __all__ = [
     "OPTIONS",

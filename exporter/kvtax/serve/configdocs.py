@@ -7,7 +7,7 @@ Example::
 
 from __future__ import annotations
 
-from .options import OPTIONS
+from kvtax.serve.options import OPTIONS
 
 __all__ = ["render_markdown"]
 

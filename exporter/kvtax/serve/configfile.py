@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .values import ConfigError
+from kvtax.serve.values import ConfigError
 
 __all__ = ["flatten", "read_file"]
 

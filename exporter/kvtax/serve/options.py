@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtax.delivery.adapters import adapter_pairs
-
-from . import values as v
-from .option import Option, env_name, option, options_of
+from kvtax.serve import values as v
+from kvtax.serve.option import Option, env_name, option, options_of
 
 __all__ = ["OPTIONS", "Config", "Option", "env_name", "option", "options_of"]
 

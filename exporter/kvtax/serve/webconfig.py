@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .values import ConfigError
+from kvtax.serve.values import ConfigError
 
 __all__ = [
     "BCRYPT_THREADS",

@@ -115,7 +115,7 @@ def _venv_env(venv: Path) -> dict[str, str]:
 
 def ensure_tiny_model(venv: Path, directory: Path) -> Path:
     """Build the tiny model into ``directory`` with the venv's python (idempotent)."""
-    from . import model  # stdlib-only at import time; heavy work runs in venv
+    from kvtax_dev.testbed import model  # stdlib-only at import time; heavy work runs in venv
 
     if (directory / model.MARKER_NAME).exists():
         # Cheap pre-check to skip the subprocess (and its ~10 s torch import) when warm;

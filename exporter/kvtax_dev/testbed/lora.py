@@ -69,7 +69,7 @@ def ensure_adapter(venv: Path, model_dir: Path, out: Path) -> Path:
     """Make the adapter into ``out`` with the engine venv's python; skipped when it is there."""
     import subprocess
 
-    from .engine import EngineStartError, _venv_env
+    from kvtax_dev.testbed.engine import EngineStartError, _venv_env
 
     if (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists():
         return out

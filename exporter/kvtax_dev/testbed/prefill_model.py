@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .model import ModelShape, is_complete, make_tiny_model
+from kvtax_dev.testbed.model import ModelShape, is_complete, make_tiny_model
 
 PREFILL_HEAVY_SHAPE = ModelShape(
     hidden_size=512,
@@ -40,14 +40,14 @@ SERVE_ARGS: tuple[str, ...] = ("--dtype", "float32")
 
 def prefill_heavy_dir() -> Path:
     """Where the model is cached: beside the tiny model in the testbed cache."""
-    from .engine import cache_dir
+    from kvtax_dev.testbed.engine import cache_dir
 
     return cache_dir() / PREFILL_HEAVY_NAME
 
 
 def ensure_prefill_heavy_model(venv: Path, directory: Path | None = None) -> Path:
     """Build the prefill-heavy model with the venv's python (idempotent); return its dir."""
-    from .engine import EngineStartError, _progress, _venv_env
+    from kvtax_dev.testbed.engine import EngineStartError, _progress, _venv_env
 
     directory = directory if directory is not None else prefill_heavy_dir()
     if is_complete(directory, PREFILL_HEAVY_SHAPE):

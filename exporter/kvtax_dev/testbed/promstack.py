@@ -29,8 +29,7 @@ from typing import Any, Self, TypeVar
 
 from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until, tail
 from kvtax_dev.promapi import AlertmanagerApi, PrometheusApi, QueryError
-
-from .engine import free_port
+from kvtax_dev.testbed.engine import free_port
 
 __all__ = [
     "AlertmanagerProcess",

@@ -26,8 +26,7 @@ import requests
 from kvtax_dev import dev_env
 from kvtax_dev.exposition import read_series, series_key
 from kvtax_dev.process import ChildProcess, http_ok, poll_until, tail
-
-from .engine import free_port
+from kvtax_dev.testbed.engine import free_port
 
 __all__ = ["KvtaxProcess", "parse_metrics", "series_key"]
 

@@ -15,8 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from kvtax_dev.process import poll_until
-
-from .engine import free_port
+from kvtax_dev.testbed.engine import free_port
 
 __all__ = ["Notification", "WebhookReceiver"]
 
