@@ -178,7 +178,7 @@ def recorded(
     cmd = [
         sys.executable,
         "-m",
-        "kvtax.cli",
+        "kvtax.cli.main",
         "annotate",
         "--record",
         str(recording),
@@ -222,7 +222,7 @@ def _annotate(report: Path, recording: Path, results: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "kvtax.cli",
+        "kvtax.cli.main",
         "annotate",
         str(report),
         "--recording",

@@ -288,7 +288,7 @@ def _kvtax_args(web_port: int, proxy_port: int, vllm_port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "kvtax.cli",
+        "kvtax.cli.main",
         "serve",
         f"--vllm.url=http://127.0.0.1:{vllm_port}",
         f"--web.listen-address=127.0.0.1:{web_port}",

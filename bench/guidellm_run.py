@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         record_cmd = [
             sys.executable,
             "-m",
-            "kvtax.cli",
+            "kvtax.cli.main",
             "annotate",
             "--record",
             str(recording),
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     annotate = [
         sys.executable,
         "-m",
-        "kvtax.cli",
+        "kvtax.cli.main",
         "annotate",
         str(report),
         "--recording",

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [
             sys.executable,
             "-m",
-            "kvtax.cli",
+            "kvtax.cli.main",
             "loadtest",
             engine.url,
             "--levels",

@@ -3,7 +3,8 @@
 32 loopback streams do ping-pong on one event loop (a write, an echo, a 10 ms pause: a relay's
 pattern) while a page of ``--models`` models (about 425 series each) is normalized one of four
 ways: ``inline`` on the loop, in a ``thread``, in a ``multiprocessing`` ``process`` pool, and in
-kvtax's own ``worker`` (:class:`kvtax.serve.parsepool.ParsePool`). It prints the round trips per
+kvtax's own ``worker`` (:class:`kvtax.serve.scrape.parsepool.ParsePool`). It prints the round trips
+per
 second
 and their p50/p99/max during the parse, next to an ``idle`` baseline of 2 s. A thread holds the
 GIL for the parse, and each socket call of the loop then waits for the switch interval.
@@ -22,7 +23,7 @@ import time
 
 from bench.pipeline import CAPTURE, multi_model_payload
 from kvtax.engine.normalize import normalize
-from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax_dev.exposition import read_samples
 
 __all__ = ["main"]

@@ -198,7 +198,7 @@ def relays(kvtax_args: tuple[str, ...] = ()) -> Iterator[list[Relay]]:
             [
                 sys.executable,
                 "-m",
-                "kvtax.cli",
+                "kvtax.cli.main",
                 "serve",
                 f"--vllm.url=http://127.0.0.1:{upstream_port}",
                 f"--proxy.listen-address=127.0.0.1:{kvtax_port}",

@@ -53,13 +53,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.pipeline import multi_model_payload
 from kvtax.delivery.ledger import RequestRecord
-from kvtax.rules import DEFAULT, fleet, per_pod, recording_rules
-from kvtax.rules.alerts import alert_rules
-from kvtax.rules.promql import series_names
+from kvtax.mixin.rules import DEFAULT, fleet, per_pod, recording_rules
+from kvtax.mixin.rules.alerts import alert_rules
 from kvtax.serve.config import load_config
 from kvtax.serve.wiring import build
 from kvtax_dev.exposition import Samples, read_samples
 from kvtax_dev.promapi import PrometheusApi
+from kvtax_dev.promql import series_names
 from kvtax_dev.testbed.engine import free_port
 from kvtax_dev.testbed.promstack import PrometheusProcess
 
@@ -187,8 +187,8 @@ def count_series() -> SeriesCounts:
 
 def read_series() -> set[str]:
     """Every series name a rule or a dashboard panel reads."""
-    from kvtax.dashboards.generate import dashboards
-    from kvtax.dashboards.lint import queries
+    from kvtax.mixin.dashboards.generate import dashboards
+    from kvtax_dev.dashboard_lint import queries
 
     names = rule_series()
     for board in dashboards().values():

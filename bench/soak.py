@@ -107,7 +107,7 @@ def processes(work: Path) -> Iterator[Sidecar]:
             "--shutdown.grace-period=1s",
             "--log.level=warning",
         ]
-        procs.append(_start([sys.executable, "-m", "kvtax.cli", "serve", *serve], kvtax_log))
+        procs.append(_start([sys.executable, "-m", "kvtax.cli.main", "serve", *serve], kvtax_log))
         _wait_port(proxy_port, procs[-1], kvtax_log)
         _wait_port(web_port, procs[-1], kvtax_log)
         yield Sidecar(

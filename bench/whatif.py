@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtax.figures.derive import tax_ratio
-from kvtax.plan.simulate import Request, Result, Settings, simulate
+from kvtax.tools.plan.simulate import Request, Result, Settings, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCKS, BLOCK_SIZE, BUDGET = 16, 128, 2048

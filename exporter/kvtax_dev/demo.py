@@ -129,9 +129,9 @@ def _stack(args: argparse.Namespace) -> Iterator[_Stack]:
 def _start_monitoring(stack: contextlib.ExitStack, running: _Stack) -> None:
     """Prometheus with kvtax's rules (short test profile) and Alertmanager with the example
     routing, its receivers pointed at a local webhook so the page can be shown."""
-    from kvtax.rules import TEST_PROFILE
-    from kvtax.rules.alertmanager import alertmanager_config
-    from kvtax.rules.render import alerts_yaml, dump, recording_yaml
+    from kvtax.mixin.rules import TEST_PROFILE
+    from kvtax.mixin.rules.alertmanager import alertmanager_config
+    from kvtax.mixin.rules.render import alerts_yaml, dump, recording_yaml
 
     rules = [running.workdir / "kvtax-recording.yaml", running.workdir / "kvtax-alerts.yaml"]
     rules[0].write_text(recording_yaml(TEST_PROFILE))
@@ -196,7 +196,7 @@ def _previews(running: _Stack, since: float, out: Path) -> Path | None:
     assert running.prometheus is not None
     span = max(60, int(time.time() - since) + 10)
     cmd = [
-        sys.executable, "-m", "kvtax.cli", "dashboards", "preview",
+        sys.executable, "-m", "kvtax.cli.main", "dashboards", "preview",
         "--prometheus", running.prometheus.url, "--out", str(out),
         "--range", f"{span}s", "--scrape-interval", "1s",
     ]  # fmt: skip

@@ -10,7 +10,7 @@ is of what Grafana would load. Beside each PNG it writes ``<uid>.panels.json``, 
 the panels it drew and the PNG's sha256: :func:`record_problems` compares that record with the
 current dashboards, so a committed picture that no longer shows them fails a test. matplotlib
 comes from the ``preview`` extra. :func:`run_preview` is the ``kvtax dashboards preview``
-command; its flags stay in :mod:`kvtax.dashboards.cli`, so that an installed kvtax, which has no
+command; its flags stay in :mod:`kvtax.cli.dashboards`, so that an installed kvtax, which has no
 preview, can still say where to find one.
 
 Example::
@@ -36,11 +36,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvtax.dashboards.generate import dashboards
-from kvtax.dashboards.lint import panels
-from kvtax.dashboards.model import GRID_WIDTH, JSON
-from kvtax.dashboards.promql import expand
+from kvtax.mixin.dashboards.generate import dashboards
+from kvtax.mixin.dashboards.model import GRID_WIDTH, JSON
+from kvtax.mixin.dashboards.queries import expand
 from kvtax.serve.config import parse_duration
+from kvtax_dev.dashboard_lint import panels
 from kvtax_dev.promapi import PrometheusApi, QueryError, Series
 
 __all__ = [
@@ -520,7 +520,7 @@ def _time(text: str) -> float:
 
 
 def run_preview(args: argparse.Namespace) -> int:
-    """``kvtax dashboards preview``, whose flags :mod:`kvtax.dashboards.cli` defines: draw every
+    """``kvtax dashboards preview``, whose flags :mod:`kvtax.cli.dashboards` defines: draw every
     chosen dashboard, then exit 1 if any query failed, 2 on bad flags or without matplotlib."""
     try:
         require_matplotlib()

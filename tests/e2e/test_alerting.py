@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 
 from kvtax.engine.vocabulary import CONCEPTS
-from kvtax.rules import TEST_PROFILE, per_pod
-from kvtax.rules.alertmanager import alertmanager_config
-from kvtax.rules.recording import METHOD_PREFERENCE
-from kvtax.rules.render import alerts_yaml, dump, recording_yaml
-from kvtax.serve.values import parse_duration
+from kvtax.mixin.rules import TEST_PROFILE, per_pod
+from kvtax.mixin.rules.alertmanager import alertmanager_config
+from kvtax.mixin.rules.recording import METHOD_PREFERENCE
+from kvtax.mixin.rules.render import alerts_yaml, dump, recording_yaml
+from kvtax.serve.config.values import parse_duration
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import RequestResult, drive
 from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvtax.rules.alertmanager import alertmanager_config
-from kvtax.rules.render import dump
+from kvtax.mixin.rules.alertmanager import alertmanager_config
+from kvtax.mixin.rules.render import dump
 from kvtax_dev.testbed.promstack import AlertmanagerProcess
 from kvtax_dev.testbed.webhook import WebhookReceiver
 

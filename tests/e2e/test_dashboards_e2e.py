@@ -26,16 +26,16 @@ from pathlib import Path
 
 import pytest
 
-from kvtax.cli import main
-from kvtax.dashboards import dashboards
-from kvtax.dashboards.lint import queries
-from kvtax.dashboards.promql import expand
-from kvtax.rules.promql import series_names
-from kvtax.rules.recording import RECOMPUTE_COUNTERS
+from kvtax.cli.main import main
+from kvtax.mixin.dashboards import dashboards
+from kvtax.mixin.dashboards.queries import expand
+from kvtax.mixin.rules.recording import RECOMPUTE_COUNTERS
 from kvtax.serve.config import parse_duration
 from kvtax_dev import repo_root
+from kvtax_dev.dashboard_lint import queries
 from kvtax_dev.preview import panel_titles, record_path
 from kvtax_dev.promapi import PrometheusApi
+from kvtax_dev.promql import series_names
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import drive
 from kvtax_dev.testbed.promstack import PrometheusProcess, prometheus_config

@@ -22,7 +22,7 @@ HANG_GUARD_S = 600.0  # fails a hung run; not a performance claim
 
 def _demo(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvtax.cli", "demo", "--short", *args],
+        [sys.executable, "-m", "kvtax.cli.main", "demo", "--short", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -51,14 +51,14 @@ import pytest
 import requests
 
 from kvtax import plugin
-from kvtax.dashboards.generate import dashboards
-from kvtax.dashboards.lint import queries
-from kvtax.dashboards.promql import expand
 from kvtax.delivery.timing import StreamTiming
 from kvtax.engine.vocabulary import CONCEPTS
-from kvtax.rules import DEFAULT, TEST_PROFILE, RulesConfig, fleet, per_pod
-from kvtax.rules.render import alerts_yaml, dump, recording_groups
+from kvtax.mixin.dashboards.generate import dashboards
+from kvtax.mixin.dashboards.queries import expand
+from kvtax.mixin.rules import DEFAULT, TEST_PROFILE, RulesConfig, fleet, per_pod
+from kvtax.mixin.rules.render import alerts_yaml, dump, recording_groups
 from kvtax_dev import repo_root
+from kvtax_dev.dashboard_lint import queries
 from kvtax_dev.exposition import read_samples, read_series
 from kvtax_dev.plugindir import build_plugin_dir
 from kvtax_dev.promapi import PrometheusApi

@@ -63,7 +63,7 @@ def test_loadtest_finds_the_preemption_knee(vllm_engine: VllmEngine, tmp_path: P
     cmd = [
         sys.executable,
         "-m",
-        "kvtax.cli",
+        "kvtax.cli.main",
         "loadtest",
         vllm_engine.url,
         "--levels",

@@ -15,8 +15,8 @@ import struct
 
 import pytest
 
-from kvtax.cli import main
-from kvtax.plan.weights import weight_bytes
+from kvtax.cli.main import main
+from kvtax.tools.plan.weights import weight_bytes
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.engine import BLOCK_SIZE_TOKENS
 

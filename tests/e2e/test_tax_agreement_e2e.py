@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtax.rules import per_pod
-from kvtax.rules.config import DEFAULT, short_profile
-from kvtax.rules.render import recording_yaml
+from kvtax.mixin.rules import per_pod
+from kvtax.mixin.rules.config import DEFAULT, short_profile
+from kvtax.mixin.rules.render import recording_yaml
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import RequestResult, drive
 from kvtax_dev.testbed.promstack import PrometheusProcess, prometheus_config

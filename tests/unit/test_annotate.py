@@ -13,10 +13,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvtax import cli
-from kvtax.loadtest.errors import InputError
-from kvtax.loadtest.guidellm import read_guidellm
-from kvtax.loadtest.sources import prometheus_scrapes, read_recording
-from kvtax.loadtest.timeline import Scrape, Timeline, keep_known
+from kvtax.tools.loadtest.errors import InputError
+from kvtax.tools.loadtest.guidellm import read_guidellm
+from kvtax.tools.loadtest.sources import prometheus_scrapes, read_recording
+from kvtax.tools.loadtest.timeline import Scrape, Timeline, keep_known
 
 LAB = '{engine="0",model_name="m"}'
 
@@ -235,7 +235,7 @@ async def test_the_recorder_stops_cleanly_on_sigint_even_when_started_ignoring_i
     cmd = [
         sys.executable,
         "-m",
-        "kvtax.cli",
+        "kvtax.cli.main",
         "annotate",
         "--record",
         str(out),

@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 
 from kvtax import cli
-from kvtax.loadtest import annotate_cli, sources
-from kvtax.loadtest.errors import InputError
-from kvtax.loadtest.guidellm import read_guidellm
-from kvtax.loadtest.sources import read_recording
+from kvtax.cli import annotate as annotate_cli
+from kvtax.tools.loadtest import sources
+from kvtax.tools.loadtest.errors import InputError
+from kvtax.tools.loadtest.guidellm import read_guidellm
+from kvtax.tools.loadtest.sources import read_recording
 from tests.unit.test_annotate import _bench, _files
 
 DEEP = "[" * 100_000 + "]" * 100_000

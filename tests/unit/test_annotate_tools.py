@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from kvtax import cli
-from kvtax.loadtest.aiperf import read_aiperf
-from kvtax.loadtest.errors import InputError
-from kvtax.loadtest.timeline import keep_known
-from kvtax.loadtest.tools import detect_format, read_report
-from kvtax.loadtest.vllmbench import SLACK_S, read_vllm_bench
+from kvtax.tools.loadtest.aiperf import read_aiperf
+from kvtax.tools.loadtest.errors import InputError
+from kvtax.tools.loadtest.timeline import keep_known
+from kvtax.tools.loadtest.tools import detect_format, read_report
+from kvtax.tools.loadtest.vllmbench import SLACK_S, read_vllm_bench
 from tests.unit.test_annotate import PREEMPTIONS, _bench, _page
 
 # The synthetic recording's clock: t seconds after this instant (whole seconds, UTC).

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvtax import cli
-from kvtax.loadtest.tools import read_report
+from kvtax.tools.loadtest.tools import read_report
 from tests.unit.recorded_counter import increase, preemption_series
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-bench"

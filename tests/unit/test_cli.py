@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtax.checkout import DEV_PACKAGE, harness_missing
-from kvtax.cli import build_parser, main
-from kvtax.generated import write_or_check
+from kvtax.cli.checkout import DEV_PACKAGE, harness_missing
+from kvtax.cli.generated import write_or_check
+from kvtax.cli.main import build_parser, main
 
 
 @pytest.fixture(autouse=True)
@@ -185,7 +185,7 @@ def test_a_module_missing_inside_a_checkout_is_not_reported_as_a_missing_checkou
     assert not harness_missing(ModuleNotFoundError("halted", name="kvtax_dev.demo"))
 
 
-# -- the one --check of every generator (kvtax.generated) -------------------------------------
+# -- the one --check of every generator (kvtax.cli.generated) -------------------------------------
 
 
 def test_write_or_check_writes_files_into_new_subfolders(tmp_path: Path) -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtax.cli import build_parser
-from kvtax.serve import options
+from kvtax.cli.main import build_parser
 from kvtax.serve.config import (
     OPTIONS,
     Config,
@@ -19,6 +18,7 @@ from kvtax.serve.config import (
     Option,
     env_name,
     load_config,
+    options,
     parse_address,
     parse_duration,
 )

@@ -12,17 +12,17 @@ import jsonschema
 import pytest
 import yaml
 
-from kvtax.cli import main
-from kvtax.dashboards import BOARDS, artifacts, dashboards, problems
-from kvtax.dashboards.generate import CONFIGMAP_FILE
-from kvtax.dashboards.lint import panels, queries
-from kvtax.dashboards.promql import expand, kvtax, vllm
-from kvtax.dashboards.schema import SCHEMA
+from kvtax.cli.main import main
 from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.expose.catalog import METRICS
-from kvtax.rules.alerts import alert_rules
-from kvtax.rules.promql import known_series, series_names
-from kvtax.rules.recording import record_names
+from kvtax.mixin.dashboards import BOARDS, artifacts, dashboards
+from kvtax.mixin.dashboards.generate import CONFIGMAP_FILE
+from kvtax.mixin.dashboards.queries import expand, kvtax, vllm
+from kvtax.mixin.rules.alerts import alert_rules
+from kvtax.mixin.rules.recording import record_names
+from kvtax_dev.dashboard_lint import panels, problems, queries
+from kvtax_dev.dashboard_schema import SCHEMA
+from kvtax_dev.promql import known_series, series_names
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "dashboards"

@@ -16,11 +16,11 @@ from typing import Any
 import promql_parser
 import pytest
 
-from kvtax.cli import main
-from kvtax.dashboards import dashboards
-from kvtax.dashboards.lint import problems, queries
-from kvtax.dashboards.promql import expand
-from kvtax.rules.configfile import from_mapping
+from kvtax.cli.main import main
+from kvtax.mixin.dashboards import dashboards
+from kvtax.mixin.dashboards.queries import expand
+from kvtax.mixin.rules.configfile import from_mapping
+from kvtax_dev.dashboard_lint import problems, queries
 
 CLUSTERED = from_mapping(
     {

@@ -16,10 +16,10 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from kvtax.cli import main
-from kvtax.dashboards import dashboards
-from kvtax.dashboards.lint import panels, queries
+from kvtax.cli.main import main
+from kvtax.mixin.dashboards import dashboards
 from kvtax_dev import repo_root
+from kvtax_dev.dashboard_lint import panels, queries
 from kvtax_dev.preview import (
     TargetData,
     draw,

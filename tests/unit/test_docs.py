@@ -6,11 +6,11 @@ import json
 import re
 from pathlib import Path
 
-from kvtax.cli import main
-from kvtax.dashboards.lint import panels
+from kvtax.cli.main import main
 from kvtax.engine import vocabulary
 from kvtax.expose import catalog, reference
 from kvtax.serve import config
+from kvtax_dev.dashboard_lint import panels
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtax.expose.catalog import METRICS, PROCESS_METRICS
 from kvtax.expose.exposition import ReportCollector, build_families
-from kvtax.expose.report import HistogramSample, Sample
+from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.serve.config import Config
 from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import one, parse_exposition, read_fixture
@@ -230,7 +230,7 @@ def test_each_recompute_method_has_its_catalog_counter_in_the_order_rules_use() 
     from kvtax.expose.catalog import METRICS
     from kvtax.expose.publish import RECOMPUTED_COUNTERS
     from kvtax.figures.recompute import METHODS
-    from kvtax.rules.recording import METHOD_PREFERENCE, RECOMPUTE_COUNTERS
+    from kvtax.mixin.rules.recording import METHOD_PREFERENCE, RECOMPUTE_COUNTERS
 
     # The documented order of "the tax" (docs/tax.md), the same for the gauge and the rules.
     assert tuple(method for method, _ in METHODS) == ("measured", "estimated", "stall_estimated")

@@ -25,8 +25,8 @@ from kvtax.expose.publish import adapter_samples, model_samples
 from kvtax.figures.derive import EngineSettings, derive_all
 from kvtax.figures.window import Window
 from kvtax.serve.config import load_config
-from kvtax.serve.models import ModelsPoller
-from kvtax.serve.values import ConfigError
+from kvtax.serve.config.values import ConfigError
+from kvtax.serve.sources.models import ModelsPoller
 from kvtax.serve.wiring import build
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"

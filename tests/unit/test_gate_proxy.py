@@ -17,8 +17,8 @@ from kvtax.admission.cap import CapSettings
 from kvtax.admission.footprint import TokenEstimator
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.serve.config import Config
-from kvtax.serve.gate import Gate, GateSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax.serve.wiring import build
 from kvtax_dev.testbed.engine import free_port
 

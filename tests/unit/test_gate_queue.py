@@ -15,8 +15,8 @@ from kvtax.admission.cap import CapSettings
 from kvtax.admission.footprint import MAX_FOOTPRINT
 from kvtax.admission.order import RATE_RECENT, RATE_SPAN, CompletionRate, Order
 from kvtax.figures.derive import ModelFigures
-from kvtax.serve import gate as gate_module
-from kvtax.serve.gate import CLOSED, Follower, Gate, GateSettings
+from kvtax.serve.proxy import gate as gate_module
+from kvtax.serve.proxy.gate import CLOSED, Follower, Gate, GateSettings
 
 
 def _budget_gate(order: Order, blocks: int) -> Gate:

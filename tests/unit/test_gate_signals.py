@@ -6,7 +6,7 @@ from kvtax.admission.cap import CapSettings
 from kvtax.expose.exposition import build_families
 from kvtax.figures.derive import ModelFigures
 from kvtax.serve.config import Config
-from kvtax.serve.gate import Gate, GateSettings
+from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax.serve.wiring import build
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvtax.delivery.intake import gateway_totals
 from kvtax.serve.config import load_config
-from kvtax.serve.sources import GatewayPoller
+from kvtax.serve.sources.push import GatewayPoller
 from kvtax.serve.wiring import build
 
 PAGE = (
@@ -99,7 +99,7 @@ async def test_a_timeout_is_logged_by_name(caplog: pytest.LogCaptureFixture) -> 
         timeout=0.5,
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="kvtax.serve.sources"):
+        with caplog.at_level(logging.WARNING, logger="kvtax.serve.sources.push"):
             await poller.poll_once()
     finally:
         await poller.stop()

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 import kvtax
-from kvtax.cli import build_parser, config_from_args
+from kvtax.cli.main import build_parser, config_from_args
 from tests.unit.test_kubernetes import CRD_SCHEMAS, KUBERNETES_VERSIONS, dev_tool
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from kvtax.engine.snapshot import VllmSnapshot
 from kvtax.figures.derive import coverage
 from kvtax.figures.window import Point
 from kvtax.serve.config import load_config
-from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.wiring import Stack, build
 from tests.unit.conftest import FakeClock, one, parse_exposition, read_fixture
 

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from kvtax import __version__ as kvtax_version
-from kvtax.cli import build_parser, config_from_args
+from kvtax.cli.main import build_parser, config_from_args
 from tests.unit.test_dockerfile import DOCKERFILE, stages
 
 ROOT = Path(__file__).resolve().parents[2]

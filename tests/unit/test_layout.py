@@ -32,17 +32,13 @@ MODULE_EXEMPTIONS: dict[str, str] = {}
 
 # (module path, function) -> why it may be longer.
 FUNCTION_EXEMPTIONS: dict[tuple[str, str], str] = {
-    ("rules/alerts.py", "alert_rules"): "declarative table of the alert rules, in file order",
-    ("rules/recording.py", "recording_rules"): (
+    ("mixin/rules/alerts.py", "alert_rules"): "declarative table of the alert rules, in file order",
+    ("mixin/rules/recording.py", "recording_rules"): (
         "declarative table of the recording rules, in evaluation order"
     ),
-    ("plan/cli.py", "add_plan_parser"): "declarative table of the kvtax plan flags (argparse)",
-    ("loadtest/cli.py", "add_loadtest_parser"): (
-        "declarative table of the kvtax loadtest flags (argparse)"
-    ),
-    ("loadtest/annotate_cli.py", "add_parser"): (
-        "declarative table of the kvtax annotate flags (argparse)"
-    ),
+    ("cli/plan.py", "add_parser"): "declarative table of the kvtax plan flags (argparse)",
+    ("cli/loadtest.py", "add_parser"): ("declarative table of the kvtax loadtest flags (argparse)"),
+    ("cli/annotate.py", "add_parser"): ("declarative table of the kvtax annotate flags (argparse)"),
 }
 
 

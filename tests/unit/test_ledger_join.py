@@ -17,7 +17,7 @@ from kvtax.delivery.ledger import (
 from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
 from kvtax.engine.snapshot import ModelMetrics, VllmSnapshot
 from kvtax.expose.publish import ledger_samples, model_samples
-from kvtax.expose.report import HistogramSample, Sample
+from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import EngineSettings, MethodValue, derive_all
 from kvtax.figures.window import Window
 

@@ -10,12 +10,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from kvtax import cli
-from kvtax.loadtest import driver
-from kvtax.loadtest.distributions import parse_distribution
-from kvtax.loadtest.errors import InputError
-from kvtax.loadtest.knees import preemption_knee
-from kvtax.loadtest.measure import StepResult
-from kvtax.loadtest.plan import LoadPlan
+from kvtax.tools.loadtest import driver
+from kvtax.tools.loadtest.distributions import parse_distribution
+from kvtax.tools.loadtest.errors import InputError
+from kvtax.tools.loadtest.knees import preemption_knee
+from kvtax.tools.loadtest.measure import StepResult
+from kvtax.tools.loadtest.plan import LoadPlan
 from tests.unit.loadtest_fake import PreemptingServer
 
 

@@ -7,12 +7,12 @@ import statistics
 
 import pytest
 
-from kvtax.loadtest.distributions import parse_distribution
-from kvtax.loadtest.errors import InputError
-from kvtax.loadtest.knees import Knee, gate_cap, preemption_knee, throughput_knee
-from kvtax.loadtest.measure import EngineStep, RequestRecord, measure_step, quantile
-from kvtax.loadtest.plan import LoadPlan, check_plan, parse_levels
-from kvtax.loadtest.report import loadtest_json, loadtest_table, markdown
+from kvtax.tools.loadtest.distributions import parse_distribution
+from kvtax.tools.loadtest.errors import InputError
+from kvtax.tools.loadtest.knees import Knee, gate_cap, preemption_knee, throughput_knee
+from kvtax.tools.loadtest.measure import EngineStep, RequestRecord, measure_step, quantile
+from kvtax.tools.loadtest.plan import LoadPlan, check_plan, parse_levels
+from kvtax.tools.loadtest.table import loadtest_json, loadtest_table, markdown
 
 
 def test_distributions_sample_within_their_bounds() -> None:

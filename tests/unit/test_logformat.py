@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvtax.cli import build_parser
+from kvtax.cli.main import build_parser
 from kvtax.serve.config import load_config
 from kvtax.serve.logformat import JsonFormatter, LogfmtFormatter, formatter
 

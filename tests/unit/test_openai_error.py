@@ -18,7 +18,7 @@ from aiohttp import web
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.delivery.openai import error_body, sse_error_event
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax.serve.sources import PUSH_PATH, push_handler
+from kvtax.serve.sources.push import PUSH_PATH, push_handler
 from kvtax_dev.testbed.engine import free_port
 from tests.unit.fake_vllm import FakeVllm
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtax.engine.normalize import ParseError, normalize
-from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.scrape.parsepool import ParsePool
 from tests.unit.conftest import read_fixture
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvtax.cli import main
+from kvtax.cli.main import main
 
 # Llama-3.1-8B by the numbers: 128 KiB per token, 50 GiB of pool = 409,600 tokens.
 SIZED = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bfloat16"]

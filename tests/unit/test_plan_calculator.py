@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kvtax.cli import main
-from kvtax.plan.gpus import find_gpu
-from kvtax.plan.params import estimate_weights
-from kvtax.plan.sizing import GIB
+from kvtax.cli.main import main
+from kvtax.tools.plan.gpus import find_gpu
+from kvtax.tools.plan.params import estimate_weights
+from kvtax.tools.plan.sizing import GIB
 from tests.unit.plan_configs import (
     DEEPSEEK_V3_FULL,
     LLAMA_31_8B_FULL,

@@ -12,8 +12,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from kvtax.cli import main
-from kvtax.plan.profile import profile_from_kvtax_page
+from kvtax.cli.main import main
+from kvtax.tools.plan.profile import profile_from_kvtax_page
 from tests.unit.test_plan_sizing import LLAMA_31_8B
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"

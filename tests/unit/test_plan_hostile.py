@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from kvtax.cli import main
-from kvtax.plan import files
-from kvtax.plan.errors import PlanError
-from kvtax.plan.modelcfg import MAX_CONFIG_INT, shape_from_config
-from kvtax.plan.weights import MAX_MODEL_BYTES, header_bytes, weight_bytes
+from kvtax.cli.main import main
+from kvtax.tools.plan import files
+from kvtax.tools.plan.errors import PlanError
+from kvtax.tools.plan.modelcfg import MAX_CONFIG_INT, shape_from_config
+from kvtax.tools.plan.weights import MAX_MODEL_BYTES, header_bytes, weight_bytes
 from tests.unit.test_plan_sizing import DEEPSEEK_V3, GEMMA_2_9B, JAMBA, LLAMA_31_8B
 
 HUGE = 10**400

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtax.plan.errors import PlanError
-from kvtax.plan.profile import LengthProfile, arrivals, trace
-from kvtax.plan.simulate import Request, Settings, simulate
+from kvtax.tools.plan.errors import PlanError
+from kvtax.tools.plan.profile import LengthProfile, arrivals, trace
+from kvtax.tools.plan.simulate import Request, Settings, simulate
 
 # The testbed's pool: 16 blocks of 128 tokens, one of them vLLM's null block.
 POOL = {"num_blocks": 16, "block_size": 128, "max_num_batched_tokens": 4096}

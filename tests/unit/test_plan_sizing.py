@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from kvtax.plan.errors import PlanError
-from kvtax.plan.modelcfg import shape_from_config, shape_from_flags
-from kvtax.plan.sizing import GIB, pool_bytes, recommend, size
-from kvtax.plan.weights import header_bytes, weight_bytes
+from kvtax.tools.plan.errors import PlanError
+from kvtax.tools.plan.modelcfg import shape_from_config, shape_from_flags
+from kvtax.tools.plan.sizing import GIB, pool_bytes, recommend, size
+from kvtax.tools.plan.weights import header_bytes, weight_bytes
 
 KIB = 1024
 

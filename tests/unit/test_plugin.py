@@ -23,7 +23,7 @@ from kvtax import plugin
 from kvtax.engine.normalize import normalize
 from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.expose.publish import model_samples
-from kvtax.expose.report import Sample
+from kvtax.expose.samples import Sample
 from kvtax.figures.derive import EngineSettings, derive_all, tax_ratio
 from kvtax.figures.window import Window
 from kvtax_dev.testbed.sidecar import parse_metrics
@@ -89,7 +89,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_importing_kvtax_does_not_import_the_plugin_or_vllm() -> None:
     proc = run_python(
-        "import sys, kvtax, kvtax.cli, kvtax.serve.sidecar\n"
+        "import sys, kvtax, kvtax.cli.main, kvtax.serve.sidecar\n"
         "print(sorted(m for m in sys.modules if m == 'kvtax.plugin' or m.split('.')[0] == 'vllm'))"
     )
     assert proc.returncode == 0, proc.stderr

@@ -17,8 +17,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvtax.delivery.ledger import ModelNames
-from kvtax.serve.models import ModelsPoller
-from kvtax.serve.poller import Poller
+from kvtax.serve.sources.models import ModelsPoller
+from kvtax.serve.sources.poller import Poller
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
 NESTED = b'{"data":' + b"[" * 100_000
@@ -51,7 +51,7 @@ async def test_a_body_nested_too_deeply_fails_one_poll_and_polling_goes_on(
         poller = ModelsPoller(
             names, url=str(server.make_url("")), configured=(), interval=0.01, timeout=2.0
         )
-        with caplog.at_level(logging.WARNING, logger="kvtax.serve.models"):
+        with caplog.at_level(logging.WARNING, logger="kvtax.serve.sources.models"):
             poller.start()
             async with asyncio.timeout(5.0):
                 while names.adapters != {"sql-lora": BASE}:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
-from kvtax.expose.report import Sample
+from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.testbed.engine import free_port
 from tests.unit.fake_vllm import FakeVllm

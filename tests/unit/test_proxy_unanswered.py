@@ -20,8 +20,8 @@ from aiohttp import web
 
 from kvtax.admission.cap import CapSettings
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
-from kvtax.serve.gate import Gate, GateSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax_dev.testbed.engine import free_port
 
 STREAM = {"model": "m", "prompt": "long", "max_tokens": 16, "stream": True}

@@ -19,7 +19,7 @@ from kvtax.delivery.ledger import RequestRecord
 from kvtax.figures.window import served_requests
 from kvtax.serve.config import load_config
 from kvtax.serve.sidecar import Sidecar
-from kvtax.serve.sources import MAX_GATEWAY_PAGE, PUSH_PATH, GatewayPoller, push_handler
+from kvtax.serve.sources.push import MAX_GATEWAY_PAGE, PUSH_PATH, GatewayPoller, push_handler
 from kvtax.serve.wiring import Stack, build
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
@@ -252,7 +252,7 @@ async def _poll_once(
         timeout=5.0,
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="kvtax.serve.sources"):
+        with caplog.at_level(logging.WARNING, logger="kvtax.serve.sources.push"):
             await poller.poll_once()
     finally:
         await poller.stop()

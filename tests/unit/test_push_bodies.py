@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, unused_port
 
 from kvtax.serve.config import load_config
-from kvtax.serve.sources import MAX_PUSH_BODY, PUSH_PATH
+from kvtax.serve.sources.push import MAX_PUSH_BODY, PUSH_PATH
 from kvtax.serve.wiring import Stack, build
 from tests.unit.gzipbomb import Inflation, bomb
 

@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvtax.serve.parsepool import ParsePool
-from kvtax.serve.readiness import FRESH_FOR, HEALTH_MAX_BYTES, HealthCheck
-from kvtax.serve.scraper import Scraper
+from kvtax.serve.scrape.parsepool import ParsePool
+from kvtax.serve.scrape.readiness import FRESH_FOR, HEALTH_MAX_BYTES, HealthCheck
+from kvtax.serve.scrape.scraper import Scraper
 from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import FakeClock
 from tests.unit.test_sidecar import ClientFactory, FakeVllm, ServerFactory, make_sidecar

@@ -23,8 +23,8 @@ import pytest
 from aiohttp import web
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
-from kvtax.serve.models import ModelsPoller
 from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax.serve.sources.models import ModelsPoller
 from kvtax_dev.testbed.engine import free_port
 from tests.unit.fake_vllm import FakeVllm
 

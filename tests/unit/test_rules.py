@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtax.cli import main
+from kvtax.cli.main import main
 from kvtax.expose import catalog
 from kvtax.expose.catalog import MetricSpec
-from kvtax.rules import (
+from kvtax.mixin.rules import (
     DEFAULT,
     TEST_PROFILE,
     fleet,
@@ -21,10 +21,10 @@ from kvtax.rules import (
     recording_rules,
     short_profile,
 )
-from kvtax.rules.alertmanager import alertmanager_config
-from kvtax.rules.alerts import alert_names, alert_rules
-from kvtax.rules.promql import series_names, unknown_series
-from kvtax.rules.render import render_files
+from kvtax.mixin.rules.alertmanager import alertmanager_config
+from kvtax.mixin.rules.alerts import alert_names, alert_rules
+from kvtax.mixin.rules.render import render_files
+from kvtax_dev.promql import series_names, unknown_series
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "alerts"

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtax.cli import main
-from kvtax.rules import DEFAULT, RulesConfig
-from kvtax.rules.configfile import RulesConfigError, from_mapping, read
-from kvtax.rules.recording import recording_rules
-from kvtax.rules.render import alerts_yaml
+from kvtax.cli.main import main
+from kvtax.mixin.rules import DEFAULT, RulesConfig
+from kvtax.mixin.rules.configfile import RulesConfigError, from_mapping, read
+from kvtax.mixin.rules.recording import recording_rules
+from kvtax.mixin.rules.render import alerts_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = sorted((ROOT / "alerts" / "tests").glob("*.yaml"))

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtax.cli import main
-from kvtax.rules import DEFAULT, RulesConfig
-from kvtax.rules.config import POSITIVE, SHARES, threshold_problem
-from kvtax.rules.configfile import (
+from kvtax.cli.main import main
+from kvtax.mixin.rules import DEFAULT, RulesConfig
+from kvtax.mixin.rules.config import POSITIVE, SHARES, threshold_problem
+from kvtax.mixin.rules.configfile import (
     MAX_DURATION,
     MAX_DURATION_MS,
     RulesConfigError,

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtax.dashboards import dashboards
-from kvtax.dashboards.lint import panels
-from kvtax.dashboards.promql import expand
-from kvtax.rules import TEST_PROFILE
-from kvtax.rules.alerts import alert_names, alert_rules
-from kvtax.rules.render import alerts_yaml, recording_yaml
+from kvtax.mixin.dashboards import dashboards
+from kvtax.mixin.dashboards.queries import expand
+from kvtax.mixin.rules import TEST_PROFILE
+from kvtax.mixin.rules.alerts import alert_names, alert_rules
+from kvtax.mixin.rules.render import alerts_yaml, recording_yaml
+from kvtax_dev.dashboard_lint import panels
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "alerts"

@@ -19,7 +19,7 @@ from prometheus_client.exposition import generate_latest
 from kvtax.engine import normalize as normalize_module
 from kvtax.serve import sidecar as sidecar_module
 from kvtax.serve.config import load_config
-from kvtax.serve.parsepool import ParsePool
+from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import FakeClock, Labels, one, parse_exposition
 

@@ -24,8 +24,8 @@ from prometheus_client.openmetrics.parser import text_fd_to_metric_families
 
 from kvtax.serve import sidecar as sidecar_module
 from kvtax.serve.config import load_config
-from kvtax.serve.parsepool import ParsePool
-from kvtax.serve.readiness import FRESH_FOR
+from kvtax.serve.scrape.parsepool import ParsePool
+from kvtax.serve.scrape.readiness import FRESH_FOR
 from kvtax.serve.sidecar import Sidecar
 from tests.unit.conftest import FakeClock, Labels, one, parse_exposition, read_fixture
 

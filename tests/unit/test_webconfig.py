@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestServer
 
 from kvtax.serve.config import ConfigError, load_config
 from kvtax.serve.sidecar import Sidecar
-from kvtax.serve.webconfig import (
+from kvtax.serve.web.webconfig import (
     BCRYPT_THREADS,
     MAX_PENDING,
     PER_USER_CHECKS,
@@ -528,7 +528,7 @@ async def test_required_client_certificates_refuse_a_client_without_one(
 def test_serve_refuses_a_bad_file_in_one_line_before_listening(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtax.cli import main
+    from kvtax.cli.main import main
     from kvtax.serve import logformat
 
     # Leave the test runner's logging as it is.

@@ -26,10 +26,10 @@ HARNESS_PARTS = frozenset({"kvtax_dev", "testbed", "demo", "preview", "promapi"}
 # What the pod runs, named so that a packaging change dropping one cannot pass unnoticed.
 RUNTIME_MODULES = (
     "kvtax",
-    "kvtax.cli",
-    "kvtax.checkout",
+    "kvtax.cli.main",
+    "kvtax.cli.checkout",
     "kvtax.serve.config",
-    "kvtax.serve.scraper",
+    "kvtax.serve.scrape.scraper",
     "kvtax.engine.normalize",
     "kvtax.figures.window",
     "kvtax.figures.derive",
@@ -38,10 +38,10 @@ RUNTIME_MODULES = (
     "kvtax.figures.recompute",
     "kvtax.expose.exposition",
     "kvtax.serve.sidecar",
-    "kvtax.serve.parseworker",
+    "kvtax.serve.scrape.parseworker",
     "kvtax.plugin",
-    "kvtax.rules.render",
-    "kvtax.dashboards.generate",
+    "kvtax.mixin.rules.render",
+    "kvtax.mixin.dashboards.generate",
 )
 
 
@@ -51,7 +51,8 @@ def harness_modules(modules: Iterable[str]) -> list[str]:
 
 
 def module_name(path: str) -> str:
-    """``kvtax/rules/__init__.py`` -> ``kvtax.rules``; ``kvtax/cli.py`` -> ``kvtax.cli``."""
+    """``kvtax/mixin/rules/__init__.py`` -> ``kvtax.mixin.rules``; ``kvtax/cli/main.py`` ->
+    ``kvtax.cli.main``."""
     parts = path.removesuffix(".py").split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -120,7 +121,7 @@ def test_the_wheel_keeps_the_type_marker_and_the_console_script(wheel: Path) -> 
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         text = archive.read(entry_points).decode()
     assert "kvtax/py.typed" in names
-    assert "kvtax = kvtax.cli:main" in text
+    assert "kvtax = kvtax.cli.main:main" in text
     assert "kvtax = kvtax.plugin:KvtaxStatLogger" in text
 
 
@@ -130,12 +131,12 @@ def test_the_harness_check_names_every_kind_of_harness_module() -> None:
         "kvtax.testbed",
         "kvtax.testbed.engine",
         "kvtax.demo",
-        "kvtax.dashboards.preview",
-        "kvtax.dashboards.promapi",
+        "kvtax.mixin.dashboards.preview",
+        "kvtax.mixin.dashboards.promapi",
         "kvtax_dev.preview",
     ]
     assert harness_modules(
-        [*shipped_before, "kvtax.serve.proxy", "kvtax.dashboards.generate"]
+        [*shipped_before, "kvtax.serve.proxy", "kvtax.mixin.dashboards.generate"]
     ) == sorted(shipped_before)
 
 

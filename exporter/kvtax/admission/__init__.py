@@ -3,5 +3,5 @@
 :mod:`~kvtax.admission.cap` steps the concurrency cap from one scrape's signals (static, budget,
 auto, adaptive AIMD); :mod:`~kvtax.admission.footprint` sizes a request in tokens and KV blocks
 and applies the per-request token budget; :mod:`~kvtax.admission.order` orders the queue and
-estimates Retry-After. The asyncio queue that acts on them is :mod:`kvtax.serve.gate`.
+estimates Retry-After. The asyncio queue that acts on them is :mod:`kvtax.serve.proxy.gate`.
 """

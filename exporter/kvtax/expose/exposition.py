@@ -26,7 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvtax.expose.catalog import METRICS, MetricSpec
-from kvtax.expose.report import HistogramSample, Sample
+from kvtax.expose.samples import HistogramSample, Sample
 
 __all__ = ["ReportCollector", "build_families"]
 

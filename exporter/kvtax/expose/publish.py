@@ -1,4 +1,4 @@
-"""What kvtax publishes, as :class:`~kvtax.expose.report.Sample` values: the one mapping onto
+"""What kvtax publishes, as :class:`~kvtax.expose.samples.Sample` values: the one mapping onto
 catalog names of the derived figures, the ledger's counters and the proxy's gauges.
 
 Pure. A figure that is ``None`` produces no sample, so a concept a vLLM version lacks is absent
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from kvtax.delivery.ledger import BookCounts, HistogramCounts
-from kvtax.expose.report import HistogramSample, Sample
+from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
 from kvtax.figures.recompute import METHODS
 

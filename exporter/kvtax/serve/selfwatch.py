@@ -24,7 +24,7 @@ import contextlib
 from collections import deque
 from collections.abc import Iterator
 
-from kvtax.expose.report import Sample
+from kvtax.expose.samples import Sample
 
 __all__ = ["KEEP", "LoopWatch"]
 

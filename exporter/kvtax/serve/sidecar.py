@@ -16,13 +16,14 @@ at the fold, so that join coverage can bracket the instant vLLM counted its requ
 exception: the names the ledger labels running streams with are learned from that page, so the
 totals are read again at the fold, after the names.
 
-The page is parsed in a worker process (:class:`~kvtax.serve.parsepool.ParsePool`), so a big page
+The page is parsed in a worker process (:class:`~kvtax.serve.scrape.parsepool.ParsePool`), so a big
+page
 never holds up the event loop that also relays the proxy's streams. For the same reason kvtax's
 own page is rendered at most once per turn of that loop: a render costs milliseconds, and a
 burst of scrapers (200 at once) shares one render instead of holding a relayed stream for each.
 
 The web port never inflates a request body (its server runs with ``auto_decompress`` off): the
-push route refuses a compressed body with 415 (:mod:`kvtax.serve.sources`), and a body refused
+push route refuses a compressed body with 415 (:mod:`kvtax.serve.sources.push`), and a body refused
 for any other reason, or never read, is never decoded.
 
 Example::
@@ -56,14 +57,14 @@ from kvtax.engine.normalize import REJECT_REASONS, ParseError, normalize
 from kvtax.engine.snapshot import VllmSnapshot
 from kvtax.expose.exposition import ReportCollector
 from kvtax.expose.publish import model_samples
-from kvtax.expose.report import HistogramSample, Sample
+from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import EngineSettings, ModelFigures, derive_all
 from kvtax.figures.window import Window, candidates
 from kvtax.serve.config import Config
-from kvtax.serve.parsepool import ParsePool
-from kvtax.serve.readiness import HEALTH_MAX_BYTES, HealthCheck
-from kvtax.serve.scraper import REASONS, ScrapeError, Scraper
-from kvtax.serve.webconfig import WebSecurity
+from kvtax.serve.scrape.parsepool import ParsePool
+from kvtax.serve.scrape.readiness import HEALTH_MAX_BYTES, HealthCheck
+from kvtax.serve.scrape.scraper import REASONS, ScrapeError, Scraper
+from kvtax.serve.web.webconfig import WebSecurity
 
 __all__ = ["LedgerFeed", "Route", "ScrapeHealth", "Sidecar"]
 

@@ -10,7 +10,7 @@
 - the report behind ``/metrics``: the sidecar's health and figures, the ledger's counters, the
   proxy's gauges and the self-watch, read and never written.
 
-The admission gate (:mod:`kvtax.serve.gate`) follows the sidecar's figures after each scrape;
+The admission gate (:mod:`kvtax.serve.proxy.gate`) follows the sidecar's figures after each scrape;
 the proxy holds it only when ``--admission.mode`` is not ``off``, and ``/metrics`` shows its
 advice either way.
 
@@ -41,17 +41,17 @@ from kvtax.admission.footprint import OverBudget
 from kvtax.admission.order import Order
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import adapter_samples, ledger_samples, proxy_samples
-from kvtax.expose.report import HistogramSample, Sample
+from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.window import Window
 from kvtax.serve.config import Config
-from kvtax.serve.gate import Follower, Gate, GateSettings
-from kvtax.serve.models import ModelsPoller
-from kvtax.serve.parsepool import ParsePool
 from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax.serve.proxy.gate import Follower, Gate, GateSettings
+from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.selfwatch import LoopWatch
 from kvtax.serve.sidecar import LedgerFeed, Sidecar
-from kvtax.serve.sources import PUSH_PATH, GatewayPoller, push_handler
-from kvtax.serve.webconfig import load as load_web_config
+from kvtax.serve.sources.models import ModelsPoller
+from kvtax.serve.sources.push import PUSH_PATH, GatewayPoller, push_handler
+from kvtax.serve.web.webconfig import load as load_web_config
 
 __all__ = ["Stack", "build", "gate_settings", "run"]
 

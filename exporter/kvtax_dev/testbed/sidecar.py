@@ -60,7 +60,7 @@ class KvtaxProcess:
         self.args = [
             sys.executable,
             "-m",
-            "kvtax.cli",
+            "kvtax.cli.main",
             "serve",
             f"--vllm.url={vllm_url}",
             f"--web.listen_address=127.0.0.1:{self.port}",

@@ -17,7 +17,7 @@ it ends, however it ends, :func:`~kvtax.serve.proxy.exchange.outcome_of` decides
 from those facts and the proxy's one shutdown state (:attr:`Proxy.state`), and the ledger
 settles one record.
 
-With an admission gate (:mod:`kvtax.serve.gate`, ``--admission.mode`` other than ``off``) an
+With an admission gate (:mod:`kvtax.serve.proxy.gate`, ``--admission.mode`` other than ``off``) an
 accounted request passes the gate after its body is read and before vLLM sees it: it may wait
 in the gate's queue, be shed with a 429 and ``Retry-After``, or be refused (400) or clamped by
 the per-request token budget. Without one, nothing of this runs.
@@ -48,7 +48,6 @@ from kvtax.admission.footprint import Shape, check_budget, shape_of, with_max_to
 from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.sse import HoldBudget, UsageWish
 from kvtax.delivery.timing import SloTargets
-from kvtax.serve.gate import CLOSED, Gate, Ticket
 from kvtax.serve.proxy.answers import (
     over_budget,
     shed,
@@ -59,6 +58,7 @@ from kvtax.serve.proxy.answers import (
 )
 from kvtax.serve.proxy.client import ClientConnection, Incoming
 from kvtax.serve.proxy.exchange import Exchange, Phase, outcome_of, record_of
+from kvtax.serve.proxy.gate import CLOSED, Gate, Ticket
 from kvtax.serve.proxy.prepare import UNNAMED, Prepared, prepare
 from kvtax.serve.proxy.relay import (
     INFLATABLE,

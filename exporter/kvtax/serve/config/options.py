@@ -1,0 +1,351 @@
+"""The options table: every kvtax setting, written once, as the fields of :class:`Config`.
+
+Each field of :class:`Config` is declared with :func:`option`, which holds the setting's dotted
+key, its default as a user would write it (``"8MiB"``, ``":10059"``), its parser, help and
+metavar. The field's default is that text parsed, so ``Config()``, the ``kvtax serve`` flags and
+their ``--help``, the ``KVTAX_*`` environment variables, the YAML keys and
+``docs/configuration.md`` all come from this one table and cannot disagree.
+
+Example::
+
+    Config().scrape_interval                           # 5.0, parsed from the table's default
+    next(o for o in OPTIONS if o.key == "window").flag  # "--window"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtax.delivery.adapters import adapter_pairs
+from kvtax.serve.config import values as v
+from kvtax.serve.config.option import Option, env_name, option, options_of
+
+__all__ = ["OPTIONS", "Config", "Option", "env_name", "option", "options_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Validated settings. Field names are the option keys with dots as underscores."""
+
+    vllm_url: str = option(
+        "vllm.url",
+        "http://127.0.0.1:8000",
+        v.url,
+        "Base URL of the vLLM server; kvtax scrapes <url>/metrics.",
+        "URL",
+    )
+    scrape_interval: float = option(
+        "scrape.interval", 5.0, v.positive_duration, "How often to scrape vLLM.", "DURATION"
+    )
+    scrape_timeout: float | None = option(
+        "scrape.timeout",
+        None,
+        v.optional_duration,
+        "Scrape timeout; defaults to 80% of the interval and must be below it.",
+        "DURATION",
+    )
+    scrape_max_bytes: int = option(
+        "scrape.max_bytes",
+        "8MiB",
+        v.size,
+        "Largest /metrics page read from vLLM; reading stops and the scrape fails (too_large) "
+        "once a page passes it. One model's page is about 50KiB.",
+        "BYTES",
+    )
+    scrape_max_series: int = option(
+        "scrape.max_series",
+        50_000,
+        v.positive(int),
+        "Most series a vLLM page may carry; a page with more fails (too_many_series) before "
+        "it is parsed. One model's page has about 450.",
+        "N",
+    )
+    scrape_max_models: int = option(
+        "scrape.max_models",
+        32,
+        v.positive(int),
+        "Most model_name values kvtax tracks from vLLM's page; more are left out and counted "
+        "in kvtax_scrape_dropped_models_total.",
+        "N",
+    )
+    web_listen_address: tuple[str, int] = option(
+        "web.listen_address",
+        ":10059",
+        v.parse_address,
+        "Where kvtax serves /metrics, /healthz and /readyz.",
+        "HOST:PORT",
+    )
+    web_telemetry_path: str = option(
+        "web.telemetry_path",
+        "/metrics",
+        v.telemetry_path,
+        "The path of kvtax's metrics page on the web port.",
+        "PATH",
+    )
+    # option() returns a dataclasses.Field, which ruff cannot see; Path | None is immutable.
+    web_config_file: Path | None = option(  # noqa: RUF009
+        "web.config.file",
+        None,
+        v.optional_path,
+        "Prometheus exporter-toolkit web config (YAML) for TLS and basic auth on the web port: "
+        "tls_server_config (cert_file, key_file, client_ca_file, client_auth_type, "
+        "min_version, max_version) and basic_auth_users (bcrypt hashes). Basic auth guards "
+        "the metrics page, not /healthz, /readyz or the push route (which has its own token).",
+        "PATH",
+    )
+    window: float = option(
+        "window", 300.0, v.positive_duration, "Window of the rate and ratio gauges.", "DURATION"
+    )
+    target_usage: float = option(
+        "target_usage",
+        0.9,
+        v.fraction,
+        "KV usage the recommended max_num_seqs aims for, 0-1.",
+        "RATIO",
+    )
+    max_num_seqs: int | None = option(
+        "max_num_seqs",
+        None,
+        v.optional_positive_int,
+        "The --max-num-seqs vLLM runs with (its --max-num-active-seqs where set), to publish "
+        "the over-admission ratio.",
+        "N",
+    )
+    proxy_listen_address: tuple[str, int] | None = option(
+        "proxy.listen_address",
+        ":8001",
+        v.optional_address,
+        "Where the OpenAI-compatible proxy in front of vLLM listens; off turns it off.",
+        "HOST:PORT",
+    )
+    proxy_max_body: int = option(
+        "proxy.max_body",
+        "4MiB",
+        v.size,
+        "Largest request body the proxy accepts, with or without Content-Length; larger ones "
+        "get 413. Completion bodies are held whole (to read the model and ask for usage), so "
+        "this bounds memory per request: a 128k-token prompt is about 0.5 MiB.",
+        "BYTES",
+    )
+    proxy_timeout: float = option(
+        "proxy.timeout",
+        300.0,
+        v.positive_duration,
+        "Longest wait for vLLM's response headers, or for the next chunk of a response.",
+        "DURATION",
+    )
+    proxy_stall_factor: float = option(
+        "proxy.stall_factor",
+        5.0,
+        v.positive(float),
+        "A gap between stream chunks this many times the stream's median gap is a stall.",
+        "RATIO",
+    )
+    proxy_stall_min: float = option(
+        "proxy.stall_min",
+        0.05,
+        v.positive_duration,
+        "No gap shorter than this counts as a stall, however small the median.",
+        "DURATION",
+    )
+    push_token: str | None = option(
+        "push.token",
+        None,
+        v.token,
+        "Bearer token the delivered-tokens push endpoint requires. Without a token (here or "
+        "in --push.token-file) push is refused, unless --push.allow-unauthenticated is given.",
+        "TOKEN",
+        secret=True,
+    )
+    # option() returns a dataclasses.Field, which ruff cannot see; Path | None is immutable.
+    push_token_file: Path | None = option(  # noqa: RUF009
+        "push.token_file",
+        None,
+        v.optional_path,
+        "File holding the push token, e.g. a mounted Kubernetes Secret; read once at start, "
+        "surrounding whitespace ignored. Use instead of --push.token, which shows in ps.",
+        "PATH",
+    )
+    push_allow_unauthenticated: bool = option(
+        "push.allow_unauthenticated",
+        "false",
+        v.boolean,
+        "Accept pushes without a token from anyone who can reach the web port; "
+        "ignored when a token is set.",
+        "BOOL",
+    )
+    gateway_url: str | None = option(
+        "gateway.url",
+        None,
+        v.optional_url,
+        "A gateway's Prometheus endpoint to read delivered tokens from (e.g. LiteLLM's).",
+        "URL",
+    )
+    gateway_metric: str = option(
+        "gateway.metric",
+        "litellm_output_tokens_metric_total",
+        v.text,
+        "The gateway's delivered-tokens counter (a histogram's _sum is used for histograms).",
+        "NAME",
+    )
+    gateway_model_label: str = option(
+        "gateway.model_label",
+        "model",
+        v.text,
+        "The gateway metric's label that holds the model name.",
+        "LABEL",
+    )
+    gateway_selector: tuple[tuple[str, str], ...] = option(
+        "gateway.selector",
+        "",
+        v.selector,
+        "Extra label matches for the gateway metric, e.g. gen_ai_token_type=output.",
+        "LABEL=VALUE,...",
+    )
+    delivery_adapters: tuple[tuple[str, str], ...] = option(
+        "delivery.adapters",
+        "",
+        adapter_pairs,
+        "LoRA adapters and their base models: a request naming an adapter counts under the "
+        "base model, whose engine series did the work. Adds to (and overrides) what vLLM's "
+        "/v1/models says.",
+        "ADAPTER=BASE,...",
+    )
+    delivery_models_refresh: float = option(
+        "delivery.models_refresh",
+        "5m",
+        v.nonnegative_duration,
+        "How often to read vLLM's /v1/models for LoRA adapters and their parent model; "
+        "0 turns it off.",
+        "DURATION",
+    )
+    slo_ttft: float = option(
+        "slo.ttft",
+        2.0,
+        v.positive_duration,
+        "Time-to-first-token SLO for SLO goodput.",
+        "DURATION",
+    )
+    slo_itl: float = option(
+        "slo.itl",
+        0.2,
+        v.positive_duration,
+        "Inter-token latency SLO (every gap) for SLO goodput.",
+        "DURATION",
+    )
+    shutdown_grace_period: float = option(
+        "shutdown.grace_period",
+        30.0,
+        v.nonnegative_duration,
+        "On SIGTERM, how long requests in flight may finish before the rest are ended; "
+        "keep it below the pod's terminationGracePeriodSeconds.",
+        "DURATION",
+    )
+    log_level: str = option(
+        "log.level",
+        "info",
+        v.log_level,
+        "Log level: debug, info, warning or error.",
+        "LEVEL",
+    )
+    log_format: str = option(
+        "log.format",
+        "logfmt",
+        v.log_format,
+        "Log line format: logfmt (key=value pairs) or json (one object per line).",
+        "FORMAT",
+    )
+
+    # -- admission gate (docs/admission.md) -----------------------------------------------------
+    admission_mode: str = option(
+        "admission.mode",
+        "off",
+        v.one_of("off", "static", "budget", "auto", "adaptive"),
+        "The proxy's admission gate: off (relay as is), static (cap requests in flight at "
+        "--admission.static-cap), budget (admit by worst-case KV blocks against capacity x "
+        "--target-usage), auto (cap at the recommended max_num_seqs, live) or adaptive (AIMD "
+        "from preemptions and KV usage between --admission.floor and --admission.ceiling).",
+        "MODE",
+    )
+    admission_static_cap: int = option(
+        "admission.static_cap",
+        16,
+        v.positive(int),
+        "Requests in flight the static mode allows.",
+        "N",
+    )
+    admission_floor: int = option(
+        "admission.floor",
+        2,
+        v.positive(int),
+        "Lowest cap of the budget, auto and adaptive modes, and their cap before any figures.",
+        "N",
+    )
+    admission_ceiling: int = option(
+        "admission.ceiling",
+        256,
+        v.positive(int),
+        "Highest cap of the auto and adaptive modes (and the count cap of the budget mode).",
+        "N",
+    )
+    admission_max_queue: int = option(
+        "admission.max_queue",
+        256,
+        v.positive(int),
+        "Requests that may wait in front of the cap; more get 429 with Retry-After.",
+        "N",
+    )
+    admission_max_wait: float = option(
+        "admission.max_wait",
+        30.0,
+        v.positive_duration,
+        "Longest wait in the admission queue; past it the request gets 429 with Retry-After.",
+        "DURATION",
+    )
+    admission_order: str = option(
+        "admission.order",
+        "fifo",
+        v.one_of("fifo", "shortest"),
+        "Queue order: fifo, or shortest (smallest prompt + max_tokens first).",
+        "ORDER",
+    )
+    admission_token_budget: int | None = option(
+        "admission.token_budget",
+        None,
+        v.optional_positive_int,
+        "Most prompt + max_tokens one request may ask for, with the gate on; see "
+        "--admission.over-budget.",
+        "TOKENS",
+    )
+    admission_over_budget: str = option(
+        "admission.over_budget",
+        "reject",
+        v.one_of("reject", "clamp"),
+        "A request over --admission.token-budget: reject (400) or clamp its max_tokens.",
+        "ACTION",
+    )
+    admission_max_model_len: int | None = option(
+        "admission.max_model_len",
+        None,
+        v.optional_positive_int,
+        "The model's max length (vLLM --max-model-len): the worst case of a request that "
+        "states no max_tokens. Unset: the whole KV pool.",
+        "TOKENS",
+    )
+    admission_block_size: int = option(
+        "admission.block_size",
+        16,
+        v.positive(int),
+        "vLLM's KV block size in tokens (--block-size), to count footprints in whole blocks.",
+        "TOKENS",
+    )
+
+    @property
+    def effective_timeout(self) -> float:
+        return (
+            self.scrape_timeout if self.scrape_timeout is not None else self.scrape_interval * 0.8
+        )
+
+
+OPTIONS: tuple[Option, ...] = options_of(Config)

@@ -1,0 +1,385 @@
+"""The admission gate at the I/O edge: a bounded, ordered queue in front of a cap on requests
+(and, in budget mode, on KV blocks) in flight.
+
+The decisions are pure functions of :mod:`kvtax.admission`; this module holds the state they
+act on. :meth:`Gate.enter` admits a request at once when it fits and would head the queue,
+else queues it; a queued request is admitted in :mod:`~kvtax.admission.order` as slots free, or
+shed with a reason (``queue_full`` past ``--admission.max-queue``, ``wait_expired`` past
+``--admission.max-wait``). A queued client that goes away (its handler is cancelled) leaves the
+queue at once. :meth:`Gate.leave` frees the slot when the request ends (for a stream, once its
+``[DONE]`` or final usage event went to the client). :meth:`Gate.observe` steps the cap once a
+scrape; :func:`follow` calls it whenever the sidecar has new figures, and logs and outlives any
+error of one step.
+
+The queue is a heap whose leavers are only marked (dropped when they reach its head, or when
+half the heap is such): a client leaving, a wait expiring and shutdown's cancel-all cost O(1)
+each (amortized O(log N)), not a rebuild of the queue each, which took O(N**2) for N leaving
+at once.
+When kvtax shuts down, :meth:`Gate.close` turns every queued request away at once
+(:data:`CLOSED`) and admits nothing more.
+
+With ``--admission.mode=off`` the proxy holds no gate; this object still steps the controller
+so that ``/metrics`` publishes the cap ``auto`` would set (the advice).
+
+Example::
+
+    gate = Gate(GateSettings(CapSettings(mode="adaptive")))
+    ticket = gate.ticket(gate.estimator.estimate(shape.prompt_bytes), shape.max_tokens)
+    reason = await gate.enter(ticket)   # None: admitted
+    ...
+    gate.leave(ticket)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtax.admission.cap import CapSettings, CapState, initial, step
+from kvtax.admission.footprint import (
+    MAX_FOOTPRINT,
+    OverBudget,
+    TokenEstimator,
+    blocks_of,
+    footprint_of,
+)
+from kvtax.admission.order import CompletionRate, Order, queue_key, retry_after
+from kvtax.admission.signals import signals_of
+from kvtax.delivery.ledger import HistogramAccumulator
+from kvtax.expose.samples import HistogramSample, Sample
+from kvtax.figures.derive import ModelFigures
+
+__all__ = [
+    "CLOSED",
+    "REASONS",
+    "WAIT_BUCKETS",
+    "Follower",
+    "Gate",
+    "GateSettings",
+    "Ticket",
+    "follow",
+]
+
+log = logging.getLogger("kvtax.serve.proxy.gate")
+
+REASONS = ("queue_full", "wait_expired", "over_budget")
+# What enter() says once close() ran: kvtax is shutting down (not a shed, not counted as one).
+CLOSED = "shutdown"
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# The heap is rebuilt without its leavers once they are more than this share of it.
+_COMPACT_AT = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    cap: CapSettings = field(default_factory=CapSettings)
+    max_queue: int = 256
+    max_wait: float = 30.0
+    order: Order = "fifo"
+    token_budget: int | None = None
+    over_budget: OverBudget = "reject"
+    # The completion length assumed for a request that states no max_tokens (the model's
+    # max length); unset: the whole KV pool, the true worst case.
+    max_model_len: int | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.cap.mode != "off"
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request at the gate: its worst-case footprint and where it stands."""
+
+    seq: int
+    footprint: int  # prompt + max_tokens, tokens
+    blocks: int
+    arrived: float
+    admitted: bool = False
+    waiter: asyncio.Future[None] | None = None
+    queued: bool = False  # in the queue's heap and not gone (a leaver's entry stays, unmarked)
+
+
+class Gate:
+    def __init__(self, settings: GateSettings, *, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.clock = clock
+        self.state: CapState = initial(settings.cap)
+        self.in_flight = 0
+        self.blocks_in_flight = 0
+        self.admitted = 0
+        self.rejections = dict.fromkeys(REASONS, 0)
+        self.waits = HistogramAccumulator(WAIT_BUCKETS)
+        self.estimator = TokenEstimator()
+        self.capacity_tokens: float | None = None
+        # A heap of (key, ticket); the key holds the ticket's unique seq, so tickets are never
+        # compared. Entries of tickets that left stay until they reach the head or compaction.
+        self._queue: list[tuple[tuple[int, int], Ticket]] = []
+        self._waiting = 0  # tickets in the heap still queued
+        self.closed = False  # shutdown began: close() emptied the queue, enter() refuses
+        self._seq = itertools.count()
+        self._done = CompletionRate(clock())
+        self._footprints: deque[int] = deque(maxlen=256)
+        self._totals: Mapping[str, tuple[float, float]] = {}
+
+    # -- sizing ------------------------------------------------------------------------------
+    def ticket(
+        self, prompt: int, max_tokens: int | None, *, prompts: int = 1, n: int = 1
+    ) -> Ticket:
+        """A ticket for a request of about ``prompt`` tokens (the caller estimated them for the
+        token budget already; all ``prompts`` of a prompt list together) whose completion
+        limit is ``max_tokens``, for ``n`` sequences of each prompt
+        (:func:`~kvtax.admission.footprint.footprint_of`)."""
+        prompts, n = max(1, prompts), max(1, n)
+        each = -(-prompt // prompts)  # a prompt's tokens, rounded up
+        completion = max_tokens if max_tokens is not None else self._assumed_completion(each)
+        footprint = footprint_of(prompt, completion, prompts=prompts, n=n)
+        self._footprints.append(footprint)
+        # Each sequence holds whole blocks of its own.
+        sequence = footprint_of(each, completion)
+        blocks = min(MAX_FOOTPRINT, blocks_of(sequence, self.settings.cap.block_size) * prompts * n)
+        return Ticket(seq=next(self._seq), footprint=footprint, blocks=blocks, arrived=self.clock())
+
+    def _assumed_completion(self, prompt: int) -> int:
+        if self.settings.max_model_len is not None:
+            return max(1, self.settings.max_model_len - prompt)
+        if self.capacity_tokens is not None:
+            return max(1, math.floor(self.capacity_tokens) - prompt)
+        return 2048
+
+    def learn(self, prompt_bytes: int, prompt_tokens: int) -> None:
+        """Correct the prompt estimate from a prompt vLLM counted."""
+        self.estimator = self.estimator.learned(prompt_bytes, prompt_tokens)
+
+    @property
+    def footprint_p95(self) -> float | None:
+        if not self._footprints:
+            return None
+        ordered = sorted(self._footprints)
+        return float(ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)])
+
+    # -- the queue ---------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return self._waiting
+
+    def fits(self, ticket: Ticket) -> bool:
+        if self.in_flight >= self.state.cap:
+            return False
+        budget = self.state.budget_blocks
+        # One request alone is always let through, however large: it could never fit otherwise.
+        if budget is None or self.in_flight == 0:
+            return True
+        return self.blocks_in_flight + ticket.blocks <= budget
+
+    async def enter(self, ticket: Ticket) -> str | None:
+        """Admit ``ticket`` (None) or say why it is shed. Cancellation while queued (the client
+        left) takes it out of the queue, or frees the slot it was just given. :data:`CLOSED`:
+        shutdown began before it was admitted."""
+        if self.closed:
+            return CLOSED
+        if self._goes_first(ticket) and self.fits(ticket):
+            self._admit(ticket)
+            return None
+        if self._waiting >= self.settings.max_queue:
+            self.rejections["queue_full"] += 1
+            return "queue_full"
+        ticket.waiter = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._queue, (self._key(ticket), ticket))
+        ticket.queued = True
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(self.settings.max_wait):
+                await ticket.waiter
+        except TimeoutError:
+            if ticket.admitted:  # admitted just as the wait ran out
+                return None
+            self._drop(ticket)
+            self.rejections["wait_expired"] += 1
+            return "wait_expired"
+        except asyncio.CancelledError:
+            if ticket.admitted:
+                self.leave(ticket)
+            else:
+                self._drop(ticket)
+            raise
+        return None if ticket.admitted else CLOSED  # close() woke it without a slot
+
+    def _goes_first(self, ticket: Ticket) -> bool:
+        """``ticket`` would head the queue: nobody waits, or (``shortest``) it is smaller than
+        the head. Such a request that fits is admitted at once; queueing it would leave it
+        waiting behind a head that does not fit until the next leave or scrape. FIFO never
+        passes anyone: a newcomer's key is always the largest."""
+        head = self._head()
+        return head is None or self._key(ticket) < self._queue[0][0]
+
+    def _key(self, ticket: Ticket) -> tuple[int, int]:
+        return queue_key(self.settings.order, seq=ticket.seq, footprint=ticket.footprint)
+
+    def _admit(self, ticket: Ticket) -> None:
+        ticket.admitted = True
+        self.in_flight += 1
+        self.blocks_in_flight += ticket.blocks
+        self.admitted += 1
+        self.waits.observe(self.clock() - ticket.arrived)
+        if ticket.waiter is not None and not ticket.waiter.done():
+            ticket.waiter.set_result(None)
+
+    def _drop(self, ticket: Ticket) -> None:
+        """``ticket`` leaves the queue: marked, its entry left for :meth:`_head` or
+        :meth:`_compact` to remove, so that N leaving at once is O(N), not N rebuilds."""
+        if not ticket.queued:
+            return
+        ticket.queued = False
+        self._waiting -= 1
+        if len(self._queue) > 64 and self._waiting < _COMPACT_AT * len(self._queue):
+            self._compact()
+        self._pump()  # a large head leaving can let smaller ones in
+
+    def _compact(self) -> None:
+        """Rebuild the heap of the tickets still queued: O(N), once per N/2 leavers at least."""
+        self._queue = [entry for entry in self._queue if entry[1].queued]
+        heapq.heapify(self._queue)
+
+    def _head(self) -> Ticket | None:
+        """The first ticket still queued; the entries of leavers before it are dropped."""
+        queue = self._queue
+        while queue and not queue[0][1].queued:
+            heapq.heappop(queue)
+        return queue[0][1] if queue else None
+
+    def _pump(self) -> None:
+        while (head := self._head()) is not None and self.fits(head):
+            heapq.heappop(self._queue)
+            head.queued = False
+            self._waiting -= 1
+            self._admit(head)
+
+    def leave(self, ticket: Ticket) -> None:
+        """The request ended: its slot and blocks go to the next in line."""
+        if not ticket.admitted:
+            return
+        ticket.admitted = False
+        self.in_flight -= 1
+        self.blocks_in_flight -= ticket.blocks
+        self._done.add(self.clock())
+        self._pump()
+
+    def close(self) -> None:
+        """kvtax is shutting down: turn every queued request away now, not at max-wait.
+
+        Nothing is admitted afterwards, as the queue stays empty: a slot freed by a request
+        that ends would otherwise send vLLM new work while the proxy is stopping.
+        """
+        self.closed = True
+        queued, self._queue, self._waiting = self._queue, [], 0
+        for _, ticket in queued:
+            if not ticket.queued:
+                continue
+            ticket.queued = False
+            if ticket.waiter is not None and not ticket.waiter.done():
+                ticket.waiter.set_result(None)
+
+    def retry_after(self) -> int:
+        """Seconds a shed client should wait, from the current completion rate (Retry-After;
+        :class:`~kvtax.admission.order.CompletionRate`)."""
+        completions, span = self._done.reading(self.clock())
+        return retry_after(
+            ahead=self._waiting, completions=completions, span=span, limit=self.settings.max_wait
+        )
+
+    # -- the controller ----------------------------------------------------------------------
+    def observe(self, figures: Mapping[str, ModelFigures]) -> None:
+        """Step the cap from one scrape's figures, then admit what now fits."""
+        signals, self._totals = signals_of(
+            figures,
+            self._totals,
+            queued=self._waiting,
+            in_flight=self.in_flight,
+            footprint_p95=self.footprint_p95,
+        )
+        if signals.capacity_tokens is not None:
+            self.capacity_tokens = signals.capacity_tokens
+        before = self.state
+        self.state = step(before, signals, self.settings.cap)
+        if self.state.cap != before.cap and self.settings.on:
+            log.info("admission cap %d -> %d (%s)", before.cap, self.state.cap, self.state.source)
+        self._pump()
+
+    def samples(self) -> Iterator[Sample | HistogramSample]:
+        """The gate's metrics (see the admission block of the catalog)."""
+        state = self.state
+        if state.advice is not None:
+            yield Sample("kvtax_gate_advised_cap", (), float(state.advice))
+        if not self.settings.on:
+            return
+        yield Sample("kvtax_gate_cap", (self.settings.cap.mode, state.source), float(state.cap))
+        if state.budget_blocks is not None:
+            yield Sample("kvtax_gate_budget_blocks", (), float(state.budget_blocks))
+        yield Sample("kvtax_gate_blocks_in_flight", (), float(self.blocks_in_flight))
+        yield Sample("kvtax_gate_requests_in_flight", (), float(self.in_flight))
+        yield Sample("kvtax_gate_queue_depth", (), float(self._waiting))
+        yield Sample("kvtax_gate_admitted_total", (), float(self.admitted))
+        for reason, n in self.rejections.items():
+            yield Sample("kvtax_gate_rejections_total", (reason,), float(n))
+        yield Sample("kvtax_gate_cap_changes_total", ("up",), float(state.raises))
+        yield Sample("kvtax_gate_cap_changes_total", ("down",), float(state.cuts))
+        counts = self.waits.counts()
+        yield HistogramSample("kvtax_gate_queue_wait_seconds", (), counts.buckets, counts.sum)
+
+
+class FiguresSource(Protocol):
+    @property
+    def figures(self) -> Mapping[str, ModelFigures]: ...
+
+
+async def follow(gate: Gate, source: FiguresSource, interval: float) -> None:
+    """Step ``gate`` each time ``source`` (the sidecar) has new figures: a scrape replaces the
+    mapping, so a new object is a new scrape. Runs until cancelled: an error of one step is
+    logged and the next scrape is stepped as usual (a follower that died held the cap where
+    it was for good, silently)."""
+    seen: object = source.figures
+    while True:
+        await asyncio.sleep(interval)
+        figures = source.figures
+        if figures is not seen:
+            seen = figures
+            try:
+                gate.observe(figures)
+            except Exception:
+                log.exception(
+                    "admission gate: stepping the cap failed; it stays at %d until the next scrape",
+                    gate.state.cap,
+                )
+
+
+class Follower:
+    """Runs :func:`follow` as a task between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, gate: Gate, source: FiguresSource, interval: float) -> None:
+        self.gate, self.source, self.interval = gate, source, interval
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            follow(self.gate, self.source, self.interval)
+        )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # follow() logs its own; this is the last guard of shutdown
+                log.exception("admission gate: the follower ended with an error")
