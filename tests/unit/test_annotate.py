@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvtax import cli
-from kvtax.tools.loadtest.errors import InputError
+from kvtax.errors import InputError
 from kvtax.tools.loadtest.guidellm import read_guidellm
 from kvtax.tools.loadtest.sources import prometheus_scrapes, read_recording
 from kvtax.tools.loadtest.timeline import Scrape, Timeline, keep_known
@@ -133,11 +133,17 @@ def test_cli_errors_are_one_line_naming_the_field(
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     cases = [
-        (["annotate", str(bad), "--recording", str(rec)], "kvtax: REPORT: "),
-        (["annotate", str(rpath)], "kvtax: --recording: give exactly one"),
-        (["annotate", str(rpath), "--recording", str(tmp_path / "none")], "kvtax: --recording: "),
-        (["annotate", str(rpath), "--recording", str(rec), "--model", "x"], "kvtax: --model: "),
-        (["annotate", "--record", str(tmp_path / "r.jsonl")], "kvtax: --metrics-url: "),
+        (["annotate", str(bad), "--recording", str(rec)], "kvtax annotate: REPORT: "),
+        (["annotate", str(rpath)], "kvtax annotate: --recording: give exactly one"),
+        (
+            ["annotate", str(rpath), "--recording", str(tmp_path / "none")],
+            "kvtax annotate: --recording: ",
+        ),
+        (
+            ["annotate", str(rpath), "--recording", str(rec), "--model", "x"],
+            "kvtax annotate: --model: ",
+        ),
+        (["annotate", "--record", str(tmp_path / "r.jsonl")], "kvtax annotate: --metrics-url: "),
         (
             [
                 "annotate",
@@ -148,7 +154,7 @@ def test_cli_errors_are_one_line_naming_the_field(
                 "--duration",
                 "1",
             ],
-            "kvtax: --metrics-url: cannot reach",
+            "kvtax annotate: --metrics-url: cannot reach",
         ),
     ]
     for argv, start in cases:
@@ -165,7 +171,7 @@ def test_a_step_the_recording_does_not_cover_is_too_short_to_measure(
     rec.write_text("".join(json.dumps({"t": t, "page": _page(0, t, 0)}) + "\n" for t in (0, 15)))
     assert cli.main(["annotate", str(rpath), "--recording", str(rec)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("kvtax: REPORT benchmarks[0]: step concurrent@1")
+    assert err.startswith("kvtax annotate: REPORT benchmarks[0]: step concurrent@1")
     assert "too short to measure" in err
 
 

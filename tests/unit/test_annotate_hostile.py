@@ -18,8 +18,8 @@ import pytest
 
 from kvtax import cli
 from kvtax.cli import annotate as annotate_cli
+from kvtax.errors import InputError
 from kvtax.tools.loadtest import sources
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.guidellm import read_guidellm
 from kvtax.tools.loadtest.sources import read_recording
 from tests.unit.test_annotate import _bench, _files
@@ -45,7 +45,7 @@ def test_a_deeply_nested_report_is_one_line_naming_the_file(
     data = DEEP.encode()
     report.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
     err = annotate([str(report), "--recording", str(rec)], capsys)
-    assert err == f"kvtax: REPORT: {report} is JSON nested too deeply to read\n"
+    assert err == f"kvtax annotate: REPORT: {report} is JSON nested too deeply to read\n"
 
 
 def test_the_limit_is_one_gib_of_json() -> None:
@@ -73,7 +73,7 @@ def test_a_gzip_bomb_is_refused_at_the_limit_without_inflating_it_whole(
         f.write(b"{}")
     err = annotate([str(bomb), "--recording", str(rec)], capsys)
     assert err == (
-        f"kvtax: REPORT: {bomb} holds more than 1 MiB of JSON once decompressed, "
+        f"kvtax annotate: REPORT: {bomb} holds more than 1 MiB of JSON once decompressed, "
         "kvtax annotate's limit\n"
     )
     assert reads == [2**20 + 1]  # one bounded read: never the whole 64 MiB
@@ -86,7 +86,7 @@ def test_a_plain_report_over_the_limit_is_refused_too(
     monkeypatch.setattr(annotate_cli, "MAX_REPORT_BYTES", 1024)
     rpath.write_text(rpath.read_text() + " " * 2048)
     err = annotate([str(rpath), "--recording", str(rec)], capsys)
-    assert err.startswith(f"kvtax: REPORT: {rpath} holds more than 1 KiB of JSON,")
+    assert err.startswith(f"kvtax annotate: REPORT: {rpath} holds more than 1 KiB of JSON,")
 
 
 def test_a_report_at_the_limit_is_read(
@@ -106,7 +106,7 @@ def test_corrupt_gzip_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     good = gzip.compress(b'{"benchmarks": []}' * 100)
     report.write_bytes(good[:20] + b"\xff" * 40 + good[60:])
     err = annotate([str(report), "--recording", str(rec)], capsys)
-    assert err.startswith(f"kvtax: REPORT: cannot read {report}: ")
+    assert err.startswith(f"kvtax annotate: REPORT: cannot read {report}: ")
 
 
 @pytest.mark.parametrize(

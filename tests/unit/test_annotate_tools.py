@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvtax import cli
+from kvtax.errors import InputError
 from kvtax.tools.loadtest.aiperf import read_aiperf
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.timeline import keep_known
 from kvtax.tools.loadtest.tools import detect_format, read_report
 from kvtax.tools.loadtest.vllmbench import SLACK_S, read_vllm_bench
@@ -266,9 +266,12 @@ def test_annotate_errors_name_the_tools_fields(
     lines = tmp_path / "bad.jsonl"
     lines.write_text(json.dumps(_vllm_result(19.0, 8.0, 1)) + "\n{oops\n")
     cases = [
-        (late, "kvtax: REPORT result[0]: step concurrency@1 "),
-        (empty, f"kvtax: REPORT: {empty} is a directory without a profile_export_aiperf.json"),
-        (lines, f"kvtax: REPORT: {lines} line 2 is not JSON"),
+        (late, "kvtax annotate: REPORT result[0]: step concurrency@1 "),
+        (
+            empty,
+            f"kvtax annotate: REPORT: {empty} is a directory without a profile_export_aiperf.json",
+        ),
+        (lines, f"kvtax annotate: REPORT: {lines} line 2 is not JSON"),
     ]
     for report, start in cases:
         assert cli.main(["annotate", str(report), "--recording", str(rec)]) == 2
@@ -279,4 +282,4 @@ def test_annotate_errors_name_the_tools_fields(
     guidellm.write_text(json.dumps({"benchmarks": [_bench(10.0, 20.0, 1)]}))
     argv = ["annotate", str(guidellm), "--recording", str(rec), "--format", "aiperf"]
     assert cli.main(argv) == 2
-    assert capsys.readouterr().err.startswith("kvtax: REPORT: is not an AIPerf export")
+    assert capsys.readouterr().err.startswith("kvtax annotate: REPORT: is not an AIPerf export")

@@ -40,7 +40,8 @@ def test_bad_value_exits_2_naming_key_and_value(
 ) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "configuration error" in err
+    assert err.startswith("kvtax serve: ")
+    assert err.count("\n") == 1
     assert key in err
     assert value in err
 

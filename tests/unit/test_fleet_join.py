@@ -21,11 +21,11 @@ from kvtax.delivery.adapters import (
 )
 from kvtax.delivery.ledger import OTHER, DeliveryCounts, DeliveryLedger, ModelNames, RequestRecord
 from kvtax.engine.normalize import normalize
+from kvtax.errors import ConfigError
 from kvtax.expose.publish import adapter_samples, model_samples
 from kvtax.figures.derive import EngineSettings, derive_all
 from kvtax.figures.window import Window
 from kvtax.serve.config import load_config
-from kvtax.serve.config.values import ConfigError
 from kvtax.serve.sources.models import ModelsPoller
 from kvtax.serve.wiring import build
 

@@ -10,9 +10,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from kvtax import cli
+from kvtax.errors import InputError
 from kvtax.tools.loadtest import driver
 from kvtax.tools.loadtest.distributions import parse_distribution
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.knees import preemption_knee
 from kvtax.tools.loadtest.measure import StepResult
 from kvtax.tools.loadtest.plan import LoadPlan
@@ -118,7 +118,7 @@ def test_cli_names_an_unreachable_url(capsys: pytest.CaptureFixture[str], tmp_pa
     code = cli.main(["loadtest", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert code == 2
-    assert err.startswith("kvtax: URL: cannot reach")
+    assert err.startswith("kvtax loadtest: URL: cannot reach")
     assert "\n" not in err
 
 
@@ -126,7 +126,7 @@ def test_cli_refuses_a_step_too_short_to_measure(capsys: pytest.CaptureFixture[s
     code = cli.main(["loadtest", "http://127.0.0.1:9", "--step-duration", "0.1"])
     err = capsys.readouterr().err.strip()
     assert code == 2
-    assert err.startswith("kvtax: --step-duration: 0.1 s is too short to measure")
+    assert err.startswith("kvtax loadtest: --step-duration: 0.1 s is too short to measure")
 
 
 def test_ctrl_c_still_writes_the_measured_steps(

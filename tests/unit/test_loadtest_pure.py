@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
+from kvtax.errors import InputError
 from kvtax.tools.loadtest.distributions import parse_distribution
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.knees import Knee, gate_cap, preemption_knee, throughput_knee
 from kvtax.tools.loadtest.measure import EngineStep, RequestRecord, measure_step, quantile
 from kvtax.tools.loadtest.plan import LoadPlan, check_plan, parse_levels

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from kvtax.cli.main import main
+from kvtax.errors import PlanError
 from kvtax.tools.plan import files
-from kvtax.tools.plan.errors import PlanError
 from kvtax.tools.plan.modelcfg import MAX_CONFIG_INT, shape_from_config
 from kvtax.tools.plan.weights import MAX_MODEL_BYTES, header_bytes, weight_bytes
 from tests.unit.test_plan_sizing import DEEPSEEK_V3, GEMMA_2_9B, JAMBA, LLAMA_31_8B

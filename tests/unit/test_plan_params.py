@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvtax.cli.main import main
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 from kvtax.tools.plan.gpus import GPUS, find_gpu
 from kvtax.tools.plan.params import estimate_weights
 from tests.unit.plan_configs import DEEPSEEK_V3_FULL, LLAMA_31_8B_FULL, MIXTRAL_8X7B, PUBLISHED

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 from kvtax.tools.plan.profile import LengthProfile, arrivals, trace
 from kvtax.tools.plan.simulate import Request, Settings, simulate
 

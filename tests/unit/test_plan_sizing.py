@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 from kvtax.tools.plan.modelcfg import shape_from_config, shape_from_flags
 from kvtax.tools.plan.sizing import GIB, pool_bytes, recommend, size
 from kvtax.tools.plan.weights import header_bytes, weight_bytes

@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from kvtax.cli.main import main
+from kvtax.errors import RulesConfigError
 from kvtax.mixin.rules import DEFAULT, RulesConfig
-from kvtax.mixin.rules.configfile import RulesConfigError, from_mapping, read
+from kvtax.mixin.rules.configfile import from_mapping, read
 from kvtax.mixin.rules.recording import recording_rules
 from kvtax.mixin.rules.render import alerts_yaml
 

@@ -17,12 +17,12 @@ import pytest
 import yaml
 
 from kvtax.cli.main import main
+from kvtax.errors import RulesConfigError
 from kvtax.mixin.rules import DEFAULT, RulesConfig
 from kvtax.mixin.rules.config import POSITIVE, SHARES, threshold_problem
 from kvtax.mixin.rules.configfile import (
     MAX_DURATION,
     MAX_DURATION_MS,
-    RulesConfigError,
     duration_ms,
     from_mapping,
 )

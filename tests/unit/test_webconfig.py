@@ -20,7 +20,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvtax.serve.config import ConfigError, load_config
+from kvtax.errors import ConfigError
+from kvtax.serve.config import load_config
 from kvtax.serve.sidecar import Sidecar
 from kvtax.serve.web.webconfig import (
     BCRYPT_THREADS,

@@ -24,6 +24,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from kvtax.errors import InputError
 from kvtax.figures.derive import EngineSettings
 from kvtax.tools.loadtest.annotate import (
     annotate_steps,
@@ -31,7 +32,6 @@ from kvtax.tools.loadtest.annotate import (
     annotation_table,
     pick_model,
 )
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.output import write_report
 from kvtax.tools.loadtest.timeline import Scrape, Timeline
 from kvtax.tools.loadtest.tools import FORMATS, read_report
@@ -128,13 +128,10 @@ def _err(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.record is not None:
-            return _record(args)
-        return _annotate(args)
-    except InputError as exc:
-        _err(f"kvtax: {exc}")
-        return 2
+    # An InputError (a bad report, recording or flag) reaches kvtax.cli.main: one line, exit 2.
+    if args.record is not None:
+        return _record(args)
+    return _annotate(args)
 
 
 def _record(args: argparse.Namespace) -> int:

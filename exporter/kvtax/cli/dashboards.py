@@ -93,11 +93,8 @@ def _add_preview_parser(actions: Any) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    config = config_of(args, "kvtax dashboards generate")
-    if config is None:
-        return 2
     return write_or_check(
-        artifacts(config),
+        artifacts(config_of(args)),
         args.out,
         check=args.check,
         command="kvtax dashboards",

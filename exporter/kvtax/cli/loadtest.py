@@ -1,6 +1,8 @@
 """``kvtax loadtest URL`` and ``kvtax annotate REPORT``: flags, progress, and the files written.
 
-Bad input exits with status 2 and one line naming the field (``kvtax: <field>: <problem>``).
+Bad input raises :class:`kvtax.errors.InputError`; :func:`kvtax.cli.main.main` prints it as one
+line naming the field (``kvtax loadtest: <field>: <problem>``, or ``kvtax annotate: ...``) and
+exits with status 2.
 Ctrl-C stops a sweep or a recording cleanly: what was measured is written, and the exit status
 is 130.
 """
@@ -16,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from kvtax.figures.derive import EngineSettings
 from kvtax.figures.window import Point
 from kvtax.tools.loadtest.distributions import parse_distribution
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.measure import StepResult, engine_step
 from kvtax.tools.loadtest.output import write_report
 from kvtax.tools.loadtest.plan import MODES, LoadPlan, check_plan, parse_levels
@@ -160,12 +161,9 @@ def _plan(args: argparse.Namespace) -> LoadPlan:
 def run(args: argparse.Namespace) -> int:
     from kvtax.tools.loadtest import driver  # aiohttp loads only for the commands that use it
 
-    try:
-        plan = _plan(args)
-        target = asyncio.run(driver.check_target(args.url, args.metrics_url, args.model))
-    except InputError as exc:
-        _err(f"kvtax: {exc}")
-        return 2
+    # An InputError (a bad flag, an unreachable URL) reaches kvtax.cli.main: one line, exit 2.
+    plan = _plan(args)
+    target = asyncio.run(driver.check_target(args.url, args.metrics_url, args.model))
     settings = EngineSettings(configured_max_num_seqs=args.max_num_seqs)
     steps: list[StepResult] = []
     points: list[Point] = []
@@ -236,7 +234,7 @@ def _too_short(plan: LoadPlan, steps: list[StepResult]) -> str | None:
         return None
     s = bad[0]
     return (
-        f"kvtax: --step-duration: step {s.index} ({plan.mode} {s.level:g}) is too short "
+        f"kvtax loadtest: --step-duration: step {s.index} ({plan.mode} {s.level:g}) is too short "
         f"to measure: {s.ok} request(s) finished, {s.engine.scrapes} scrape(s) in "
         f"{s.span:.1f} s" + (f" ({s.errors[0]})" if s.errors else "")
     )

@@ -4,7 +4,8 @@ Registered by :mod:`kvtax.cli.main` (``add_plan_parser`` and ``command("plan")(r
 module is the command's surface: its flags and what it prints. :mod:`.build` makes the plan,
 from the inputs :mod:`.inputs` reads (config.json and safetensors headers from disk, a /metrics
 page or Prometheus over HTTP through :mod:`.fetch`); the rest of the package is pure. Bad input
-exits 2 with one line, ``kvtax plan: <field>: <why>``.
+raises :class:`kvtax.errors.PlanError`, which :func:`kvtax.cli.main.main` prints as one line,
+``kvtax plan: <field>: <why>``, exiting 2.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtax.tools.plan.build import build_plan
-from kvtax.tools.plan.errors import PlanError
 from kvtax.tools.plan.gpus import GPUS
 from kvtax.tools.plan.summary import render_table
 
@@ -189,11 +189,7 @@ def add_parser(sub: Any, help: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        plan = build_plan(args)
-    except PlanError as exc:
-        print(f"kvtax plan: {exc}", file=sys.stderr)
-        return 2
+    plan = build_plan(args)  # a PlanError reaches kvtax.cli.main, which prints it and exits 2
     if args.json:
         print(json.dumps(plan, indent=2, sort_keys=True))
     else:

@@ -11,13 +11,12 @@ naming every file that differs from the generator's output, the same test CI run
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from kvtax.cli.generated import add_output_arguments, write_or_check
 from kvtax.mixin.rules.config import DEFAULT, RulesConfig
-from kvtax.mixin.rules.configfile import RulesConfigError, read
+from kvtax.mixin.rules.configfile import read
 from kvtax.mixin.rules.render import render_files
 
 __all__ = ["add_config_argument", "add_parser", "config_of", "run"]
@@ -36,17 +35,12 @@ def add_config_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_of(args: argparse.Namespace, command: str) -> RulesConfig | None:
-    """The RulesConfig ``--config`` names (the defaults without it); None after printing
-    a one-line error for a bad file."""
+def config_of(args: argparse.Namespace) -> RulesConfig:
+    """The RulesConfig ``--config`` names (the defaults without it). A bad file raises
+    :class:`kvtax.errors.RulesConfigError`, which :func:`kvtax.cli.main.main` prints as one line
+    naming the file and the key, exiting 2."""
     path: Path | None = getattr(args, "rules_config", None)
-    if path is None:
-        return DEFAULT
-    try:
-        return read(path)
-    except RulesConfigError as exc:
-        print(f"{command}: {exc}", file=sys.stderr)
-        return None
+    return DEFAULT if path is None else read(path)
 
 
 def add_parser(sub: Any, help: str) -> None:
@@ -63,7 +57,5 @@ def add_parser(sub: Any, help: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_of(args, "kvtax rules")
-    if config is None:
-        return 2
+    config = config_of(args)
     return write_or_check(render_files(config), args.out, check=args.check, command="kvtax rules")

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtax.errors import UpstreamError
+
 __all__ = [
     "MAX_ADAPTERS",
     "AdapterError",
@@ -37,7 +39,7 @@ __all__ = [
 MAX_ADAPTERS = 256
 
 
-class AdapterError(ValueError):
+class AdapterError(UpstreamError, ValueError):
     """``/v1/models`` answered something that is not an OpenAI model list."""
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtax.delivery.ledger import OUTCOMES, DeliveryCounts
+from kvtax.errors import RequestError
 
 __all__ = ["MAX_COUNT", "PushError", "gateway_totals", "parse_push"]
 
@@ -46,7 +47,7 @@ _MAX_REPORTS = 1000
 MAX_COUNT = 1e9
 
 
-class PushError(ValueError):
+class PushError(RequestError):
     """A push body is malformed; the message says what and where."""
 
 

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtax.engine.apiservers import ApiServerSignals
 from kvtax.engine.snapshot import Histogram, ModelMetrics, VllmSnapshot
 from kvtax.engine.vocabulary import CONCEPTS, FINGERPRINTS, Aggregate, Concept, Kind, concept_for
+from kvtax.errors import UpstreamError
 
 __all__ = ["REJECT_REASONS", "ParseError", "normalize", "prefix_cache_counts_blocks"]
 
@@ -37,7 +38,7 @@ _SERVER = ""  # model key for server-level series (no model_name label)
 REJECT_REASONS = ("non_finite", "negative")
 
 
-class ParseError(ValueError):
+class ParseError(UpstreamError, ValueError):
     """The /metrics body is not acceptable; ``reason`` is parse, truncated or too_many_series."""
 
     def __init__(self, message: str, reason: str = "parse") -> None:

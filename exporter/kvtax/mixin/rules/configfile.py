@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from kvtax.errors import RulesConfigError
 from kvtax.mixin.rules.config import DEFAULT, RulesConfig, threshold_problem
 
 __all__ = [
@@ -62,10 +63,6 @@ MAX_DURATION = "106751d23h47m16s854ms"
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # Fields holding a Prometheus duration: every rate window and every for:.
 _DURATIONS = frozenset(f.name for f in fields(RulesConfig) if f.name.endswith(("_for", "_window")))
-
-
-class RulesConfigError(ValueError):
-    """A bad rules config file; the message names the file and the key."""
 
 
 def duration_ms(text: str) -> int:

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kvtax.errors import UpstreamError
 from kvtax.serve.proxy.wire import Headers, header
 
 __all__ = [
@@ -65,11 +66,11 @@ UPSTREAM_IDLE = 2.0
 STALE_WITHIN = 0.5
 
 
-class Unreachable(Exception):
+class Unreachable(UpstreamError):
     """vLLM refused or could not be reached: it never had the request."""
 
 
-class UpstreamBroke(Exception):
+class UpstreamBroke(UpstreamError):
     """vLLM's connection closed or broke before its answer was complete."""
 
 

@@ -21,6 +21,8 @@ from types import TracebackType
 
 import aiohttp
 
+from kvtax.errors import UpstreamError
+
 __all__ = ["REASONS", "ScrapeError", "Scraper"]
 
 # Created at start with zero values, so rate() works before the first error. "refused" (nothing
@@ -42,7 +44,7 @@ DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 _CHUNK = 1 << 16
 
 
-class ScrapeError(Exception):
+class ScrapeError(UpstreamError):
     """A scrape failed; ``reason`` is one of :data:`REASONS`."""
 
     def __init__(self, reason: str, detail: str) -> None:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from aiohttp import StreamReader
 
+from kvtax.errors import RequestError
+
 __all__ = ["BodyTooLarge", "read_bounded"]
 
 
-class BodyTooLarge(ValueError):
+class BodyTooLarge(RequestError):
     """A body is larger than the limit; the message gives the limit."""
 
     def __init__(self, limit: int) -> None:

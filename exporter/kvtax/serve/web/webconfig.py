@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 import yaml
 
-from kvtax.serve.config.values import ConfigError
+from kvtax.errors import ConfigError
 
 __all__ = [
     "BCRYPT_THREADS",

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from kvtax.errors import InputError
 from kvtax.figures.derive import EngineSettings
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.guidellm import ToolStep
 from kvtax.tools.loadtest.knees import preemption_knee, throughput_knee
 from kvtax.tools.loadtest.measure import EngineStep, engine_step

@@ -23,7 +23,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from kvtax.tools.loadtest.errors import InputError
+from kvtax.errors import InputError
 
 __all__ = ["KINDS", "Distribution", "parse_distribution"]
 

@@ -29,9 +29,9 @@ import orjson
 
 from kvtax.delivery.timing import SloTargets, StreamTiming
 from kvtax.engine.normalize import ParseError, normalize
+from kvtax.errors import InputError
 from kvtax.figures.derive import EngineSettings
 from kvtax.figures.window import Point, Window
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.measure import RequestRecord, StepResult, engine_step, measure_step
 from kvtax.tools.loadtest.plan import LoadPlan
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtax.tools.loadtest.errors import InputError
+from kvtax.errors import InputError
 from kvtax.tools.loadtest.finite import finite
 
 __all__ = ["ToolStep", "read_guidellm"]

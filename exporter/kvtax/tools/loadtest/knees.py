@@ -6,7 +6,7 @@
 - The **throughput knee** is the step after which engine throughput stops rising: the next
   step gains less than ``min_gain`` (5 %) over it.
 
-The recommended gate cap (kvtax's optional admission gate, a cap on requests in flight) is the
+The recommended gate cap (kvtax's optional gate, a cap on requests in flight) is the
 highest load that neither preempted nor sat past the throughput knee.
 """
 

@@ -1,7 +1,7 @@
 """What a sweep does: the load levels, how long each step lasts, the request shapes, the SLOs.
 
 Pure: :func:`parse_levels` and :func:`check_plan` validate the command line's values and raise
-:class:`~kvtax.tools.loadtest.errors.InputError` naming the flag.
+:class:`~kvtax.errors.InputError` naming the flag.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from itertools import pairwise
 
+from kvtax.errors import InputError
 from kvtax.tools.loadtest.distributions import Distribution
-from kvtax.tools.loadtest.errors import InputError
 
 __all__ = ["MODES", "LoadPlan", "check_plan", "parse_levels"]
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtax.errors import KvtaxError
 from kvtax.tools.loadtest.table import Table
 
 __all__ = ["PLOT_NAMES", "PlotsUnavailable", "write_plots"]
@@ -17,8 +18,8 @@ __all__ = ["PLOT_NAMES", "PlotsUnavailable", "write_plots"]
 PLOT_NAMES = ("throughput", "tax", "latency")
 
 
-class PlotsUnavailable(RuntimeError):
-    pass
+class PlotsUnavailable(KvtaxError, RuntimeError):
+    """matplotlib, the optional extra ``kvtax[report]``, is not installed."""
 
 
 def _pyplot() -> Any:

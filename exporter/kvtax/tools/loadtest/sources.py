@@ -21,7 +21,7 @@ from typing import IO, Any, cast
 import aiohttp
 
 from kvtax.engine.vocabulary import concept_for
-from kvtax.tools.loadtest.errors import InputError
+from kvtax.errors import InputError
 from kvtax.tools.loadtest.timeline import Scrape, keep_known
 
 __all__ = ["MAX_LINE_CHARS", "prometheus_scrapes", "read_recording", "record"]

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from kvtax.engine.normalize import ParseError, normalize
 from kvtax.engine.vocabulary import concept_for
+from kvtax.errors import InputError
 from kvtax.figures.window import Point, Window
-from kvtax.tools.loadtest.errors import InputError
 
 __all__ = ["Scrape", "Timeline", "keep_known"]
 

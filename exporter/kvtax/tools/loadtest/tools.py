@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from datetime import tzinfo
 from typing import Any
 
+from kvtax.errors import InputError
 from kvtax.tools.loadtest.aiperf import aiperf_exports, read_aiperf
-from kvtax.tools.loadtest.errors import InputError
 from kvtax.tools.loadtest.guidellm import ToolStep, read_guidellm
 from kvtax.tools.loadtest.vllmbench import read_vllm_bench, vllm_bench_results
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, tzinfo
 from typing import Any
 
-from kvtax.tools.loadtest.errors import InputError
+from kvtax.errors import InputError
 from kvtax.tools.loadtest.finite import finite
 from kvtax.tools.loadtest.guidellm import ToolStep
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtax.errors import PlanError
 from kvtax.figures.derive import kv_capacity_tokens
-from kvtax.tools.plan.errors import PlanError
 from kvtax.tools.plan.inputs import config_file, read_pool, read_profile, read_shape
 from kvtax.tools.plan.modelcfg import MAX_TOKENS, KvShape, context_limit, dtype_bytes, show_number
 from kvtax.tools.plan.profile import LengthProfile, arrivals, trace

@@ -16,7 +16,7 @@ import urllib.request
 from typing import Any
 
 from kvtax.engine.snapshot import Histogram
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "get_text", "prometheus_histogram"]
 

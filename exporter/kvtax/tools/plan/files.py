@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 
 __all__ = ["MAX_JSON_BYTES", "parse_json", "read_json"]
 

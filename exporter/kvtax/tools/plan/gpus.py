@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 
 __all__ = ["GPUS", "Gpu", "find_gpu"]
 

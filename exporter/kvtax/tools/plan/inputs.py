@@ -14,8 +14,8 @@ from typing import Any
 
 from kvtax.engine.normalize import ParseError, normalize
 from kvtax.engine.vocabulary import CONCEPTS
+from kvtax.errors import PlanError
 from kvtax.tools.plan import fetch
-from kvtax.tools.plan.errors import PlanError
 from kvtax.tools.plan.files import read_json
 from kvtax.tools.plan.gpus import find_gpu
 from kvtax.tools.plan.modelcfg import KvShape, shape_from_config, shape_from_flags

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 
 __all__ = [
     "DTYPE_BYTES",

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 from kvtax.tools.plan.modelcfg import config_int, dtype_bytes, language_config, opt_config_int
 
 __all__ = ["MAX_ESTIMATE_BYTES", "WeightEstimate", "estimate_weights"]

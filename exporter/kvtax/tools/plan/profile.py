@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtax.engine.snapshot import Histogram
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 from kvtax.tools.plan.simtypes import Request
 
 __all__ = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 
 __all__ = ["Request", "Result", "Settings"]
 

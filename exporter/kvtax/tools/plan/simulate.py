@@ -40,8 +40,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from kvtax.errors import PlanError
 from kvtax.tools.plan.blockpool import BlockPool
-from kvtax.tools.plan.errors import PlanError
 from kvtax.tools.plan.scheduler import NEVER, Scheduler, SimRequest, ceil_div
 from kvtax.tools.plan.simtypes import Request, Result, Settings
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvtax.errors import PlanError
 from kvtax.figures.derive import recommended_max_num_seqs
-from kvtax.tools.plan.errors import PlanError
 from kvtax.tools.plan.modelcfg import KvShape
 
 __all__ = ["GIB", "Flags", "Memory", "Sizing", "pool_bytes", "recommend", "size"]

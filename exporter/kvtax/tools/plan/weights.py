@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from kvtax.tools.plan.errors import PlanError
+from kvtax.errors import PlanError
 from kvtax.tools.plan.files import parse_json, read_json
 from kvtax.tools.plan.modelcfg import show_number
 
