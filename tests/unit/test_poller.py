@@ -1,4 +1,5 @@
-"""A poll that fails in a way nobody foresaw is one failed poll: polling goes on, stop() returns.
+"""Pollers on kvtax's scheduler. A poll that fails in a way nobody foresaw is one failed poll:
+polling goes on, stop() returns.
 
 A ``/v1/models`` body nested 100000 deep makes ``json.loads`` raise RecursionError, which is
 neither a ClientError, a TimeoutError nor a ValueError; it used to end the polling task unlogged
@@ -64,31 +65,117 @@ async def test_a_body_nested_too_deeply_fails_one_poll_and_polling_goes_on(
     assert "[[[" not in warned[0]  # the type, not the body
 
 
-class DiesBetweenPolls(Poller):
-    """A poller whose loop dies of its own exception, outside any poll."""
+class FailsBetweenPolls(Poller):
+    """A poller whose code between two polls raises: a bug outside any poll."""
 
     what = "a test page"
 
     def __init__(self, log: logging.Logger) -> None:
-        super().__init__(url="http://127.0.0.1:9/x", interval=1.0, timeout=1.0, log=log)
-        self.died = asyncio.Event()
+        super().__init__(url="http://127.0.0.1:9/x", interval=0.01, timeout=1.0, log=log)
+        self.polls = 0
 
     async def read(self, session: aiohttp.ClientSession) -> None:
-        return None
+        self.polls += 1
 
-    def delay(self) -> float:
-        self.died.set()
+    def retry_in(self) -> float | None:
         raise RuntimeError("a bug between polls")
 
 
-async def test_stop_returns_and_logs_when_the_loop_died_of_its_own_exception(
+async def test_a_bug_between_polls_is_logged_and_polling_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    # Protection: such a bug ended the polling loop, unseen until stop() logged it.
     log = logging.getLogger("kvtax.test.poller")
-    poller = DiesBetweenPolls(log)
-    poller.start()
-    await poller.died.wait()  # the loop polled once, then died in the same step
+    poller = FailsBetweenPolls(log)
     with caplog.at_level(logging.ERROR, logger="kvtax.test.poller"):
+        poller.start()
+        async with asyncio.timeout(5.0):
+            while poller.polls < 3:
+                await asyncio.sleep(0.01)
         await poller.stop()  # returns: the rest of the shutdown goes on
-    assert any("had stopped: RuntimeError" in r.getMessage() for r in caplog.records)
+    assert any(
+        "choosing the next poll failed: RuntimeError" in r.getMessage() for r in caplog.records
+    )
+    assert "127.0.0.1:9/x" in caplog.text
     await poller.stop()  # a second stop is a no-op
+
+
+class Hangs(Poller):
+    """A poller whose read never ends, and which says when it began one."""
+
+    what = "a hanging page"
+
+    def __init__(self) -> None:
+        super().__init__(
+            url="http://127.0.0.1:9/x",
+            interval=60.0,
+            timeout=60.0,
+            log=logging.getLogger("kvtax.test.poller"),
+        )
+        self.reading = asyncio.Event()
+
+    async def read(self, session: aiohttp.ClientSession) -> None:
+        self.reading.set()
+        await asyncio.Event().wait()
+
+
+async def test_stop_ends_a_poll_in_flight_without_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    poller = Hangs()
+    with caplog.at_level(logging.WARNING):
+        poller.start()  # the first poll runs at once, not an interval later
+        async with asyncio.timeout(5.0):
+            await poller.reading.wait()
+            await poller.stop()
+    assert poller.errors == 0
+    # Neither kvtax nor APScheduler calls the cancelled poll an error.
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_after_a_failure_the_models_poller_retries_sooner_then_keeps_its_interval() -> None:
+    names = ModelNames()
+    poller = ModelsPoller(
+        names, url="http://127.0.0.1:9", configured=(), interval=300.0, timeout=1.0
+    )
+    assert poller.retry_in() is None
+    poller.errors = 1
+    assert poller.retry_in() == 5.0
+    poller.errors = 100
+    assert poller.retry_in() == 300.0
+
+
+class FailsThenWorks(Poller):
+    """Fails its first two polls, then reads; asks for a retry 10 ms after a failure."""
+
+    what = "a flaky page"
+
+    def __init__(self) -> None:
+        super().__init__(
+            url="http://127.0.0.1:9/x",
+            interval=300.0,
+            timeout=1.0,
+            log=logging.getLogger("kvtax.test.poller"),
+        )
+        self.polls = 0
+
+    async def read(self, session: aiohttp.ClientSession) -> None:
+        self.polls += 1
+        if self.polls <= 2:
+            raise ValueError("not yet")
+
+    def retry_in(self) -> float | None:
+        return 0.01 if self.errors else None
+
+
+async def test_a_failed_poll_is_retried_when_asked_then_the_interval_holds() -> None:
+    poller = FailsThenWorks()
+    poller.start()
+    try:
+        async with asyncio.timeout(5.0):
+            while poller.polls < 3:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert (poller.polls, poller.errors) == (3, 0)  # the next poll is 300 s away
+    finally:
+        await poller.stop()

@@ -1,12 +1,17 @@
 """The observe-mode sidecar: scrape on a schedule, fold, derive, and serve kvtax's /metrics.
 
-:class:`Sidecar` owns the I/O of observe mode: an APScheduler job scrapes vLLM every interval,
-the fold step (normalize, then the window and derive of :mod:`kvtax.figures`) turns the text
-into figures, and an aiohttp app serves ``/metrics``, ``/healthz`` and ``/readyz``. A vLLM that
-is down, slow or restarting shows as ``kvtax_vllm_up 0`` and a scrape error by reason; it never
-stops the sidecar. The scrape is the write path: with a :class:`LedgerFeed`, it credits the
-proxy's running streams and pairs the ledger's totals with the engine's in the window. A GET of
-``/metrics`` only reads. :func:`kvtax.serve.wiring.build` passes each part what it needs.
+:class:`Sidecar` owns the I/O of observe mode: the ``scrape`` job of kvtax's one scheduler
+(:mod:`kvtax.serve.schedule`) scrapes vLLM every interval, the fold step (normalize, then the
+window and derive of :mod:`kvtax.figures`) turns the text into figures, and an aiohttp app serves
+``/metrics``, ``/healthz`` and ``/readyz``. A vLLM that is down, slow or restarting shows as
+``kvtax_vllm_up 0`` and a scrape error by reason; it never stops the sidecar. The scrape is the
+write path: with a :class:`LedgerFeed`, it credits the proxy's running streams and pairs the
+ledger's totals with the engine's in the window. A GET of ``/metrics`` only reads.
+:func:`kvtax.serve.wiring.build` passes each part what it needs.
+
+The scrape pushes its figures: after each fold it calls every ``on_figures`` subscriber with the
+new figures (the gate steps its cap there), so nobody polls the sidecar for them. A
+subscriber that raises is logged; the scrape and the other subscribers go on.
 
 The ledger is read as near to vLLM's page as the scrape can: its totals as soon as the page has
 arrived, before the parse (which can take seconds on a starved machine, while streams go on
@@ -61,18 +66,21 @@ from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import EngineSettings, ModelFigures, derive_all
 from kvtax.figures.window import Window, candidates
 from kvtax.serve.config import Config
+from kvtax.serve.schedule import Periodic
 from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.scrape.readiness import HEALTH_MAX_BYTES, HealthCheck
 from kvtax.serve.scrape.scraper import REASONS, ScrapeError, Scraper
 from kvtax.serve.web.webconfig import WebSecurity
 
-__all__ = ["LedgerFeed", "Route", "ScrapeHealth", "Sidecar"]
+__all__ = ["FiguresSubscriber", "LedgerFeed", "Route", "ScrapeHealth", "Sidecar"]
 
 log = logging.getLogger("kvtax.serve.sidecar")
 
 Report = Callable[[], Iterable[Sample | HistogramSample]]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Route = tuple[str, str, Handler]
+# Called with the new figures after each fold (the gate's Gate.on_figures).
+FiguresSubscriber = Callable[[Mapping[str, ModelFigures]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +133,8 @@ class Sidecar:
         clock: Callable[[], float] = time.time,
         parser: ParsePool | None = None,
         security: WebSecurity | None = None,
+        scheduler: AsyncIOScheduler | None = None,
+        on_figures: Sequence[FiguresSubscriber] = (),
     ) -> None:
         self.config = config
         # TLS and basic auth of the web port (--web.config.file); plain HTTP without.
@@ -152,7 +162,9 @@ class Sidecar:
         self.registry.register(ReportCollector(report or self.samples))
         # process_* (RSS, open FDs, CPU seconds) of this process, the standard way.
         ProcessCollector(registry=self.registry)
-        self._scheduler: AsyncIOScheduler | None = None
+        # The scrape job, on the scheduler the wiring hands every part (alone: one of its own).
+        self._job = Periodic("scrape", self.scrape_once, config.scrape_interval, scheduler)
+        self.on_figures = tuple(on_figures)
         self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
         # The models of the last page folded: while a page has the same ones, the ledger's
@@ -195,7 +207,17 @@ class Sidecar:
         )
         self.figures = derive_all(self.window, self.settings)
         self._pages.clear()  # the next GET of /metrics shows the new figures
+        self._hand_on(self.figures)
         return snap
+
+    def _hand_on(self, figures: Mapping[str, ModelFigures]) -> None:
+        """Give a fold's figures to each subscriber; one that raises is logged and skipped, and
+        neither the scrape nor the subscribers after it notice."""
+        for subscriber in self.on_figures:
+            try:
+                subscriber(figures)
+            except Exception:
+                log.exception("handing the scrape's figures to %s failed", _name(subscriber))
 
     def _ledger_totals(
         self, parsed: VllmSnapshot, arrived: Mapping[str, LedgerTotals] | None
@@ -470,37 +492,34 @@ class Sidecar:
             self.config.vllm_url,
             self.config.scrape_interval,
         )
-        self._scheduler = AsyncIOScheduler()
-        self._scheduler.add_job(
-            self.scrape_once,
-            "interval",
-            seconds=self.config.scrape_interval,
-            max_instances=1,
-            coalesce=True,
-            misfire_grace_time=None,
-        )
-        self._scheduler.start()
-        # The first scrape runs now, not one interval from now.
+        self._job.start()
+        # The first scrape runs now, not one interval from now: a task of its own (not a
+        # run of the job), so that stop() can wait for it wherever the scheduler is.
         self._first = asyncio.get_running_loop().create_task(self.scrape_once())
 
     async def stop(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.shutdown(wait=False)
-            self._scheduler = None
         if self._owns_parser:
             self.parser.close()  # a parse in flight fails at once
         # Let a scrape in flight end (its fetch is bounded by the timeout) rather than be
-        # cancelled mid-way when the loop closes, which the scheduler logs as an error.
+        # cancelled mid-way: the job's run, then the first scrape.
+        await self._job.stop(cancel=False)
         first, self._first = self._first, None
         if first is not None:
             await first
         async with self._lock:
             pass
+        if self._owns_parser:
+            self.parser.close()  # again: a scrape that reached its parse after the first close
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
         await self.scraper.close()
         await self.vllm_health.close()
+
+
+def _name(subscriber: FiguresSubscriber) -> str:
+    """A subscriber as the log names it: its qualified name (``Gate.on_figures``)."""
+    return getattr(subscriber, "__qualname__", None) or repr(subscriber)
 
 
 def _joined(totals: Mapping[str, LedgerTotals]) -> float:

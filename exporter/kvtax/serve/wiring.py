@@ -10,9 +10,16 @@
 - the report behind ``/metrics``: the sidecar's health and figures, the ledger's counters, the
   proxy's gauges and the self-watch, read and never written.
 
-The admission gate (:mod:`kvtax.serve.proxy.gate`) follows the sidecar's figures after each scrape;
-the proxy holds it only when ``--admission.mode`` is not ``off``, and ``/metrics`` shows its
-advice either way.
+The gate (:mod:`kvtax.serve.proxy.gate`) follows the sidecar's figures: the scrape hands each
+fold's figures to its ``on_figures`` subscribers, :meth:`Gate.on_figures
+<kvtax.serve.proxy.gate.Gate.on_figures>` among them; the proxy holds the gate only when
+``--gate.mode`` is not ``off``, and ``/metrics`` shows its advice either way.
+
+Periodic work has one mechanism: the APScheduler scheduler made here
+(:func:`kvtax.serve.schedule.new_scheduler`) and handed to each part that runs on a clock. Its
+jobs are the scrape, the gateway poll, the ``/v1/models`` refresh and the loop watch; each part
+adds its job when it starts and removes it when it stops, and :meth:`Stack.stop` shuts the
+scheduler down last.
 
 The proxy starts when ``--proxy.listen_address`` is set, the gateway poller when
 ``--gateway.url`` is set; the push endpoint is always on the web port (and refuses pushes until a
@@ -36,16 +43,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvtax.admission.cap import CapSettings, Mode
-from kvtax.admission.footprint import OverBudget
-from kvtax.admission.order import Order
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import adapter_samples, ledger_samples, proxy_samples
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.window import Window
+from kvtax.gate.cap import CapSettings, Mode
+from kvtax.gate.footprint import OverBudget
+from kvtax.gate.order import Order
 from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax.serve.proxy.gate import Follower, Gate, GateSettings
+from kvtax.serve.proxy.gate import Gate, GateSettings
+from kvtax.serve.schedule import new_scheduler
 from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.selfwatch import LoopWatch
 from kvtax.serve.sidecar import LedgerFeed, Sidecar
@@ -71,7 +81,7 @@ class Stack:
     loopwatch: LoopWatch
     sidecar: Sidecar
     gate: Gate
-    follower: Follower
+    scheduler: AsyncIOScheduler
     models: ModelsPoller | None = None
 
     def report(self) -> Iterator[Sample | HistogramSample]:
@@ -85,9 +95,11 @@ class Stack:
         yield from self.loopwatch.samples()
 
     async def start(self) -> None:
+        # The one scheduler first: each part adds its job to it as it starts, removes it as
+        # it stops.
+        self.scheduler.start()
         await self.sidecar.start()
         self.loopwatch.start()
-        self.follower.start()
         if self.config.proxy_listen_address is not None:
             await self.proxy.start(*self.config.proxy_listen_address)
         if self.gateway is not None:
@@ -97,7 +109,8 @@ class Stack:
 
     async def drain(self, grace: float = 0.0) -> None:
         """Stop taking requests: /readyz fails, the proxy lets requests in flight finish for up
-        to ``grace`` seconds, and the gateway poller stops. ``/metrics`` stays up."""
+        to ``grace`` seconds, and the gateway and ``/v1/models`` pollers stop (their jobs leave
+        the scheduler). ``/metrics`` stays up, and the scrape goes on."""
         self.sidecar.draining = True
         await self.proxy.stop(grace)
         if self.gateway is not None:
@@ -106,9 +119,11 @@ class Stack:
             await self.models.stop()
 
     async def stop(self) -> None:
-        await self.follower.stop()
         await self.sidecar.stop()
         await self.loopwatch.stop()
+        # Last: its jobs are gone by now (a part that never started added none).
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=False)
 
 
 def _proxy_settings(config: Config) -> ProxySettings:
@@ -124,29 +139,31 @@ def _proxy_settings(config: Config) -> ProxySettings:
 
 
 def gate_settings(config: Config) -> GateSettings:
-    """The admission gate's settings, from the ``admission.*`` options."""
-    mode: Mode = config.admission_mode  # type: ignore[assignment]  # checked by the option
-    order: Order = config.admission_order  # type: ignore[assignment]
-    over: OverBudget = config.admission_over_budget  # type: ignore[assignment]
+    """The gate's settings, from the ``gate.*`` options."""
+    mode: Mode = config.gate_mode  # type: ignore[assignment]  # checked by the option
+    order: Order = config.gate_order  # type: ignore[assignment]
+    over: OverBudget = config.gate_over_budget  # type: ignore[assignment]
     return GateSettings(
         cap=CapSettings(
             mode=mode,
-            static_cap=config.admission_static_cap,
-            floor=config.admission_floor,
-            ceiling=config.admission_ceiling,
+            static_cap=config.gate_static_cap,
+            floor=config.gate_floor,
+            ceiling=config.gate_ceiling,
             target_usage=config.target_usage,
-            block_size=config.admission_block_size,
+            block_size=config.gate_block_size,
         ),
-        max_queue=config.admission_max_queue,
-        max_wait=config.admission_max_wait,
+        max_queue=config.gate_max_queue,
+        max_wait=config.gate_max_wait,
         order=order,
-        token_budget=config.admission_token_budget,
+        token_budget=config.gate_token_budget,
         over_budget=over,
-        max_model_len=config.admission_max_model_len,
+        max_model_len=config.gate_max_model_len,
     )
 
 
-def _gateway(config: Config, ledger: DeliveryLedger) -> GatewayPoller | None:
+def _gateway(
+    config: Config, ledger: DeliveryLedger, scheduler: AsyncIOScheduler
+) -> GatewayPoller | None:
     if config.gateway_url is None:
         return None
     return GatewayPoller(
@@ -157,10 +174,11 @@ def _gateway(config: Config, ledger: DeliveryLedger) -> GatewayPoller | None:
         selector=config.gateway_selector,
         interval=config.scrape_interval,
         timeout=config.effective_timeout,
+        scheduler=scheduler,
     )
 
 
-def _models(config: Config, names: ModelNames) -> ModelsPoller | None:
+def _models(config: Config, names: ModelNames, scheduler: AsyncIOScheduler) -> ModelsPoller | None:
     poller = ModelsPoller(
         names,
         url=config.vllm_url,
@@ -168,6 +186,7 @@ def _models(config: Config, names: ModelNames) -> ModelsPoller | None:
         interval=config.delivery_models_refresh,
         # Read rarely, so it may wait longer than a scrape: a busy vLLM still answers.
         timeout=max(config.effective_timeout, 10.0),
+        scheduler=scheduler,
     )
     # Built even when polling is off: it installs the configured adapters.
     return poller if config.delivery_models_refresh > 0 else None
@@ -185,6 +204,7 @@ def build(
     ConfigError before anything is built.
     """
     security = load_web_config(config.web_config_file)
+    scheduler = new_scheduler()  # every periodic job of kvtax runs on this one
     names = ModelNames()
     ledger = DeliveryLedger(names)
     window = Window(config.window, max_models=config.scrape_max_models)
@@ -208,21 +228,22 @@ def build(
         clock=clock,
         parser=parser,
         security=security,
+        scheduler=scheduler,
+        # Pushed by the scrape after each fold: the gate steps its cap on the new figures.
+        on_figures=[gate.on_figures],
     )
-    # Four checks a scrape interval: the gate acts on a scrape's figures soon after it.
-    follower = Follower(gate, sidecar, config.scrape_interval / 4)
     stack = Stack(
         config,
         names,
         ledger,
         window,
         proxy,
-        _gateway(config, ledger),
-        LoopWatch(),
+        _gateway(config, ledger, scheduler),
+        LoopWatch(scheduler=scheduler),
         sidecar,
         gate,
-        follower,
-        _models(config, names),
+        scheduler,
+        _models(config, names, scheduler),
     )
     return stack
 

@@ -1,15 +1,15 @@
-"""The admission gate at the I/O edge: a bounded, ordered queue in front of a cap on requests
+"""The gate at the I/O edge: a bounded, ordered queue in front of a cap on requests
 (and, in budget mode, on KV blocks) in flight.
 
-The decisions are pure functions of :mod:`kvtax.admission`; this module holds the state they
+The decisions are pure functions of :mod:`kvtax.gate`; this module holds the state they
 act on. :meth:`Gate.enter` admits a request at once when it fits and would head the queue,
-else queues it; a queued request is admitted in :mod:`~kvtax.admission.order` as slots free, or
-shed with a reason (``queue_full`` past ``--admission.max-queue``, ``wait_expired`` past
-``--admission.max-wait``). A queued client that goes away (its handler is cancelled) leaves the
+else queues it; a queued request is admitted in :mod:`~kvtax.gate.order` as slots free, or
+shed with a reason (``queue_full`` past ``--gate.max-queue``, ``wait_expired`` past
+``--gate.max-wait``). A queued client that goes away (its handler is cancelled) leaves the
 queue at once. :meth:`Gate.leave` frees the slot when the request ends (for a stream, once its
 ``[DONE]`` or final usage event went to the client). :meth:`Gate.observe` steps the cap once a
-scrape; :func:`follow` calls it whenever the sidecar has new figures, and logs and outlives any
-error of one step.
+scrape: the scrape hands each fold's figures to :meth:`Gate.on_figures` (a subscriber of the
+sidecar, wired in :mod:`kvtax.serve.wiring`), which logs and outlives any error of one step.
 
 The queue is a heap whose leavers are only marked (dropped when they reach its head, or when
 half the heap is such): a client leaving, a wait expiring and shutdown's cancel-all cost O(1)
@@ -18,7 +18,7 @@ at once.
 When kvtax shuts down, :meth:`Gate.close` turns every queued request away at once
 (:data:`CLOSED`) and admits nothing more.
 
-With ``--admission.mode=off`` the proxy holds no gate; this object still steps the controller
+With ``--gate.mode=off`` the proxy holds no gate; this object still steps the controller
 so that ``/metrics`` publishes the cap ``auto`` would set (the advice).
 
 Example::
@@ -41,31 +41,28 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from kvtax.admission.cap import CapSettings, CapState, initial, step
-from kvtax.admission.footprint import (
+from kvtax.delivery.ledger import HistogramAccumulator
+from kvtax.expose.samples import HistogramSample, Sample
+from kvtax.figures.derive import ModelFigures
+from kvtax.gate.cap import CapSettings, CapState, initial, step
+from kvtax.gate.footprint import (
     MAX_FOOTPRINT,
     OverBudget,
     TokenEstimator,
     blocks_of,
     footprint_of,
 )
-from kvtax.admission.order import CompletionRate, Order, queue_key, retry_after
-from kvtax.admission.signals import signals_of
-from kvtax.delivery.ledger import HistogramAccumulator
-from kvtax.expose.samples import HistogramSample, Sample
-from kvtax.figures.derive import ModelFigures
+from kvtax.gate.order import CompletionRate, Order, queue_key, retry_after
+from kvtax.gate.signals import signals_of
 
 __all__ = [
     "CLOSED",
     "REASONS",
     "WAIT_BUCKETS",
-    "Follower",
     "Gate",
     "GateSettings",
     "Ticket",
-    "follow",
 ]
 
 log = logging.getLogger("kvtax.serve.proxy.gate")
@@ -137,7 +134,7 @@ class Gate:
         """A ticket for a request of about ``prompt`` tokens (the caller estimated them for the
         token budget already; all ``prompts`` of a prompt list together) whose completion
         limit is ``max_tokens``, for ``n`` sequences of each prompt
-        (:func:`~kvtax.admission.footprint.footprint_of`)."""
+        (:func:`~kvtax.gate.footprint.footprint_of`)."""
         prompts, n = max(1, prompts), max(1, n)
         each = -(-prompt // prompts)  # a prompt's tokens, rounded up
         completion = max_tokens if max_tokens is not None else self._assumed_completion(each)
@@ -290,7 +287,7 @@ class Gate:
 
     def retry_after(self) -> int:
         """Seconds a shed client should wait, from the current completion rate (Retry-After;
-        :class:`~kvtax.admission.order.CompletionRate`)."""
+        :class:`~kvtax.gate.order.CompletionRate`)."""
         completions, span = self._done.reading(self.clock())
         return retry_after(
             ahead=self._waiting, completions=completions, span=span, limit=self.settings.max_wait
@@ -311,11 +308,23 @@ class Gate:
         before = self.state
         self.state = step(before, signals, self.settings.cap)
         if self.state.cap != before.cap and self.settings.on:
-            log.info("admission cap %d -> %d (%s)", before.cap, self.state.cap, self.state.source)
+            log.info("gate cap %d -> %d (%s)", before.cap, self.state.cap, self.state.source)
         self._pump()
 
+    def on_figures(self, figures: Mapping[str, ModelFigures]) -> None:
+        """The scrape's new figures (the sidecar calls this after each fold): step the cap. An
+        error of one step is logged here, with the cap it leaves, and the next scrape is stepped
+        as usual: an error must never hold the cap where it was for good, silently."""
+        try:
+            self.observe(figures)
+        except Exception:
+            log.exception(
+                "gate: stepping the cap failed; it stays at %d until the next scrape",
+                self.state.cap,
+            )
+
     def samples(self) -> Iterator[Sample | HistogramSample]:
-        """The gate's metrics (see the admission block of the catalog)."""
+        """The gate's metrics (see kvtax.expose.catalog_gate)."""
         state = self.state
         if state.advice is not None:
             yield Sample("kvtax_gate_advised_cap", (), float(state.advice))
@@ -334,52 +343,3 @@ class Gate:
         yield Sample("kvtax_gate_cap_changes_total", ("down",), float(state.cuts))
         counts = self.waits.counts()
         yield HistogramSample("kvtax_gate_queue_wait_seconds", (), counts.buckets, counts.sum)
-
-
-class FiguresSource(Protocol):
-    @property
-    def figures(self) -> Mapping[str, ModelFigures]: ...
-
-
-async def follow(gate: Gate, source: FiguresSource, interval: float) -> None:
-    """Step ``gate`` each time ``source`` (the sidecar) has new figures: a scrape replaces the
-    mapping, so a new object is a new scrape. Runs until cancelled: an error of one step is
-    logged and the next scrape is stepped as usual (a follower that died held the cap where
-    it was for good, silently)."""
-    seen: object = source.figures
-    while True:
-        await asyncio.sleep(interval)
-        figures = source.figures
-        if figures is not seen:
-            seen = figures
-            try:
-                gate.observe(figures)
-            except Exception:
-                log.exception(
-                    "admission gate: stepping the cap failed; it stays at %d until the next scrape",
-                    gate.state.cap,
-                )
-
-
-class Follower:
-    """Runs :func:`follow` as a task between :meth:`start` and :meth:`stop`."""
-
-    def __init__(self, gate: Gate, source: FiguresSource, interval: float) -> None:
-        self.gate, self.source, self.interval = gate, source, interval
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(
-            follow(self.gate, self.source, self.interval)
-        )
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # follow() logs its own; this is the last guard of shutdown
-                log.exception("admission gate: the follower ended with an error")

@@ -2,7 +2,8 @@
 
 vLLM lists every ``--served-model-name`` in ``/v1/models``, the first (its default, and the name
 its metrics use) first, and every LoRA adapter it serves with ``parent`` set to the base model.
-:class:`ModelsPoller` reads that list at start and every ``--delivery.models-refresh`` after. It
+:class:`ModelsPoller` reads that list at start and every ``--delivery.models-refresh`` after (the
+``models`` job of kvtax's one scheduler, :mod:`kvtax.serve.schedule`), sooner after a failure. It
 hands :meth:`ModelNames.set_served <kvtax.delivery.ledger.ModelNames.set_served>` the default
 model and its aliases, and :meth:`ModelNames.set_adapters
 <kvtax.delivery.ledger.ModelNames.set_adapters>` the adapters it found merged with those in
@@ -19,7 +20,7 @@ Example::
 
     poller = ModelsPoller(names, url="http://127.0.0.1:8000", configured=(("sql", "base"),),
                           interval=300.0, timeout=4.0)
-    poller.start()  # in the running loop
+    poller.start()  # in the running loop; build() hands it kvtax's scheduler
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import logging
 
 import aiohttp
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from kvtax.delivery.adapters import (
     AdapterError,
@@ -52,6 +54,7 @@ class ModelsPoller(Poller):
     """Keeps ``names``' adapter map in step with vLLM's ``/v1/models`` and the config."""
 
     what = "vLLM's model list"
+    job_id = "models"
 
     def __init__(
         self,
@@ -61,9 +64,14 @@ class ModelsPoller(Poller):
         configured: tuple[tuple[str, str], ...],
         interval: float,
         timeout: float,
+        scheduler: AsyncIOScheduler | None = None,
     ) -> None:
         super().__init__(
-            url=url.rstrip("/") + MODELS_PATH, interval=interval, timeout=timeout, log=log
+            url=url.rstrip("/") + MODELS_PATH,
+            interval=interval,
+            timeout=timeout,
+            log=log,
+            scheduler=scheduler,
         )
         self.names = names
         self.configured = configured
@@ -94,6 +102,7 @@ class ModelsPoller(Poller):
     def recovered(self) -> None:
         log.info("read vLLM's model list again: %d adapters", len(self._discovered))
 
-    def delay(self) -> float:
-        # After a failure retry sooner (vLLM is often still starting), backing off.
-        return min(self.interval, 5.0 * self.errors) or self.interval
+    def retry_in(self) -> float | None:
+        # After a failure retry sooner (vLLM is often still starting), backing off: 5 s, 10 s,
+        # ... up to the interval.
+        return min(self.interval, 5.0 * self.errors) if self.errors else None

@@ -1,42 +1,59 @@
 """The lifecycle every periodic HTTP reader in kvtax shares: poll, count failures, stop cleanly.
 
-A subclass says what one poll reads and folds (:meth:`Poller.read`) and what a failure is
-called in the log (:attr:`Poller.what`); this class owns the aiohttp session, the loop task,
-the run of consecutive failures (logged once, at its start, so a vLLM that is down for an hour
-writes one line, not one a poll) and a clean stop. Any exception a poll raises is a failed poll:
-a page nobody foresaw (a body nested deep enough to raise RecursionError) must not end polling
-unseen, nor make :meth:`Poller.stop` raise in the middle of kvtax's shutdown. Used by the
-gateway poller (:mod:`kvtax.serve.sources.push`) and the model-list reader
-(:mod:`kvtax.serve.sources.models`).
+A subclass says what one poll reads and folds (:meth:`Poller.read`), what a failure is called in
+the log (:attr:`Poller.what`) and the name of its job (:attr:`Poller.job_id`); this class owns
+the aiohttp session, the job on kvtax's one scheduler (:mod:`kvtax.serve.schedule`: the first
+poll at start, then one every ``interval``), the run of consecutive failures (logged once, at its
+start, so a vLLM that is down for an hour writes one line, not one a poll) and a clean stop. Any
+exception a poll raises is a failed poll: a page nobody foresaw (a body nested deep enough to
+raise RecursionError) must not end polling unseen, nor make :meth:`Poller.stop` raise in the
+middle of kvtax's shutdown. A subclass may ask for the next poll sooner after a failure
+(:meth:`Poller.retry_in`). Used by the gateway poller (:mod:`kvtax.serve.sources.push`) and the
+model-list reader (:mod:`kvtax.serve.sources.models`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from abc import ABC, abstractmethod
 
 import aiohttp
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from kvtax.serve.logsafe import redact_url
+from kvtax.serve.schedule import Periodic
 
 __all__ = ["Poller"]
 
 
 class Poller(ABC):
-    """Calls :meth:`read` every ``interval`` seconds in the running loop until stopped."""
+    """Calls :meth:`read` every ``interval`` seconds, as a job of ``scheduler``, until stopped.
+
+    Without a scheduler (a poller used alone) the job runs on one of its own.
+    """
 
     what = "a page"
     """What is read, for the log line: "reading <what> at <url> failed"."""
 
-    def __init__(self, *, url: str, interval: float, timeout: float, log: logging.Logger) -> None:
+    job_id = "poll"
+    """The job's name on the scheduler."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        interval: float,
+        timeout: float,
+        log: logging.Logger,
+        scheduler: AsyncIOScheduler | None = None,
+    ) -> None:
         self.url = url
         self.interval = interval
         self.timeout = timeout
         self.errors = 0
         self._log = log
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._job = Periodic(self.job_id, self._poll, interval, scheduler, now=True)
 
     @abstractmethod
     async def read(self, session: aiohttp.ClientSession) -> None:
@@ -47,9 +64,10 @@ class Poller(ABC):
         """Called on the first success after a run of failures: the log's matching line."""
         self._log.info("reading %s at %s works again", self.what, redact_url(self.url))
 
-    def delay(self) -> float:
-        """Seconds until the next poll."""
-        return self.interval
+    def retry_in(self) -> float | None:
+        """Seconds until the next poll when it should come sooner than the interval (after a
+        failure), or None to keep to the interval."""
+        return None
 
     async def poll_once(self) -> None:
         if self._session is None:
@@ -73,29 +91,28 @@ class Poller(ABC):
             self._log.warning("reading %s at %s failed: %s", self.what, redact_url(self.url), why)
         self.errors += 1
 
-    async def _loop(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.delay())
+    async def _poll(self) -> None:
+        """One run of the job: a poll, then the time of the next one if it comes sooner."""
+        await self.poll_once()
+        try:
+            retry = self.retry_in()
+            if retry is not None:
+                self._job.run_in(retry)
+        except Exception as exc:
+            # A bug between two polls: said here, and the next poll comes on the interval.
+            self._log.error(
+                "polling %s at %s: choosing the next poll failed: %s",
+                self.what,
+                redact_url(self.url),
+                type(exc).__name__,
+            )
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._job.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            # wait, not await: a loop that died of its own exception is logged here, and the
-            # shutdown of everything stopped after this poller goes on.
-            await asyncio.wait([task])
-            died = None if task.cancelled() else task.exception()
-            if died is not None:
-                self._log.error(
-                    "polling %s at %s had stopped: %s",
-                    self.what,
-                    redact_url(self.url),
-                    type(died).__name__,
-                )
+        # A poll in flight is cancelled and waited for, so the session closes after it.
+        await self._job.stop(cancel=True)
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -7,7 +7,8 @@ plain JSON: a body with a Content-Encoding other than ``identity`` (gzip, deflat
 refused with 415 before a byte of it is read, and only once the token passed, so kvtax never
 inflates a body (a 1 MiB gzip bomb inflates to 1 GiB); the web port's server does not inflate
 either (:meth:`kvtax.serve.sidecar.Sidecar.web_runner`).
-:class:`GatewayPoller` reads a gateway's Prometheus counter on the scrape interval and turns its
+:class:`GatewayPoller` reads a gateway's Prometheus counter on the scrape interval (the
+``gateway`` job of kvtax's one scheduler, :mod:`kvtax.serve.schedule`) and turns its
 reset-corrected increases into ledger increments (source ``gateway``). It does not follow
 redirects: a redirect is an error, so a foreign page is never taken for the gateway's. Parsing
 and validation live in :mod:`kvtax.delivery.intake`. The token is compared in constant time and
@@ -26,10 +27,12 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from kvtax.delivery.intake import PushError, gateway_totals, parse_push
 from kvtax.delivery.ledger import DeliveryCounts, DeliveryLedger
 from kvtax.engine.counters import CounterTracker
+from kvtax.errors import UpstreamError
 from kvtax.serve.logsafe import redact_url
 from kvtax.serve.sources.bodies import BodyTooLarge, read_bounded
 from kvtax.serve.sources.poller import Poller
@@ -138,7 +141,7 @@ def push_handler(
     return handle
 
 
-class GatewayError(ValueError):
+class GatewayError(UpstreamError, ValueError):
     """The gateway's answer cannot be used; the message says why, without the URL's secrets."""
 
 
@@ -156,6 +159,7 @@ class GatewayPoller(Poller):
     """Polls a gateway's /metrics and adds its delivered-token increases to the ledger."""
 
     what = "the gateway's counter"
+    job_id = "gateway"
 
     def __init__(
         self,
@@ -167,8 +171,9 @@ class GatewayPoller(Poller):
         selector: tuple[tuple[str, str], ...],
         interval: float,
         timeout: float,
+        scheduler: AsyncIOScheduler | None = None,
     ) -> None:
-        super().__init__(url=url, interval=interval, timeout=timeout, log=log)
+        super().__init__(url=url, interval=interval, timeout=timeout, log=log, scheduler=scheduler)
         self.ledger = ledger
         self.metric = metric
         self.model_label = model_label
