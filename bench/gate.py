@@ -1,4 +1,4 @@
-"""The admission gate against vLLM's own knobs, side by side on the real CPU engine.
+"""The gate against vLLM's own knobs, side by side on the real CPU engine.
 
 One run, five arms, the same offered load in each: ``--clients`` closed-loop clients (default
 16) send ``--requests`` streamed generations of 41 prompt + 500 output tokens (``ignore_eos``)
@@ -309,9 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     gate_common = [
-        "--admission.block-size=128",
-        "--admission.max-queue=64",
-        "--admission.max-wait=60s",
+        "--gate.block-size=128",
+        "--gate.max-queue=64",
+        "--gate.max-wait=60s",
     ]
     results: list[ArmResult] = []
     recommended = args.recommended
@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 recommended = int(min(found))
         for mode in ("auto", "adaptive", "budget"):
             if f"kvtax-{mode}" in arms:
-                gate = [f"--admission.mode={mode}", *gate_common]
+                gate = [f"--gate.mode={mode}", *gate_common]
                 results.append(run_arm(f"kvtax-{mode}", engine, args, gate)[0])
     recommended = recommended or 3
     print(f"kvtax's recommendation: {recommended}", file=sys.stderr, flush=True)

@@ -134,12 +134,12 @@ def _absent_method(overload: Overload, expr: str) -> bool:
 
 
 # Published with the gate off too (the advice for vLLM's own caps); every other gate series
-# exists only while the proxy's admission gate is on, and this run leaves it off.
+# exists only while the proxy's gate is on, and this run leaves it off.
 _GATE_ADVICE = "kvtax_gate_advised_cap"
 
 
 def _gate_off(overload: Overload, expr: str) -> bool:
-    """True when ``expr`` reads only the admission gate's own series and Prometheus holds none
+    """True when ``expr`` reads only the gate's own series and Prometheus holds none
     of them: the gate is opt-in, and the overload here runs without it (tests/e2e/test_gate_e2e.py
     drives it). The advice is published either way, so a query of it is never excused."""
     gate = {n for n in series_names(expr) if n.startswith("kvtax_gate_")}

@@ -1,9 +1,9 @@
-"""The admission gate against the real vLLM CPU engine (2,048 KV tokens): adaptive mode takes a
+"""The gate against the real vLLM CPU engine (2,048 KV tokens): adaptive mode takes a
 thrashing engine to zero new preemptions, and its 429s carry Retry-After.
 
 A wave of long generations sent straight to vLLM makes it thrash. Meanwhile, and after, more
 clients than the pool holds send the same requests through kvtax's proxy with
-``--admission.mode=adaptive``. Once the direct wave has drained, the gate must hold the engine
+``--gate.mode=adaptive``. Once the direct wave has drained, the gate must hold the engine
 free of new preemptions within SETTLE_SCRAPES of kvtax's scrapes, and keep it there while the
 gated load goes on; the clients it sheds get 429 with Retry-After.
 """
@@ -41,10 +41,10 @@ def kvtax(vllm_engine: VllmEngine) -> Iterator[KvtaxProcess]:
     # would be counted against the gate.
     vllm_engine.wait_idle()
     args = [
-        "--admission.mode=adaptive",
-        "--admission.block-size=128",
-        "--admission.max-queue=6",
-        "--admission.max-wait=30s",
+        "--gate.mode=adaptive",
+        "--gate.block-size=128",
+        "--gate.max-queue=6",
+        "--gate.max-wait=30s",
     ]
     with KvtaxProcess(
         vllm_engine.url, proxy=True, scrape_interval="1s", window="30s", extra_args=args

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvtax.cli.main import build_parser
+from kvtax.errors import ConfigError
 from kvtax.serve.config import (
     OPTIONS,
     Config,
-    ConfigError,
     Option,
     env_name,
     load_config,

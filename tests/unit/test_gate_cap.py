@@ -1,4 +1,4 @@
-"""The admission cap controller on synthetic signal sequences: deterministic, no sleeps."""
+"""The gate's cap controller on synthetic signal sequences: deterministic, no sleeps."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from kvtax.admission.cap import CapSettings, CapState, Signals, initial, step
 from kvtax.figures.derive import recommended_max_num_seqs
+from kvtax.gate.cap import CapSettings, CapState, Signals, initial, step
 
 POOL = 2048.0
 

@@ -1,4 +1,4 @@
-"""Request footprint, token budget, queue order and Retry-After of the admission gate."""
+"""Request footprint, token budget, queue order and Retry-After of the gate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvtax.admission.footprint import (
+from kvtax.gate.footprint import (
     CHAT_PATH,
     MAX_COUNT,
     MAX_FOOTPRINT,
@@ -21,7 +21,7 @@ from kvtax.admission.footprint import (
     shape_of,
     with_max_tokens,
 )
-from kvtax.admission.order import queue_key, retry_after
+from kvtax.gate.order import queue_key, retry_after
 
 COMPLETIONS = "/v1/completions"
 
@@ -143,7 +143,7 @@ def test_budget_passes_what_fits() -> None:
 def test_budget_rejects_with_a_clear_message() -> None:
     verdict = check_budget(100, 600, 512, "reject")
     assert verdict.action == "reject"
-    assert "--admission.token-budget" in verdict.message
+    assert "--gate.token-budget" in verdict.message
     assert "at most 412" in verdict.message
     assert check_budget(100, None, 512, "reject").action == "reject"
 

@@ -1,4 +1,4 @@
-"""The admission gate in the proxy, in process: a held fake vLLM, the gate's queue and answers."""
+"""The gate in the proxy, in process: a held fake vLLM, the gate's queue and answers."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvtax.admission.cap import CapSettings
-from kvtax.admission.footprint import TokenEstimator
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.gate.cap import CapSettings
+from kvtax.gate.footprint import TokenEstimator
 from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
@@ -139,7 +139,7 @@ async def test_a_full_queue_answers_429_with_retry_after_and_an_openai_error(
         assert int(headers["Retry-After"]) >= 1
         assert body["error"]["type"] == "rate_limit_exceeded"
         assert body["error"]["code"] == 429
-        assert "--admission.max-queue" in body["error"]["message"]
+        assert "--gate.max-queue" in body["error"]["message"]
         fake.slots.release()
         fake.slots.release()
         assert (await first)[0] == 200
@@ -163,7 +163,7 @@ async def test_a_wait_past_max_wait_answers_429_with_retry_after(
         status, headers, body = await _post(client, url)
         assert status == 429
         assert "Retry-After" in headers
-        assert "--admission.max-wait" in body["error"]["message"]
+        assert "--gate.max-wait" in body["error"]["message"]
         fake.slots.release()
         await first
     assert gate.rejections["wait_expired"] == 1
@@ -257,7 +257,7 @@ async def test_token_budget_rejects_with_a_400(
         status, _, body = await _post(client, url, {**BODY, "max_tokens": 500})
         assert status == 400
         assert body["error"]["type"] == "invalid_request_error"
-        assert "--admission.token-budget" in body["error"]["message"]
+        assert "--gate.token-budget" in body["error"]["message"]
         assert (await _post(client, url, {**BODY, "max_tokens": 50}))[0] == 200
     assert gate.rejections["over_budget"] == 1
     assert len(fake.bodies) == 1

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvtax.admission.cap import CapSettings
 from kvtax.expose.exposition import build_families
 from kvtax.figures.derive import ModelFigures
+from kvtax.gate.cap import CapSettings
 from kvtax.serve.config import Config
 from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax.serve.wiring import build
@@ -56,7 +56,7 @@ def test_off_publishes_the_advice_only() -> None:
 
 
 def test_on_publishes_every_gate_family() -> None:
-    stack = build(Config(admission_mode="budget"))
+    stack = build(Config(gate_mode="budget"))
     assert stack.proxy.gate is stack.gate
     stack.gate.observe(_figures(preemptions=0.0))
     names = {f.name for f in build_families(stack.gate.samples())}

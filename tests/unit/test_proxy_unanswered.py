@@ -1,9 +1,9 @@
-"""Accounted requests that end before vLLM answered them: queued in the admission gate, not yet
+"""Accounted requests that end before vLLM answered them: queued in the gate, not yet
 sent, or still waiting for vLLM's status line, when their client leaves or kvtax shuts down.
 
 Each test names the protection it checks; each fails when that protection is removed. The time
 limits only guard against hangs: each is far beyond what the protected path takes, and far
-below what the unprotected one does (--admission.max-wait, aiohttp's 60 s shutdown wait).
+below what the unprotected one does (--gate.max-wait, aiohttp's 60 s shutdown wait).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvtax.admission.cap import CapSettings
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax_dev.testbed.engine import free_port

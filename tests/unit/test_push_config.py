@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvtax import cli
+from kvtax.errors import ConfigError
 from kvtax.serve import wiring
-from kvtax.serve.config import Config, ConfigError, load_config, unknown_env
+from kvtax.serve.config import Config, load_config, unknown_env
 
 SECRET = "s3cret-Token_42"
 

@@ -407,7 +407,7 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         (M, "adapter"),
         "delivery",
     ),
-    # -- the admission gate (docs/admission.md): kvtax.expose.catalog_gate ----------------
+    # -- the gate (docs/gate.md): kvtax.expose.catalog_gate ----------------------------------
     *GATE_METRICS,
 )
 

@@ -1,4 +1,4 @@
-"""The admission gate's metrics (docs/admission.md), a table of :mod:`kvtax.expose.catalog`.
+"""The gate's metrics (docs/gate.md), a table of :mod:`kvtax.expose.catalog`.
 
 With the gate off only ``kvtax_gate_advised_cap`` is published: the value to copy into vLLM's
 ``--max-num-seqs`` (``--max-num-active-seqs`` on 0.33+). Kept apart from the catalog's other
@@ -12,6 +12,8 @@ from kvtax.expose.spec import MetricSpec
 __all__ = ["GATE_METRICS"]
 
 _S = MetricSpec
+# HELP names the gate's flags by their old spelling, --admission.* (still accepted, see
+# kvtax.serve.config.RENAMED): the /metrics page stays byte for byte what 0.2.0 served.
 GATE_METRICS: tuple[MetricSpec, ...] = (
     _S(
         "kvtax_gate_advised_cap",
@@ -21,7 +23,7 @@ GATE_METRICS: tuple[MetricSpec, ...] = (
         "the gate off too, as a value for vLLM's --max-num-seqs (--max-num-active-seqs on "
         "0.33+, --max-num-seqs left at its default) or --max-num-queued-reqs.",
         (),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_cap",
@@ -29,49 +31,49 @@ GATE_METRICS: tuple[MetricSpec, ...] = (
         "The gate's cap on requests in flight, by mode and by how it was chosen (source: "
         "static, floor, cold_start, formula, budget, cut, raise).",
         ("mode", "source"),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_budget_blocks",
         "gauge",
         "KV blocks the budget mode hands out: capacity x target usage / block size.",
         (),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_blocks_in_flight",
         "gauge",
         "Worst-case KV blocks (prompt + max_tokens) of the requests the gate let through.",
         (),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_requests_in_flight",
         "gauge",
         "Requests the gate let through that have not ended.",
         (),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_queue_depth",
         "gauge",
         "Requests waiting in the gate's queue.",
         (),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_queue_wait_seconds",
         "histogram",
         "Time a request waited at the gate before it was let through (0 when it fit at once).",
         (),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_admitted_total",
         "counter",
         "Requests the gate let through to vLLM.",
         (),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_rejections_total",
@@ -80,13 +82,13 @@ GATE_METRICS: tuple[MetricSpec, ...] = (
         "--admission.max-queue), wait_expired (429, over --admission.max-wait), over_budget "
         "(400, over --admission.token-budget).",
         ("reason",),
-        "admission",
+        "gate",
     ),
     _S(
         "kvtax_gate_cap_changes_total",
         "counter",
         "Changes of the gate's cap, by direction (up, down).",
         ("direction",),
-        "admission",
+        "gate",
     ),
 )

@@ -97,7 +97,7 @@ CHANGES_0_2: tuple[Change, ...] = (
     Change(
         "`kvtax_admission_in_flight`, `kvtax_admission_limit`, `kvtax_admission_queued`",
         "removed: nothing produced them",
-        "the admission gate's own series, `kvtax_gate_*` ([admission.md](admission.md))",
+        "the gate's own series, `kvtax_gate_*` ([gate.md](gate.md))",
         ("kvtax_admission_in_flight", "kvtax_admission_limit", "kvtax_admission_queued"),
     ),
     Change(

@@ -1,7 +1,7 @@
-"""The admission gate's decisions, as pure functions: the cap, a request's footprint, the order.
+"""The gate's decisions, as pure functions: the cap, a request's footprint, the order.
 
-:mod:`~kvtax.admission.cap` steps the concurrency cap from one scrape's signals (static, budget,
-auto, adaptive AIMD); :mod:`~kvtax.admission.footprint` sizes a request in tokens and KV blocks
-and applies the per-request token budget; :mod:`~kvtax.admission.order` orders the queue and
+:mod:`~kvtax.gate.cap` steps the concurrency cap from one scrape's signals (static, budget,
+auto, adaptive AIMD); :mod:`~kvtax.gate.footprint` sizes a request in tokens and KV blocks
+and applies the per-request token budget; :mod:`~kvtax.gate.order` orders the queue and
 estimates Retry-After. The asyncio queue that acts on them is :mod:`kvtax.serve.proxy.gate`.
 """

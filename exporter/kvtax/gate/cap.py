@@ -1,4 +1,4 @@
-"""The admission cap: how many requests (or KV blocks) may be in flight, stepped once a scrape.
+"""The gate's cap: how many requests (or KV blocks) may be in flight, stepped once a scrape.
 
 :func:`initial` gives the cap before any scrape; :func:`step` gives the next state from the
 current one and one scrape's :class:`Signals`. Both are pure, so a recorded or synthetic

@@ -279,7 +279,7 @@ def check_budget(
         return BudgetVerdict(
             "reject",
             message=f"the prompt (about {prompt_tokens} tokens){copies} leaves no room in the "
-            f"per-request budget of {budget} tokens (--admission.token-budget)",
+            f"per-request budget of {budget} tokens (--gate.token-budget)",
         )
     if max_tokens is not None and max_tokens <= room:
         return BudgetVerdict("ok")
@@ -289,6 +289,6 @@ def check_budget(
     return BudgetVerdict(
         "reject",
         message=f"prompt (about {prompt_tokens} tokens) plus {stated}{copies} exceeds the "
-        f"per-request budget of {budget} tokens (--admission.token-budget); ask for at most "
+        f"per-request budget of {budget} tokens (--gate.token-budget); ask for at most "
         f"{room}",
     )

@@ -2,7 +2,7 @@
 
 FIFO orders by arrival. ``shortest`` orders by worst-case footprint (prompt + max_tokens),
 then arrival, so that one long request does not hold many short ones behind it; a long
-request can then wait longer, up to ``--admission.max-wait``.
+request can then wait longer, up to ``--gate.max-wait``.
 
 Retry-After divides the requests ahead by the current completion rate, which
 :class:`CompletionRate` measures over the last :data:`RATE_RECENT` seconds (the last

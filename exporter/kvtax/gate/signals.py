@@ -1,4 +1,4 @@
-"""One scrape's :class:`~kvtax.admission.cap.Signals`, from the figures every model has.
+"""One scrape's :class:`~kvtax.gate.cap.Signals`, from the figures every model has.
 
 A vLLM server usually serves one model; with several, the gate in front of it sees the pool as
 one: the largest capacity and KV usage, the longest p95 length, and the preemptions and
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvtax.admission.cap import Signals
 from kvtax.figures.derive import ModelFigures
+from kvtax.gate.cap import Signals
 
 __all__ = ["Totals", "signals_of"]
 

@@ -287,7 +287,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         "kvtax's alerts are blind there.",
     )
 
-    # -- the proxy's admission gate (docs/admission.md) -----------------------------------------
+    # -- the proxy's gate (docs/gate.md) -------------------------------------------------------
     shed = c.selector("kvtax_gate_rejections_total", k, 'reason=~"queue_full|wait_expired"')
     shed_rate = f"sum by ({pod}) (rate({shed}[{w}]))"
     admitted_rate = f"sum by ({pod}) (rate({c.selector('kvtax_gate_admitted_total', k)}[{w}]))"

@@ -108,7 +108,7 @@ class RulesConfig:
     # Any sustained shedding means capacity is short, so the default threshold is 0.
     shed_per_second: float = 0.0
     shed_for: str = "15m"
-    # The proxy's admission gate: share of requests it sheds (429) over the rate window.
+    # The proxy's gate (docs/gate.md): share of requests it sheds (429) over the rate window.
     gate_shed_ratio: float = 0.05
     gate_shed_for: str = "10m"
     # Scrape health: shorter than 15m because every other alert is blind meanwhile.

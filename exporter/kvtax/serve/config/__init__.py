@@ -6,6 +6,8 @@ defines every setting: its dotted key, type, default, help and check. From it co
 (``KVTAX_SCRAPE_INTERVAL``), the YAML keys (``scrape: {interval: 5s}``) and
 ``docs/configuration.md``. Precedence: flags, then environment, then the YAML file, then defaults.
 A bad value raises :class:`ConfigError` naming the key, where it came from, and the value.
+A renamed setting (:data:`RENAMED`) still answers to its old flag, variable and YAML key, with a
+warning; within one source the new name wins over the old.
 
 This module merges the sources and checks settings against each other; the value parsers are in
 :mod:`kvtax.serve.config.values`, the YAML reader in :mod:`kvtax.serve.config.file` and the
@@ -21,22 +23,27 @@ Example::
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvtax.errors import ConfigError
 from kvtax.serve.config.docs import render_markdown
 from kvtax.serve.config.file import read_file
-from kvtax.serve.config.options import OPTIONS, Config, Option, env_name
-from kvtax.serve.config.values import ConfigError, parse_address, parse_duration, token
+from kvtax.serve.config.option import flag_name
+from kvtax.serve.config.options import OPTIONS, RENAMED, RENAMED_KEYS, Config, Option, env_name
+from kvtax.serve.config.values import parse_address, parse_duration, token
 
 __all__ = [
     "OPTIONS",
+    "RENAMED",
+    "RENAMED_KEYS",
     "Config",
     "ConfigError",
     "Option",
     "env_name",
+    "flag_name",
     "load_config",
     "parse_address",
     "parse_duration",
@@ -45,12 +52,33 @@ __all__ = [
 ]
 
 
-def load_config(flags: Mapping[str, Any], *, env: Mapping[str, str], file: Path | None) -> Config:
-    """Merge flags > environment > YAML file > defaults and validate every value."""
-    from_file = _read_known_keys(file)
+def load_config(
+    flags: Mapping[str, Any],
+    *,
+    env: Mapping[str, str],
+    file: Path | None,
+    warnings: list[str] | None = None,
+) -> Config:
+    """Merge flags > environment > YAML file > defaults and validate every value.
+
+    ``flags`` is by dotted key, None for a flag not given. A setting given by its old name
+    (:data:`RENAMED_KEYS`) counts as its new one in the same source; each old name given adds
+    one line to ``warnings``, for the caller to log once logging is set up.
+    """
+    notes: list[str] = []
+    given_flags = {key: value for key, value in flags.items() if value is not None}
+    by_flag = _renamed(given_flags, spell=str, show=flag_name, source="", notes=notes)
+    by_env = _renamed(
+        env, spell=env_name, show=env_name, source="environment variable ", notes=notes
+    )
+    from_file = _renamed(
+        _read_known_keys(file), spell=str, show=str, source=f"config file {file}: key ", notes=notes
+    )
+    if warnings is not None:
+        warnings.extend(notes)
     values: dict[str, Any] = {}
     for option in OPTIONS:
-        given = _given(option, flags, env, from_file, file)
+        given = _given(option, by_flag, by_env, from_file, file)
         if given is not None:  # else Config's own default, parsed from the table, holds
             values[option.field] = _parse(option, *given)
     config = _with_token_file(Config(**values))
@@ -62,11 +90,39 @@ def _read_known_keys(file: Path | None) -> dict[str, Any]:
     if file is None:
         return {}
     from_file = read_file(file)
-    known = {o.key for o in OPTIONS}
+    known = {o.key for o in OPTIONS} | RENAMED_KEYS.keys()
     for key in from_file:
         if key not in known:
             raise ConfigError(f"config file {file}: unknown key {key!r}")
     return from_file
+
+
+def _renamed(
+    given: Mapping[str, Any],
+    *,
+    spell: Callable[[str], str],
+    show: Callable[[str], str],
+    source: str,
+    notes: list[str],
+) -> dict[str, Any]:
+    """One source's settings (by ``spell(key)``) with each old name moved to its new one, and a
+    note for each old name given, naming both as ``show`` spells them; the old one is dropped
+    when the new one is given too."""
+    moved = dict(given)
+    for old_key, option in RENAMED_KEYS.items():
+        old, new = spell(old_key), spell(option.key)
+        if old not in moved:
+            continue
+        value = moved.pop(old)
+        if new in given:
+            notes.append(
+                f"{source}{show(old_key)} is ignored: it is the deprecated name of "
+                f"{show(option.key)}, which is given too and wins"
+            )
+        else:
+            moved[new] = value
+            notes.append(f"{source}{show(old_key)} is deprecated: use {show(option.key)}")
+    return moved
 
 
 def _given(
@@ -107,10 +163,10 @@ def _check_together(config: Config) -> None:
             f"--window={config.window} is invalid: must be at least two scrape intervals "
             f"({2 * config.scrape_interval}s)"
         )
-    if config.admission_floor > config.admission_ceiling:
+    if config.gate_floor > config.gate_ceiling:
         raise ConfigError(
-            f"--admission.floor={config.admission_floor} is invalid: must not exceed "
-            f"--admission.ceiling={config.admission_ceiling}"
+            f"--gate.floor={config.gate_floor} is invalid: must not exceed "
+            f"--gate.ceiling={config.gate_ceiling}"
         )
 
 
@@ -161,9 +217,11 @@ def unknown_env(env: Mapping[str, str]) -> list[str]:
     misspelled token variable leaves push refused, not open.
     """
     settings = sorted({o.env for o in OPTIONS} | {"KVTAX_CONFIG_FILE"})
+    # Old names of renamed settings: load_config warns about those itself.
+    renamed = {env_name(key) for key in RENAMED_KEYS}
     warnings = []
     for name in sorted(env):
-        if not name.startswith("KVTAX_") or name in settings or name in _TOOL_VARIABLES:
+        if not name.startswith("KVTAX_") or name in (*settings, *renamed, *_TOOL_VARIABLES):
             continue
         close = difflib.get_close_matches(name, settings, n=1, cutoff=0.8)
         hint = f"did you mean {close[0]}?" if close else "see docs/configuration.md"

@@ -7,7 +7,8 @@ Example::
 
 from __future__ import annotations
 
-from kvtax.serve.config.options import OPTIONS
+from kvtax.serve.config.option import env_name, flag_name
+from kvtax.serve.config.options import OPTIONS, RENAMED
 
 __all__ = ["render_markdown"]
 
@@ -25,10 +26,32 @@ _HEADER = [
 ]
 
 
+_RENAMED_HEADER = [
+    "",
+    "## Renamed settings",
+    "",
+    "The old spellings still work, each with a warning at start naming the new one. Given both",
+    "ways in one place (two flags, two variables or two YAML keys), the new one wins. Precedence",
+    "is as above: an old flag beats a new variable. `kvtax serve --help` shows only the new ones.",
+    "",
+    "| old | new |",
+    "|---|---|",
+]
+
+
 def render_markdown() -> str:
-    """The configuration reference: one row per option, with its flag, variable and default."""
+    """The configuration reference: one row per option, with its flag, variable and default,
+    then the renamed settings' old spellings."""
     lines = list(_HEADER)
     for o in OPTIONS:
         default = "unset" if o.default is None else f"`{o.default_text}`"
         lines.append(f"| `{o.flag}` | `{o.env}` | {default} | {o.help} |")
+    if RENAMED:
+        lines += _RENAMED_HEADER
+        lines += [f"| {_spellings(old)} | {_spellings(new)} |" for old, new in RENAMED.items()]
     return "\n".join(lines) + "\n"
+
+
+def _spellings(prefix: str) -> str:
+    """A key prefix's flags, variables and YAML keys: ``--gate.*``, ``KVTAX_GATE_*``, ``gate:``."""
+    return f"`{flag_name(prefix)}.*`, `{env_name(prefix)}_*`, YAML `{prefix}:`"

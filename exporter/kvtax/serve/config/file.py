@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from kvtax.serve.config.values import ConfigError
+from kvtax.errors import ConfigError
 
 __all__ = ["flatten", "read_file"]
 

@@ -5,12 +5,12 @@ back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from dataclasses import field as dataclass_field
 from typing import Any
 
-__all__ = ["Option", "env_name", "option", "options_of"]
+__all__ = ["Option", "env_name", "flag_name", "option", "options_of", "renamed_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class Option:
     @property
     def flag(self) -> str:
         """The command-line flag: ``--web.listen-address`` for ``web.listen_address``."""
-        return "--" + self.key.replace("_", "-")
+        return flag_name(self.key)
 
     @property
     def env(self) -> str:
@@ -57,6 +57,10 @@ class Option:
 
 def env_name(key: str) -> str:
     return "KVTAX_" + key.replace(".", "_").upper()
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
 def option(
@@ -92,3 +96,18 @@ def options_of(config_class: type) -> tuple[Option, ...]:
             raise TypeError(f"{config_class.__name__}.{f.name} is declared as {spec.key!r}")
         table.append(spec)
     return tuple(table)
+
+
+def renamed_keys(options: tuple[Option, ...], renamed: Mapping[str, str]) -> dict[str, Option]:
+    """The old keys of renamed settings, each with the option it now names.
+
+    ``renamed`` maps an old key prefix to the new one (``{"admission": "gate"}``): every option
+    under ``gate.`` then has an old key under ``admission.`` (``admission.max_queue`` for
+    ``gate.max_queue``), whose flag, variable and YAML key are spelled as for any key.
+    """
+    return {
+        f"{old}.{o.key.removeprefix(new + '.')}": o
+        for old, new in renamed.items()
+        for o in options
+        if o.key.startswith(new + ".")
+    }

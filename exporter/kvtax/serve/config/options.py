@@ -19,9 +19,18 @@ from pathlib import Path
 
 from kvtax.delivery.adapters import adapter_pairs
 from kvtax.serve.config import values as v
-from kvtax.serve.config.option import Option, env_name, option, options_of
+from kvtax.serve.config.option import Option, env_name, option, options_of, renamed_keys
 
-__all__ = ["OPTIONS", "Config", "Option", "env_name", "option", "options_of"]
+__all__ = [
+    "OPTIONS",
+    "RENAMED",
+    "RENAMED_KEYS",
+    "Config",
+    "Option",
+    "env_name",
+    "option",
+    "options_of",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,84 +266,84 @@ class Config:
         "FORMAT",
     )
 
-    # -- admission gate (docs/admission.md) -----------------------------------------------------
-    admission_mode: str = option(
-        "admission.mode",
+    # -- the gate (docs/gate.md) ---------------------------------------------------------------
+    gate_mode: str = option(
+        "gate.mode",
         "off",
         v.one_of("off", "static", "budget", "auto", "adaptive"),
-        "The proxy's admission gate: off (relay as is), static (cap requests in flight at "
-        "--admission.static-cap), budget (admit by worst-case KV blocks against capacity x "
+        "The proxy's KV-aware gate: off (relay as is), static (cap requests in flight at "
+        "--gate.static-cap), budget (admit by worst-case KV blocks against capacity x "
         "--target-usage), auto (cap at the recommended max_num_seqs, live) or adaptive (AIMD "
-        "from preemptions and KV usage between --admission.floor and --admission.ceiling).",
+        "from preemptions and KV usage between --gate.floor and --gate.ceiling).",
         "MODE",
     )
-    admission_static_cap: int = option(
-        "admission.static_cap",
+    gate_static_cap: int = option(
+        "gate.static_cap",
         16,
         v.positive(int),
         "Requests in flight the static mode allows.",
         "N",
     )
-    admission_floor: int = option(
-        "admission.floor",
+    gate_floor: int = option(
+        "gate.floor",
         2,
         v.positive(int),
         "Lowest cap of the budget, auto and adaptive modes, and their cap before any figures.",
         "N",
     )
-    admission_ceiling: int = option(
-        "admission.ceiling",
+    gate_ceiling: int = option(
+        "gate.ceiling",
         256,
         v.positive(int),
         "Highest cap of the auto and adaptive modes (and the count cap of the budget mode).",
         "N",
     )
-    admission_max_queue: int = option(
-        "admission.max_queue",
+    gate_max_queue: int = option(
+        "gate.max_queue",
         256,
         v.positive(int),
         "Requests that may wait in front of the cap; more get 429 with Retry-After.",
         "N",
     )
-    admission_max_wait: float = option(
-        "admission.max_wait",
+    gate_max_wait: float = option(
+        "gate.max_wait",
         30.0,
         v.positive_duration,
-        "Longest wait in the admission queue; past it the request gets 429 with Retry-After.",
+        "Longest wait in the gate's queue; past it the request gets 429 with Retry-After.",
         "DURATION",
     )
-    admission_order: str = option(
-        "admission.order",
+    gate_order: str = option(
+        "gate.order",
         "fifo",
         v.one_of("fifo", "shortest"),
         "Queue order: fifo, or shortest (smallest prompt + max_tokens first).",
         "ORDER",
     )
-    admission_token_budget: int | None = option(
-        "admission.token_budget",
+    gate_token_budget: int | None = option(
+        "gate.token_budget",
         None,
         v.optional_positive_int,
         "Most prompt + max_tokens one request may ask for, with the gate on; see "
-        "--admission.over-budget.",
+        "--gate.over-budget.",
         "TOKENS",
     )
-    admission_over_budget: str = option(
-        "admission.over_budget",
+    gate_over_budget: str = option(
+        "gate.over_budget",
         "reject",
         v.one_of("reject", "clamp"),
-        "A request over --admission.token-budget: reject (400) or clamp its max_tokens.",
+        "A request over --gate.token-budget: reject (400) or clamp its max_tokens.",
         "ACTION",
     )
-    admission_max_model_len: int | None = option(
-        "admission.max_model_len",
+    gate_max_model_len: int | None = option(
+        "gate.max_model_len",
         None,
         v.optional_positive_int,
         "The model's max length (vLLM --max-model-len): the worst case of a request that "
         "states no max_tokens. Unset: the whole KV pool.",
         "TOKENS",
     )
-    admission_block_size: int = option(
-        "admission.block_size",
+    gate_block_size: int = option(
+        "gate.block_size",
         16,
         v.positive(int),
         "vLLM's KV block size in tokens (--block-size), to count footprints in whole blocks.",
@@ -349,3 +358,12 @@ class Config:
 
 
 OPTIONS: tuple[Option, ...] = options_of(Config)
+
+# Settings renamed in place, old key prefix -> new. The old flag, variable and YAML key still
+# work, each with a warning naming the new one (the new one wins when both are given); they are
+# hidden from --help and listed once at the end of docs/configuration.md.
+RENAMED: dict[str, str] = {
+    "admission": "gate",  # after 0.2.0: the gate's settings took the name of its metrics
+}
+# Each old key (``admission.max_queue``) with the option it now names (``gate.max_queue``).
+RENAMED_KEYS: dict[str, Option] = renamed_keys(OPTIONS, RENAMED)

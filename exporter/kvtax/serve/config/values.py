@@ -3,7 +3,7 @@
 Each parser takes what a flag, an environment variable or a YAML key holds (a string, or a YAML
 scalar) and returns the typed value, or raises ``ValueError`` with a message that says what was
 expected. They do not know which setting they parse: :mod:`kvtax.serve.config` adds the key, the
-source and the bad value, and raises :class:`ConfigError`.
+source and the bad value, and raises :class:`kvtax.errors.ConfigError`.
 
 Example::
 
@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 from kvtax.serve.logformat import FORMATS
 
 __all__ = [
-    "ConfigError",
     "boolean",
     "endpoint_url",
     "fraction",
@@ -43,10 +42,6 @@ __all__ = [
     "token",
     "url",
 ]
-
-
-class ConfigError(ValueError):
-    """A setting is invalid; the message names the key, its source and the bad value."""
 
 
 # Values that mean "not set" for an optional setting, however they were written.

@@ -5,7 +5,7 @@ The modules, in the order a request meets them:
 - :mod:`~kvtax.serve.proxy.client`: a client's connection; parses requests, queues them,
   answers them in order, and turns a full socket into a paused upstream;
 - :mod:`~kvtax.serve.proxy.proxy`: :class:`Proxy`, the lifecycle and what happens to each
-  request (the admission gate, vLLM, the ledger);
+  request (the gate, vLLM, the ledger);
 - :mod:`~kvtax.serve.proxy.prepare`: an accounted request's body, read once;
 - :mod:`~kvtax.serve.proxy.upstream`: the keep-alive pool of connections to vLLM;
 - :mod:`~kvtax.serve.proxy.relay`: vLLM's body to the client, read by read;

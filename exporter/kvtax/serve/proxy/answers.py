@@ -2,7 +2,7 @@
 
 A body over ``--proxy.max-body`` (:func:`too_large`), a vLLM that could not be reached or did
 not answer in time (:func:`upstream_failure`), a stream it compressed past reading
-(:func:`undecodable`), the admission gate's refusals (:func:`over_budget`,
+(:func:`undecodable`), the gate's refusals (:func:`over_budget`,
 :func:`shed`), and the 503 of a request kvtax ends unanswered because it is shutting down
 (:func:`shutting_down`). Nothing of the request is echoed back: the messages name limits and
 flags only. vLLM's own statuses and error bodies pass through the relay unchanged.
@@ -66,8 +66,8 @@ def undecodable(encoding: str) -> Answer:
 
 
 _SHED_MESSAGES = {
-    "queue_full": "the admission queue is full (--admission.max-queue); retry later",
-    "wait_expired": "the request waited in the admission queue longer than --admission.max-wait; "
+    "queue_full": "the gate's queue is full (--gate.max-queue); retry later",
+    "wait_expired": "the request waited in the gate's queue longer than --gate.max-wait; "
     "retry later",
 }
 

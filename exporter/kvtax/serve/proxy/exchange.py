@@ -8,7 +8,7 @@ It is the one place an outcome is decided; nothing else sets or guesses one.
 Both are pure: the caller takes the last reading of the client's acknowledgements first.
 
 The outcomes (the ledger's ``OUTCOMES``): ``too_large`` is the proxy's own 413; ``shed`` is the
-admission gate's 429 or 400 (the request never reached vLLM);
+gate's 429 or 400 (the request never reached vLLM);
 ``upstream_4xx`` and ``upstream_error`` are vLLM's 4xx and 5xx, or a vLLM that never answered
 or broke off; ``completed`` means every byte reached the client; ``shutdown`` that kvtax's
 shutdown ended the request first (its grace period ran out, or kvtax answered its own 503);
@@ -62,7 +62,7 @@ class Exchange:
     credited: int = 0  # delivered tokens the ledger already counted mid-stream
     finished_at: float | None = None
     sent: bool = False  # vLLM got the request even if it never answered
-    shed: str | None = None  # the admission gate answered instead of vLLM, and why
+    shed: str | None = None  # the gate answered instead of vLLM, and why
     turned_away: bool = False  # kvtax answered its shutdown 503 before vLLM answered
     prompt_bytes: int = 0  # the gate's measure of the prompt, corrected from vLLM's usage
 

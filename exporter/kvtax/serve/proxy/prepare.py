@@ -2,7 +2,7 @@
 
 :func:`prepare` reads the body's JSON once. It learns the model and, for a stream, asks vLLM for
 usage on every chunk (:func:`kvtax.delivery.sse.with_usage`); any other body goes to vLLM byte
-for byte. The JSON it read stays with it (:class:`Prepared`) for the admission gate, which sizes
+for byte. The JSON it read stays with it (:class:`Prepared`) for the gate, which sizes
 it and may clamp its completion limit without parsing it again. Pure: no I/O.
 
 Example::
@@ -35,7 +35,7 @@ UNNAMED = OTHER
 class Prepared:
     """An accounted request, its body read once: the model, the usage wish, the bytes for
     vLLM and the JSON they hold (``payload``; None when the body is not JSON), which the
-    admission gate sizes without reading the body again."""
+    gate sizes without reading the body again."""
 
     # None: the client named no model, and vLLM's default model serves it.
     model: str | None

@@ -17,7 +17,7 @@ it ends, however it ends, :func:`~kvtax.serve.proxy.exchange.outcome_of` decides
 from those facts and the proxy's one shutdown state (:attr:`Proxy.state`), and the ledger
 settles one record.
 
-With an admission gate (:mod:`kvtax.serve.proxy.gate`, ``--admission.mode`` other than ``off``) an
+With the gate (:mod:`kvtax.serve.proxy.gate`, ``--gate.mode`` other than ``off``) an
 accounted request passes the gate after its body is read and before vLLM sees it: it may wait
 in the gate's queue, be shed with a 429 and ``Retry-After``, or be refused (400) or clamped by
 the per-request token budget. Without one, nothing of this runs.
@@ -44,10 +44,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtax.admission.footprint import Shape, check_budget, shape_of, with_max_tokens
 from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.sse import HoldBudget, UsageWish
 from kvtax.delivery.timing import SloTargets
+from kvtax.gate.footprint import Shape, check_budget, shape_of, with_max_tokens
 from kvtax.serve.proxy.answers import (
     over_budget,
     shed,
@@ -126,7 +126,7 @@ class Proxy:
     ) -> None:
         self.settings = settings
         self.max_body = settings.max_body
-        # None: no admission gate, the plain relay.
+        # None: no gate, the plain relay.
         self.gate = gate
         self.ledger = ledger
         self.clock = clock
@@ -171,7 +171,7 @@ class Proxy:
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
 
-        From the start nothing new goes to vLLM: a request queued in the admission gate or not
+        From the start nothing new goes to vLLM: a request queued in the gate or not
         yet sent gets the shutdown 503 at once. Every accounted request vLLM still has when the
         grace period ends, answering or not yet answered, has its upstream closed, so vLLM
         frees its KV, and settles with the outcome ``shutdown``. A stream gets an OpenAI-style

@@ -10,7 +10,7 @@ close the body and resolve :attr:`done`, which the request's handler awaits.
   A stream vLLM does not finish (it broke off, timed out, or shutdown cut it) ends with an
   OpenAI-style error event and a clean end: its headers and 200 are long gone. Once its
   ``[DONE]`` or final usage event went out (vLLM has finished the request), ``on_done`` is
-  called, once: the admission gate frees the request's slot there, not when vLLM's connection
+  called, once: the gate frees the request's slot there, not when vLLM's connection
   ends, which an upstream that keeps it open would put off for good.
 - :class:`InflatingStreamSink`: the same for a stream vLLM gzipped although kvtax asked for
   identity; inflated as it comes, so the usage the client did not ask for is still cut, and the
