@@ -39,10 +39,14 @@ LABEL org.opencontainers.image.title="kvtax" \
       org.opencontainers.image.documentation="https://github.com/kvtax/kvtax/blob/main/docs/deploy.md" \
       org.opencontainers.image.base.name="${PYTHON_IMAGE}"
 # The wheels are bind-mounted for this one step, so they never become a layer of the image.
+# The offline tools (kvtax plan, loadtest, annotate: kvtax/tools) run on a workstation, not in the
+# pod, so the image leaves them out; `pip install kvtax` still carries them. The mixin stays:
+# `docker run kvtax rules --config ...` is one way users render their rules.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python -m venv /opt/kvtax \
     && /opt/kvtax/bin/pip install --no-cache-dir --no-index --find-links /wheels kvtax \
-    && /opt/kvtax/bin/pip install --no-cache-dir --no-index --find-links /wheels --no-deps --target /opt/kvtax-plugin kvtax
+    && /opt/kvtax/bin/pip install --no-cache-dir --no-index --find-links /wheels --no-deps --target /opt/kvtax-plugin kvtax \
+    && rm -rf /opt/kvtax/lib/python3.11/site-packages/kvtax/tools /opt/kvtax-plugin/kvtax/tools
 
 # The port comes from here, not from the version's flag default, so the image, the chart
 # (kvtax.port) and the kustomize Component agree whatever that default is.

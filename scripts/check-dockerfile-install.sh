@@ -72,6 +72,7 @@ unset PYTHONPATH
 "$python" -m venv "$venv"
 "$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" kvtax >&2
 "$venv/bin/pip" install --no-cache-dir --no-index --find-links "$wheels" --no-deps --target "$plugin_dir" kvtax >&2
+rm -rf "$venv"/lib/python3.11/site-packages/kvtax/tools "$plugin_dir"/kvtax/tools
 
 # Everything below runs from the temp dir, so the repo's source tree cannot shadow the install.
 step "the installed kvtax is the wheel's, not the source tree's"
@@ -99,6 +100,13 @@ rc=0
 out=$("$venv/bin/kvtax" demo --short 2>&1) || rc=$?
 [ "$rc" = 2 ] || fail "kvtax demo without a checkout exited $rc, not 2: $out"
 grep -q 'scripts/demo' <<<"$out" || fail "kvtax demo without a checkout does not name scripts/demo"
+
+step "the offline tools are left out, and say so"
+[ ! -e "$venv/lib/python3.11/site-packages/kvtax/tools" ] || fail "kvtax/tools is in the image's venv"
+rc=0
+out=$("$venv/bin/kvtax" plan --help 2>&1) || rc=$?
+[ "$rc" = 2 ] || fail "kvtax plan in the image exited $rc, not 2: $out"
+grep -q 'pip install kvtax' <<<"$out" || fail "kvtax plan in the image does not say how to get it: $out"
 
 step "kvtax --help, kvtax serve --help, kvtax --version"
 out=$("$venv/bin/kvtax" --help) || fail "kvtax --help exited non-zero"

@@ -282,3 +282,36 @@ def test_every_dockerfile_has_a_pinned_base(path: Path) -> None:
             if name.endswith("IMAGE"):
                 assert ":" in default
                 assert not default.endswith(":latest")
+
+
+def _prune_steps_of_the_image() -> list[list[str]]:
+    steps = []
+    for keyword, args in instructions(DOCKERFILE):
+        if keyword == "RUN":
+            for command in args.split("&&"):
+                tokens = shlex.split(command)
+                if tokens[:2] == ["rm", "-rf"]:
+                    steps.append([_to_script_names(t) for t in tokens])
+    return steps
+
+
+def _prune_steps_of_the_script() -> list[list[str]]:
+    # The script's own cleanup removes its temporary folder ("$work"), not part of the image.
+    return [
+        shlex.split(line.replace('"', ""), posix=False)
+        for line in SCRIPT.read_text().splitlines()
+        if line.startswith("rm -rf ") and "$work" not in line
+    ]
+
+
+def test_the_image_leaves_out_the_offline_tools_as_the_script_does() -> None:
+    image = _prune_steps_of_the_image()
+    assert image == [
+        [
+            "rm",
+            "-rf",
+            "$venv/lib/python3.11/site-packages/kvtax/tools",
+            "$plugin_dir/kvtax/tools",
+        ]
+    ]
+    assert _prune_steps_of_the_script() == image

@@ -1,27 +1,42 @@
 """The ``kvtax`` command line: ``serve`` runs the sidecar; other subcommands generate artifacts.
 
 Flags of ``serve`` are generated from :data:`kvtax.serve.config.OPTIONS`, so ``--help``, the
-environment variables and ``docs/configuration.md`` cannot disagree. Errors in configuration
-exit with status 2 and a message naming the key and the bad value. ``docs``, ``rules`` and
-``dashboards generate`` write or ``--check`` their files through :mod:`kvtax.cli.generated`.
+environment variables and ``docs/configuration.md`` cannot disagree. Bad input to any
+subcommand (a :class:`kvtax.errors.InputError`, a bad setting of ``serve`` included) is caught
+here, once: one line ``kvtax <command>: <message>`` on stderr, the message naming the flag,
+setting or file at fault, and exit status 2.
+``docs``, ``rules`` and ``dashboards generate`` write or ``--check`` their files through
+:mod:`kvtax.cli.generated`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtax import __version__
 from kvtax.cli.checkout import harness_missing, needs_checkout
 from kvtax.cli.generated import add_output_arguments, write_or_check
-from kvtax.serve import logformat, logsafe
-from kvtax.serve.config import OPTIONS, Config, ConfigError, Option, load_config, unknown_env
+from kvtax.errors import InputError
+from kvtax.serve import logformat
+from kvtax.serve.config import (
+    OPTIONS,
+    RENAMED_KEYS,
+    Config,
+    Option,
+    flag_name,
+    load_config,
+    unknown_env,
+)
+
+if TYPE_CHECKING:
+    from asyncio import AbstractEventLoop
 
 __all__ = ["build_parser", "main"]
 
@@ -75,12 +90,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="YAML file with settings (env KVTAX_CONFIG_FILE).",
     )
-    for option in OPTIONS:
+    shown = [(o.key, o, _flag_help(o)) for o in OPTIONS]
+    # A renamed setting's old flag still works (load_config warns); --help leaves it out.
+    hidden = [(old, o, argparse.SUPPRESS) for old, o in RENAMED_KEYS.items()]
+    for key, option, help in (*shown, *hidden):
         # Accept the underscore spelling too: it is what the YAML and env keys use.
-        spellings = dict.fromkeys([option.flag, f"--{option.key}"])
+        spellings = dict.fromkeys([flag_name(key), f"--{key}"])
         parser.add_argument(
             *spellings,
-            dest=option.key,
+            dest=key,
             metavar=option.metavar,
             # None, not the option's default: load_config falls through to the environment, the
             # file, then Config's own default, so argparse must not hold a second one.
@@ -88,7 +106,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             # A switch given bare means true; --push.allow-unauthenticated=false still parses.
             nargs="?" if option.switch else None,
             const="true" if option.switch else None,
-            help=_flag_help(option),
+            help=help,
         )
 
 
@@ -158,32 +176,41 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> Config:
-    flags = {o.key: getattr(args, o.key) for o in OPTIONS}
+def config_from_args(
+    args: argparse.Namespace, env: dict[str, str], warnings: list[str] | None = None
+) -> Config:
+    """The config ``args`` and ``env`` give; old names of renamed settings add to ``warnings``."""
+    flags = {key: getattr(args, key, None) for key in [*(o.key for o in OPTIONS), *RENAMED_KEYS]}
     file = args.config_file or (
         Path(env["KVTAX_CONFIG_FILE"]) if env.get("KVTAX_CONFIG_FILE") else None
     )
-    return load_config(flags, env=env, file=file)
+    return load_config(flags, env=env, file=file, warnings=warnings)
 
 
 @command("serve")
 def _serve(args: argparse.Namespace) -> int:
-    config = config_from_args(args, dict(os.environ))
+    # The server stack (aiohttp, asyncio, the proxy) loads only for `serve`: every other
+    # subcommand, and --help, starts without it.
+    import asyncio
+
+    from kvtax.serve import logsafe
+    from kvtax.serve.wiring import run
+
+    renamed: list[str] = []
+    config = config_from_args(args, dict(os.environ), renamed)
     logformat.install(config.log_level, config.log_format)
     # Before any server starts: aiohttp logs a malformed request's header bytes, token and all.
     logsafe.install()
-    for warning in unknown_env(os.environ):
+    for warning in [*renamed, *unknown_env(os.environ)]:
         log.warning("%s", warning)
     if config.log_level != "debug":
         # APScheduler logs two INFO lines per job run: one scrape a second would drown the log.
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    from kvtax.serve.wiring import run  # the server stack loads only for `serve`
-
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(run(config))
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def _loop_factory() -> Callable[[], AbstractEventLoop] | None:
     """uvloop where it is installed (a dependency on Linux): the relay's per-chunk cost is
     mostly event-loop and transport work, which uvloop does in C. Else asyncio's own loop."""
     try:
@@ -220,17 +247,36 @@ def _docs(args: argparse.Namespace) -> int:
     return write_or_check(pages, args.out, check=args.check, command="kvtax docs")
 
 
+def _named(args: argparse.Namespace) -> str:
+    """The command as typed: ``kvtax plan``, or ``kvtax dashboards generate`` when the
+    subcommand has actions of its own (their ``dest`` is ``<command>_command``)."""
+    action = getattr(args, f"{args.command}_command", None)
+    return " ".join(["kvtax", args.command, *([action] if action else [])])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(words)
+    try:
+        parser = build_parser(words)
+    except ModuleNotFoundError as exc:
+        # kvtax's image leaves out the offline tools (see the Dockerfile): say where they are.
+        if not (exc.name or "").startswith("kvtax.tools"):
+            raise
+        print(
+            f"kvtax {_chosen(words)}: the offline tools are not installed here (kvtax's image "
+            "carries only what runs in the pod); run `pip install kvtax` on a workstation",
+            file=sys.stderr,
+        )
+        return 2
     args = parser.parse_args(words)
     if args.command is None:
         parser.print_help()
         return 2
     try:
         return _COMMANDS[args.command](args)
-    except ConfigError as exc:
-        print(f"kvtax: configuration error: {exc}", file=sys.stderr)
+    except InputError as exc:
+        # The one catch of bad input, whichever subcommand met it: one line naming the field.
+        print(f"{_named(args)}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
