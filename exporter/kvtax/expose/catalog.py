@@ -269,7 +269,7 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "(5xx or no answer, including vLLM's own admission rejections, a 503), upstream_4xx "
         "(vLLM answered 4xx: a bad request), too_large (kvtax's own 413), "
         "shutdown (ended by kvtax's shutdown: cut when the grace period ran out, or turned away "
-        "with a 503), shed (the admission gate's "
+        "with a 503), shed (the gate's "
         "429 or 400: never sent to vLLM).",
         (M, "outcome"),
         "delivery",

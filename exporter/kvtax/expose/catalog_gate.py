@@ -12,14 +12,12 @@ from kvtax.expose.spec import MetricSpec
 __all__ = ["GATE_METRICS"]
 
 _S = MetricSpec
-# HELP names the gate's flags by their old spelling, --admission.* (still accepted, see
-# kvtax.serve.config.RENAMED): the /metrics page stays byte for byte what 0.2.0 served.
 GATE_METRICS: tuple[MetricSpec, ...] = (
     _S(
         "kvtax_gate_advised_cap",
         "gauge",
         "Requests in flight the auto mode would allow now: floor(capacity x target usage / p95 "
-        "request length), bounded by --admission.floor and --admission.ceiling. Published with "
+        "request length), bounded by --gate.floor and --gate.ceiling. Published with "
         "the gate off too, as a value for vLLM's --max-num-seqs (--max-num-active-seqs on "
         "0.33+, --max-num-seqs left at its default) or --max-num-queued-reqs.",
         (),
@@ -79,8 +77,8 @@ GATE_METRICS: tuple[MetricSpec, ...] = (
         "kvtax_gate_rejections_total",
         "counter",
         "Requests the gate answered itself, by reason: queue_full (429, over "
-        "--admission.max-queue), wait_expired (429, over --admission.max-wait), over_budget "
-        "(400, over --admission.token-budget).",
+        "--gate.max-queue), wait_expired (429, over --gate.max-wait), over_budget "
+        "(400, over --gate.token-budget).",
         ("reason",),
         "gate",
     ),

@@ -297,8 +297,8 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         f"{shed_rate} / ({shed_rate} + {admitted_rate}) > {c.gate_shed_ratio:g}",
         c.gate_shed_for,
         "warning",
-        "The admission gate in the kvtax proxy is answering many requests with 429.",
-        f"The admission gate{ON_POD} has shed {{{{ $value | humanizePercentage }}}} of "
+        "The gate in the kvtax proxy is answering many requests with 429.",
+        f"The gate{ON_POD} has shed {{{{ $value | humanizePercentage }}}} of "
         f"requests (queue full or wait expired) over {w}, for {c.gate_shed_for}.",
     )
 
