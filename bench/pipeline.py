@@ -2,8 +2,9 @@
 
 Each repetition times the same body twice, in alternating order: once through the bare parser
 (``text_string_to_metric_families``, fully iterated), and once through kvtax's whole pipeline.
-The pipeline is ``Sidecar.ingest`` of the stack ``serve.wiring.build`` connects (normalize, the
-window with the ledger's totals, derive) plus ``generate_latest`` of kvtax's registry. It reports
+The pipeline is ``ScrapeJob.ingest`` of the stack ``serve.wiring.build`` connects (normalize,
+the window with the ledger's totals, derive) plus ``generate_latest`` of kvtax's registry (the
+web port's). It reports
 medians, the ratio pipeline / bare parse, and the peak Python allocation of one pass of each
 (tracemalloc). Two payloads are used:
 
@@ -127,7 +128,8 @@ class Pipeline:
 
     def __init__(self, pages: list[str]) -> None:
         self.pages = pages
-        self.sidecar = build(Config(window=WINDOW)).sidecar
+        stack = build(Config(window=WINDOW))
+        self.scrape, self.web = stack.scrape, stack.web
         self.scrapes = 0
 
     def warm(self) -> None:
@@ -142,8 +144,8 @@ class Pipeline:
     def __call__(self) -> int:
         text = self.text
         self.scrapes += 1
-        self.sidecar.ingest(text, self.scrapes * STEP)
-        return len(generate_latest(self.sidecar.registry))
+        self.scrape.ingest(text, self.scrapes * STEP)
+        return len(generate_latest(self.web.registry))
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ def kvtax_page(models: int, adapters_per_model: int) -> str:
             for a in range(adapters_per_model)
         }
     )
-    stack.sidecar.ingest(idle, timestamp=1000.0)
+    stack.scrape.ingest(idle, timestamp=1000.0)
     for name in [_model(m) for m in range(models)] + list(stack.names.adapters):
         stack.ledger.settle(
             RequestRecord(
@@ -134,8 +134,8 @@ def kvtax_page(models: int, adapters_per_model: int) -> str:
                 slo_met=True,
             )
         )
-    stack.sidecar.ingest(vllm, timestamp=1005.0)
-    return generate_latest(stack.sidecar.registry).decode()
+    stack.scrape.ingest(vllm, timestamp=1005.0)
+    return generate_latest(stack.web.registry).decode()
 
 
 @dataclass(frozen=True, slots=True)

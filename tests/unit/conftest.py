@@ -1,5 +1,5 @@
 """Shared helpers for the unit tests: the vLLM fixtures, an injectable clock, the /metrics
-reader and the Prometheus command-line tools.
+reader, a web port in front of a lone scrape job, and the Prometheus command-line tools.
 
 The fixtures under ``tests/fixtures/vllm`` are real 0.32 captures and hand-written older
 versions (see ``OLD-VERSIONS.md`` there). Tests read them through :func:`fixture_text`.
@@ -11,9 +11,12 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtax.serve.scrape.job import ScrapeJob
+from kvtax.serve.web.port import WebPort
 from kvtax_dev.exposition import Labels, Samples, read_samples
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "parse_exposition",
     "read_fixture",
     "tool",
+    "web_port",
 ]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
@@ -76,3 +80,16 @@ def tool(name: str) -> str:
 def one(samples: Samples, name: str, **labels: str) -> float:
     """The value of the one sample with this name and exactly these labels."""
     return samples[name][frozenset(labels.items())]
+
+
+def web_port(job: ScrapeJob, **kwargs: Any) -> WebPort:
+    """The web port in front of a scrape job used alone, connected as ``kvtax serve`` connects
+    its own (:func:`kvtax.serve.wiring.build`), with the job's samples for the whole report.
+    ``kwargs``: ``security``, ``routes``."""
+    return WebPort(
+        job.config,
+        report=job.samples,
+        readiness=job.readiness,
+        revision=job.revision,
+        **kwargs,
+    )

@@ -15,8 +15,8 @@ from kvtax.expose.catalog import METRICS, PROCESS_METRICS
 from kvtax.expose.exposition import ReportCollector, build_families
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.serve.config import Config
-from kvtax.serve.sidecar import Sidecar
-from tests.unit.conftest import one, parse_exposition, read_fixture
+from kvtax.serve.scrape.job import ScrapeJob
+from tests.unit.conftest import one, parse_exposition, read_fixture, web_port
 
 INF = float("inf")
 
@@ -29,10 +29,10 @@ def render(samples: Sequence[Sample | HistogramSample]) -> str:
 
 def fed(fixtures: Sequence[str], *, max_num_seqs: int | None = None, step: float = 5.0) -> str:
     """kvtax's /metrics after ingesting the fixtures in order, ``step`` seconds apart."""
-    sidecar = Sidecar(Config(max_num_seqs=max_num_seqs))
+    job = ScrapeJob(Config(max_num_seqs=max_num_seqs))
     for i, name in enumerate(fixtures):
-        sidecar.ingest(read_fixture(name), 1_000.0 + step * i)
-    return generate_latest(sidecar.registry).decode()
+        job.ingest(read_fixture(name), 1_000.0 + step * i)
+    return generate_latest(web_port(job).registry).decode()
 
 
 REAL = ["0.32-idle.prom", "0.32-preempting.prom", "0.32-after-overload.prom"]
@@ -203,10 +203,10 @@ def test_missing_sources_are_absent_not_zero() -> None:
         "# TYPE vllm:generation_tokens_total counter\n"
         'vllm:generation_tokens_total{model_name="m"} 10\n'
     )
-    sidecar = Sidecar(Config(max_num_seqs=8))
-    sidecar.ingest(text, 0.0)
-    sidecar.ingest(text.replace(" 10\n", " 30\n"), 5.0)
-    samples = parse_exposition(generate_latest(sidecar.registry).decode())
+    job = ScrapeJob(Config(max_num_seqs=8))
+    job.ingest(text, 0.0)
+    job.ingest(text.replace(" 10\n", " 30\n"), 5.0)
+    samples = parse_exposition(generate_latest(web_port(job).registry).decode())
     assert one(samples, "kvtax_engine_generation_tokens_total", model_name="m") == 30.0
     for name in (
         "kvtax_kv_capacity_tokens",

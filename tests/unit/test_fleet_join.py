@@ -145,11 +145,11 @@ def test_the_join_credits_adapter_tokens_to_the_base_engine() -> None:
     stack = build(config)
     assert stack.models is None  # polling off; the configured map holds anyway
     text = (FIXTURES / "0.32-preempting.prom").read_text()
-    stack.sidecar.ingest(text, timestamp=1000.0)
+    stack.scrape.ingest(text, timestamp=1000.0)
     stack.ledger.settle(RequestRecord(ADAPTER, "completed", delivered_tokens=30))
     stack.ledger.settle(RequestRecord(BASE, "completed", delivered_tokens=30))
-    stack.sidecar.ingest(text, timestamp=1006.0)
-    page = generate_latest(stack.sidecar.registry).decode()
+    stack.scrape.ingest(text, timestamp=1006.0)
+    page = generate_latest(stack.web.registry).decode()
     assert f'kvtax_delivered_tokens_total{{model_name="{BASE}",source="proxy"}} 60.0' in page
     assert (
         f'kvtax_adapter_delivered_tokens_total{{adapter="{ADAPTER}",model_name="{BASE}"}} 30.0'

@@ -81,7 +81,7 @@ async def stack(
     )
     stack = build(config, clock=clock, parser=parser)
     yield stack
-    await stack.sidecar.stop()
+    await stack.scrape.close()
 
 
 def settle(stack: Stack, requests: int, tokens: int = 0, undelivered: int = 0) -> None:
@@ -94,7 +94,7 @@ def settle(stack: Stack, requests: int, tokens: int = 0, undelivered: int = 0) -
 
 
 def page(stack: Stack) -> dict[str, Any]:
-    return parse_exposition(generate_latest(stack.sidecar.registry).decode())
+    return parse_exposition(generate_latest(stack.web.registry).decode())
 
 
 async def test_requests_settled_while_the_page_is_in_flight_never_lower_coverage(
@@ -107,12 +107,12 @@ async def test_requests_settled_while_the_page_is_in_flight_never_lower_coverage
     settle(stack, 1)
     vllm.served = 1
     vllm.in_flight = lambda: settle(stack, 2)
-    await stack.sidecar.scrape_once()
+    await stack.scrape.scrape_once()
     vllm.in_flight = lambda: None
     settle(stack, 6)
     vllm.served = 9
     clock.advance(5)
-    await stack.sidecar.scrape_once()
+    await stack.scrape.scrape_once()
     assert one(page(stack), "kvtax_join_coverage_ratio", model_name=MODEL) == 1.0
     first, last = stack.window.points(MODEL)
     assert (first.joined_before, first.joined_requests, last.joined_requests) == (1, 3, 9)
@@ -122,11 +122,11 @@ async def test_coverage_still_sees_traffic_that_bypasses_the_proxy(
     stack: Stack, vllm: Vllm, clock: FakeClock
 ) -> None:
     vllm.served = 4
-    await stack.sidecar.scrape_once()
+    await stack.scrape.scrape_once()
     settle(stack, 3)
     vllm.served = 10  # 6 more served, 3 of them through the proxy
     clock.advance(5)
-    await stack.sidecar.scrape_once()
+    await stack.scrape.scrape_once()
     assert one(page(stack), "kvtax_join_coverage_ratio", model_name=MODEL) == 0.5
 
 
@@ -141,10 +141,10 @@ def test_coverage_runs_from_the_read_before_the_first_page_to_the_read_after_the
 async def test_the_join_counters_move_only_with_a_scrape_of_vllm(
     stack: Stack, vllm: Vllm, clock: FakeClock
 ) -> None:
-    await stack.sidecar.scrape_once()  # the ledger learns the model's name
+    await stack.scrape.scrape_once()  # the ledger learns the model's name
     settle(stack, 1, tokens=10)
     clock.advance(1)
-    await stack.sidecar.scrape_once()
+    await stack.scrape.scrape_once()
     m = page(stack)
     assert one(m, "kvtax_join_delivered_tokens_total", model_name=MODEL) == 10.0
     assert one(m, "kvtax_join_undelivered_tokens_total", model_name=MODEL) == 0.0
@@ -159,7 +159,7 @@ async def test_the_join_counters_move_only_with_a_scrape_of_vllm(
     assert one(m, "kvtax_join_undelivered_tokens_total", model_name=MODEL) == 0.0
     assert one(m, "kvtax_engine_generation_tokens_total", model_name=MODEL) == generated
     clock.advance(1)
-    await stack.sidecar.scrape_once()
+    await stack.scrape.scrape_once()
     m = page(stack)
     assert one(m, "kvtax_join_delivered_tokens_total", model_name=MODEL) == 35.0
     assert one(m, "kvtax_join_undelivered_tokens_total", model_name=MODEL) == 4.0
@@ -168,18 +168,18 @@ async def test_the_join_counters_move_only_with_a_scrape_of_vllm(
 async def test_the_join_counters_are_read_as_the_page_arrives_not_after_its_parse(
     stack: Stack, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await stack.sidecar.scrape_once()  # the ledger learns the model's name
+    await stack.scrape.scrape_once()  # the ledger learns the model's name
     settle(stack, 1, tokens=10)
-    parse = stack.sidecar.parser.normalize
+    parse = stack.scrape.parser.normalize
 
     async def slow_parse(*args: Any, **kwargs: Any) -> VllmSnapshot:
         # Streams go on delivering while a starved machine parses the page.
         settle(stack, 1, tokens=7)
         return await parse(*args, **kwargs)
 
-    monkeypatch.setattr(stack.sidecar.parser, "normalize", slow_parse)
+    monkeypatch.setattr(stack.scrape.parser, "normalize", slow_parse)
     clock.advance(1)
-    await stack.sidecar.scrape_once()
+    await stack.scrape.scrape_once()
     m = page(stack)
     assert one(m, "kvtax_delivered_tokens_total", model_name=MODEL, source="proxy") == 17.0
     assert one(m, "kvtax_join_delivered_tokens_total", model_name=MODEL) == 10.0
@@ -193,15 +193,15 @@ async def test_a_page_with_new_models_is_paired_with_the_ledger_after_its_names(
     # The first page teaches the ledger the names it labels running streams with: a stream
     # credited before them would count as "other". So the ledger is read at the fold then.
     credited: list[str] = []
-    feed = stack.sidecar.feed
+    feed = stack.scrape.feed
     assert feed is not None
 
     def credit() -> None:
         credited.append(stack.ledger.names.label(MODEL))
         stack.ledger.credit(MODEL, 5)
 
-    stack.sidecar.feed = type(feed)(feed.names, feed.ledger, credit)
-    await stack.sidecar.scrape_once()
+    stack.scrape.feed = type(feed)(feed.names, feed.ledger, credit)
+    await stack.scrape.scrape_once()
     assert credited == [MODEL]
     assert stack.window.points(MODEL)[-1].ledger.delivered == 5.0
     assert "other" not in stack.ledger.totals()

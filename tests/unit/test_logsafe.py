@@ -53,7 +53,7 @@ def safe_logging() -> Iterator[None]:
 async def servers(aiohttp_server: Any) -> AsyncIterator[dict[str, tuple[str, int]]]:
     config = load_config({"proxy.listen_address": "off"}, env={}, file=None)
     delivery = build(config)
-    web_port = await aiohttp_server(delivery.sidecar.web_app())
+    web_port = await aiohttp_server(delivery.web.app())
     proxy_port = free_port()
     await delivery.proxy.start("127.0.0.1", proxy_port)
     yield {"web port": (web_port.host, web_port.port), "proxy port": ("127.0.0.1", proxy_port)}

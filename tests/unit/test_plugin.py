@@ -89,7 +89,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_importing_kvtax_does_not_import_the_plugin_or_vllm() -> None:
     proc = run_python(
-        "import sys, kvtax, kvtax.cli.main, kvtax.serve.sidecar\n"
+        "import sys, kvtax, kvtax.cli.main, kvtax.serve.wiring\n"
         "print(sorted(m for m in sys.modules if m == 'kvtax.plugin' or m.split('.')[0] == 'vllm'))"
     )
     assert proc.returncode == 0, proc.stderr

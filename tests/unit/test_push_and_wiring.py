@@ -18,26 +18,26 @@ from kvtax.delivery.intake import MAX_COUNT, PushError, parse_push
 from kvtax.delivery.ledger import RequestRecord
 from kvtax.figures.window import served_requests
 from kvtax.serve.config import load_config
-from kvtax.serve.sidecar import Sidecar
 from kvtax.serve.sources.push import MAX_GATEWAY_PAGE, PUSH_PATH, GatewayPoller, push_handler
+from kvtax.serve.web.port import WebPort
 from kvtax.serve.wiring import Stack, build
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
 
-def _delivery(**flags: Any) -> tuple[Sidecar, Stack]:
+def _delivery(**flags: Any) -> tuple[WebPort, Stack]:
     config = load_config(
         {"proxy.listen_address": "off", "scrape.interval": "1s", "window": "60s", **flags},
         env={},
         file=None,
     )
     stack = build(config)
-    return stack.sidecar, stack
+    return stack.web, stack
 
 
 async def test_push_rejects_a_wrong_token(aiohttp_client: Any) -> None:
-    sidecar, delivery = _delivery(**{"push.token": "s3cret"})
-    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    port, delivery = _delivery(**{"push.token": "s3cret"})
+    client: TestClient[Any, Any] = await aiohttp_client(port.app())
     body = {"model": "tiny-llama", "delivered_tokens": 5}
     for auth in ("", "Bearer wrong", "s3cret", "Basic s3cret", "Bearer s3cret2", "Bearers3cret"):
         resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": auth})
@@ -53,8 +53,8 @@ async def test_push_rejects_a_wrong_token(aiohttp_client: Any) -> None:
 
 
 async def test_the_bearer_scheme_is_accepted_in_any_case(aiohttp_client: Any) -> None:
-    sidecar, delivery = _delivery(**{"push.token": "s3cret"})
-    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    port, delivery = _delivery(**{"push.token": "s3cret"})
+    client: TestClient[Any, Any] = await aiohttp_client(port.app())
     body = {"model": "tiny-llama", "delivered_tokens": 1}
     for auth in ("bearer s3cret", "BEARER s3cret", "bEaReR  s3cret"):
         resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": auth})
@@ -63,8 +63,8 @@ async def test_the_bearer_scheme_is_accepted_in_any_case(aiohttp_client: Any) ->
 
 
 async def test_push_is_refused_until_a_token_is_configured(aiohttp_client: Any) -> None:
-    sidecar, delivery = _delivery()
-    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    port, delivery = _delivery()
+    client: TestClient[Any, Any] = await aiohttp_client(port.app())
     body = {"model": "tiny-llama", "delivered_tokens": 1_000_000}
     for auth in ("", "Bearer anything"):
         resp = await client.post(PUSH_PATH, json=body, headers={"Authorization": auth})
@@ -87,16 +87,16 @@ async def test_an_empty_token_is_no_token(aiohttp_client: Any) -> None:
 
 
 async def test_unauthenticated_push_must_be_allowed_explicitly(aiohttp_client: Any) -> None:
-    sidecar, delivery = _delivery(**{"push.allow_unauthenticated": "true"})
-    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    port, delivery = _delivery(**{"push.allow_unauthenticated": "true"})
+    client: TestClient[Any, Any] = await aiohttp_client(port.app())
     resp = await client.post(PUSH_PATH, json={"model": "tiny-llama", "delivered_tokens": 4})
     assert resp.status == 200
     assert delivery.ledger.totals()["other"].delivered == 4
 
 
 async def test_push_rejects_malformed_json_with_a_clear_message(aiohttp_client: Any) -> None:
-    sidecar, delivery = _delivery(**{"push.allow_unauthenticated": "true"})
-    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    port, delivery = _delivery(**{"push.allow_unauthenticated": "true"})
+    client: TestClient[Any, Any] = await aiohttp_client(port.app())
     resp = await client.post(PUSH_PATH, data=b'{"model": "m", ')
     assert resp.status == 400
     assert "not valid JSON" in (await resp.json())["error"]["message"]
@@ -132,8 +132,8 @@ def test_the_largest_honest_count_is_accepted() -> None:
 
 
 async def test_huge_pushes_cannot_make_the_counter_infinite(aiohttp_client: Any) -> None:
-    sidecar, delivery = _delivery(**{"push.token": "s3cret"})
-    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    port, delivery = _delivery(**{"push.token": "s3cret"})
+    client: TestClient[Any, Any] = await aiohttp_client(port.app())
     auth = {"Authorization": "Bearer s3cret"}
     for _ in range(2):
         body = {"model": "m", "delivered_tokens": 1.7e308}
@@ -144,23 +144,23 @@ async def test_huge_pushes_cannot_make_the_counter_infinite(aiohttp_client: Any)
 
 
 def test_scrapes_feed_the_join_and_metrics_render() -> None:
-    sidecar, delivery = _delivery()
-    idle = sidecar.ingest((FIXTURES / "0.32-idle.prom").read_text(), timestamp=1000.0)
+    port, delivery = _delivery()
+    idle = delivery.scrape.ingest((FIXTURES / "0.32-idle.prom").read_text(), timestamp=1000.0)
     assert served_requests(idle) == 0
     text = (FIXTURES / "0.32-preempting.prom").read_text()
-    snap = sidecar.ingest(text, timestamp=1001.0)
+    snap = delivery.scrape.ingest(text, timestamp=1001.0)
     assert served_requests(snap) > 0
     model = next(iter(snap.models))
     delivery.ledger.settle(RequestRecord(model, "completed", delivered_tokens=9, prompt_tokens=2))
-    sidecar.ingest(text, timestamp=1006.0)
-    page = generate_latest(sidecar.registry).decode()
+    delivery.scrape.ingest(text, timestamp=1006.0)
+    page = generate_latest(port.registry).decode()
     assert f'kvtax_delivered_tokens_total{{model_name="{model}",source="proxy"}} 9.0' in page
     # 9 tokens over the 6 s window; vLLM served 8 requests in it, the ledger saw 1.
     assert f'kvtax_goodput_tokens_per_second{{model_name="{model}"}} 1.5' in page
     served = served_requests(snap) - served_requests(idle)
     assert f'kvtax_join_coverage_ratio{{model_name="{model}"}} {1 / served}' in page
     assert "kvtax_client_ttft_seconds_bucket" in page
-    # One report: the sidecar's own series, the proxy's gauges and the self-watch beside them.
+    # One report: the scrape's own series, the proxy's gauges and the self-watch beside them.
     for name in ("kvtax_vllm_up", "kvtax_proxy_requests_in_flight", "kvtax_event_loop_lag_seconds"):
         assert f"\n{name} " in page, name
 
@@ -180,16 +180,16 @@ def test_a_get_of_metrics_changes_nothing_and_the_scrape_credits_running_streams
     config = load_config({"proxy.listen_address": "off", "window": "60s"}, env={}, file=None)
     stack = build(config)
     text = (FIXTURES / "0.32-preempting.prom").read_text()
-    stack.sidecar.ingest(text, timestamp=1000.0)
+    stack.scrape.ingest(text, timestamp=1000.0)
     model = next(iter(stack.window.models()))
     streams = _StreamsInFlight(stack, model)
-    feed = stack.sidecar.feed
+    feed = stack.scrape.feed
     assert feed is not None
-    stack.sidecar.feed = replace(feed, credit=streams)  # in place of proxy.credit_in_flight
-    stack.sidecar.ingest(text, timestamp=1005.0)
+    stack.scrape.feed = replace(feed, credit=streams)  # in place of proxy.credit_in_flight
+    stack.scrape.ingest(text, timestamp=1005.0)
     assert streams.calls == 1
     before = stack.ledger.totals()
-    pages = [generate_latest(stack.sidecar.registry).decode() for _ in range(2)]
+    pages = [generate_latest(stack.web.registry).decode() for _ in range(2)]
     # The process's own CPU and memory move between two reads; kvtax's figures must not.
     first, second = ([line for line in p.splitlines() if "kvtax_" in line] for p in pages)
     assert first == second
@@ -202,12 +202,12 @@ def test_the_window_sees_the_ledger_after_the_credit_of_the_same_scrape() -> Non
     config = load_config({"proxy.listen_address": "off", "window": "60s"}, env={}, file=None)
     stack = build(config)
     text = (FIXTURES / "0.32-preempting.prom").read_text()
-    stack.sidecar.ingest(text, timestamp=1000.0)
+    stack.scrape.ingest(text, timestamp=1000.0)
     model = next(iter(stack.window.models()))
-    feed = stack.sidecar.feed
+    feed = stack.scrape.feed
     assert feed is not None
-    stack.sidecar.feed = replace(feed, credit=_StreamsInFlight(stack, model))
-    stack.sidecar.ingest(text, timestamp=1005.0)
+    stack.scrape.feed = replace(feed, credit=_StreamsInFlight(stack, model))
+    stack.scrape.ingest(text, timestamp=1005.0)
     assert stack.window.points(model)[-1].ledger.delivered == 1.0
 
 

@@ -72,8 +72,7 @@ async def _serve(aiohttp_client: Any) -> tuple[int, Stack]:
         file=None,
     )
     delivery = build(config)
-    sidecar = delivery.sidecar
-    client: TestClient[Any, Any] = await aiohttp_client(sidecar.web_app())
+    client: TestClient[Any, Any] = await aiohttp_client(delivery.web.app())
     port = client.port
     assert port is not None
     return port, delivery
@@ -119,7 +118,7 @@ async def test_a_body_over_the_limit_gets_413_with_or_without_its_length(
 
 
 # -- compressed bodies ----------------------------------------------------------------------
-# On the web port's own server (Sidecar.web_runner, as `kvtax serve` runs it), over a raw
+# On the web port's own server (WebPort.runner, as `kvtax serve` runs it), over a raw
 # socket: no client library compresses or inflates anything on the test's side.
 
 
@@ -132,7 +131,7 @@ async def web_port() -> AsyncIterator[Callable[..., Awaitable[tuple[int, Stack]]
             {"proxy.listen_address": "off", "scrape.interval": "1s", **flags}, env={}, file=None
         )
         delivery = build(config)
-        runner = delivery.sidecar.web_runner()
+        runner = delivery.web.runner()
         runners.append(runner)
         await runner.setup()
         port = unused_port()

@@ -14,12 +14,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.scrape.readiness import FRESH_FOR, HEALTH_MAX_BYTES, HealthCheck
 from kvtax.serve.scrape.scraper import Scraper
-from kvtax.serve.sidecar import Sidecar
-from tests.unit.conftest import FakeClock
-from tests.unit.test_sidecar import ClientFactory, FakeVllm, ServerFactory, make_sidecar
+from kvtax.serve.web.port import WebPort
+from tests.unit.conftest import FakeClock, web_port
+from tests.unit.test_sidecar import ClientFactory, FakeVllm, ServerFactory, make_job
 
 
 @dataclass
@@ -61,13 +62,16 @@ def parser() -> Iterator[ParsePool]:
 
 
 @pytest.fixture
-async def sidecar(
-    server: TestServer, clock: FakeClock, parser: ParsePool
-) -> AsyncIterator[Sidecar]:
+async def job(server: TestServer, clock: FakeClock, parser: ParsePool) -> AsyncIterator[ScrapeJob]:
     assert server.port is not None
-    sc = make_sidecar(server.port, clock, parser)
-    yield sc
-    await sc.stop()
+    made = make_job(server.port, clock, parser)
+    yield made
+    await made.close()
+
+
+@pytest.fixture
+def port(job: ScrapeJob) -> WebPort:
+    return web_port(job)
 
 
 @pytest.fixture
@@ -80,10 +84,10 @@ async def health(server: TestServer, clock: FakeClock) -> AsyncIterator[HealthCh
 
 
 async def test_a_flood_of_readyz_asks_vllm_once_or_twice(
-    vllm: CountingVllm, sidecar: Sidecar, aiohttp_client: ClientFactory
+    vllm: CountingVllm, port: WebPort, aiohttp_client: ClientFactory
 ) -> None:
     vllm.health_delay = 0.05  # long enough for the hits to overlap
-    client = await aiohttp_client(sidecar.web_app())
+    client = await aiohttp_client(port.app())
 
     async def readyz() -> int:
         async with client.get("/readyz") as resp:
@@ -126,14 +130,14 @@ async def test_the_answer_is_reused_for_a_moment_then_asked_again(
 
 
 async def test_probes_held_by_a_slow_vllm_leave_the_scrape_its_connections(
-    vllm: CountingVllm, sidecar: Sidecar, aiohttp_client: ClientFactory
+    vllm: CountingVllm, job: ScrapeJob, port: WebPort, aiohttp_client: ClientFactory
 ) -> None:
     vllm.hold = True  # /health hangs; /metrics answers at once
-    client = await aiohttp_client(sidecar.web_app())
+    client = await aiohttp_client(port.app())
     probes = [asyncio.ensure_future(client.get("/readyz")) for _ in range(4)]
     await vllm.arrived.wait()
-    await sidecar.scrape_once()
-    assert sidecar.health.up, sidecar.health.last_error
+    await job.scrape_once()
+    assert job.health.up, job.health.last_error
     vllm.answer.set()
     for probe in probes:  # answered either way (200, or 503 once the check timed out)
         (await probe).release()

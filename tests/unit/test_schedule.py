@@ -22,8 +22,8 @@ from aiohttp.test_utils import TestServer, unused_port
 
 from kvtax.figures.derive import ModelFigures
 from kvtax.serve.config import load_config
+from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.scrape.parsepool import ParsePool
-from kvtax.serve.sidecar import Sidecar
 from kvtax.serve.wiring import build
 from tests.unit.conftest import read_fixture
 
@@ -113,7 +113,7 @@ async def test_without_a_gateway_or_a_models_refresh_only_the_scrape_and_the_wat
 def test_the_gate_is_handed_the_figures_of_each_fold() -> None:
     stack = build(_config("http://127.0.0.1:9", **{"gate.mode": "adaptive"}))
     before = stack.gate.capacity_tokens
-    stack.sidecar.ingest(PAGE, timestamp=1000.0)
+    stack.scrape.ingest(PAGE, timestamp=1000.0)
     # The first fold already told the gate the KV pool's size: nothing polled for it.
     assert before is None
     assert stack.gate.capacity_tokens is not None
@@ -137,24 +137,24 @@ async def test_a_subscriber_that_raises_stops_neither_the_scrape_nor_the_others(
     vllm = await _vllm()
     first, last = _Recorder(), _Recorder()
     parser = ParsePool()
-    sidecar = Sidecar(
+    job = ScrapeJob(
         _config(str(vllm.make_url("")).rstrip("/")),
         parser=parser,
         on_figures=[first, _boom, last],
     )
     try:
-        with caplog.at_level(logging.ERROR, logger="kvtax.serve.sidecar"):
-            await sidecar.scrape_once()
-            await sidecar.scrape_once()
+        with caplog.at_level(logging.ERROR, logger="kvtax.serve.scrape.job"):
+            await job.scrape_once()
+            await job.scrape_once()
     finally:
         parser.close()
-        await sidecar.stop()
+        await job.close()
         await vllm.close()
-    assert sidecar.health.up
-    assert sidecar.health.scrapes == 2
-    assert sum(sidecar.health.errors.values()) == 0
+    assert job.health.up
+    assert job.health.scrapes == 2
+    assert sum(job.health.errors.values()) == 0
     assert len(first.seen) == len(last.seen) == 2
-    assert last.seen[-1] is sidecar.figures
+    assert last.seen[-1] is job.figures
     failures = [r for r in caplog.records if "handing the scrape's figures" in r.getMessage()]
     assert len(failures) == 2
     assert "_boom" in failures[0].getMessage()

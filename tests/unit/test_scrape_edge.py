@@ -17,11 +17,11 @@ from aiohttp.test_utils import TestServer
 from prometheus_client.exposition import generate_latest
 
 from kvtax.engine import normalize as normalize_module
-from kvtax.serve import sidecar as sidecar_module
 from kvtax.serve.config import load_config
+from kvtax.serve.scrape import job as job_module
+from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.scrape.parsepool import ParsePool
-from kvtax.serve.sidecar import Sidecar
-from tests.unit.conftest import FakeClock, Labels, one, parse_exposition
+from tests.unit.conftest import FakeClock, Labels, one, parse_exposition, web_port
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
 
@@ -73,10 +73,10 @@ def stand() -> Stand:
 @pytest.fixture
 async def make(
     stand: Stand, aiohttp_server: ServerFactory, clock: FakeClock, parser: ParsePool
-) -> AsyncIterator[Callable[..., Awaitable[Sidecar]]]:
-    made: list[Sidecar] = []
+) -> AsyncIterator[Callable[..., Awaitable[ScrapeJob]]]:
+    made: list[ScrapeJob] = []
 
-    async def factory(**flags: str) -> Sidecar:
+    async def factory(**flags: str) -> ScrapeJob:
         server = await aiohttp_server(stand.app())
         config = load_config(
             {
@@ -89,23 +89,28 @@ async def make(
             env={},
             file=None,
         )
-        made.append(Sidecar(config, clock=clock, parser=parser))
+        made.append(ScrapeJob(config, clock=clock, parser=parser))
         return made[-1]
 
     yield factory
     for sc in made:
-        await sc.stop()
+        await sc.close()
 
 
-def page_of(sc: Sidecar) -> dict[str, dict[Labels, float]]:
-    return parse_exposition(generate_latest(sc.registry).decode())
+def page(sc: ScrapeJob) -> str:
+    """kvtax's /metrics as the web port in front of ``sc`` renders it."""
+    return generate_latest(web_port(sc).registry).decode()
 
 
-def errors(sc: Sidecar, reason: str) -> float:
+def page_of(sc: ScrapeJob) -> dict[str, dict[Labels, float]]:
+    return parse_exposition(page(sc))
+
+
+def errors(sc: ScrapeJob, reason: str) -> float:
     return one(page_of(sc), "kvtax_scrape_errors_total", reason=reason)
 
 
-def last_error(sc: Sidecar) -> dict[str, float]:
+def last_error(sc: ScrapeJob) -> dict[str, float]:
     series = page_of(sc)["kvtax_last_scrape_error"]
     return {dict(labels)["reason"]: value for labels, value in series.items()}
 
@@ -117,7 +122,7 @@ GEN = "kvtax_engine_generation_tokens_total"
 
 
 async def test_a_redirect_to_another_host_is_an_error_and_never_followed(
-    stand: Stand, make: Callable[..., Awaitable[Sidecar]]
+    stand: Stand, make: Callable[..., Awaitable[ScrapeJob]]
 ) -> None:
     foreign = Stand(body=gen_page("999999", models=("foreign",)))
     other = TestServer(foreign.app(), host="127.0.0.2")
@@ -138,14 +143,14 @@ async def test_a_redirect_to_another_host_is_an_error_and_never_followed(
     assert sc.health.last_error is not None
     assert "redirect" in sc.health.last_error
     assert "--vllm.url" in sc.health.last_error
-    assert "foreign" not in generate_latest(sc.registry).decode()
+    assert "foreign" not in page(sc)
 
 
 # -- page size (finding 7) -------------------------------------------------------------------
 
 
 async def test_an_oversized_page_in_many_small_writes_stops_at_the_bound(
-    stand: Stand, make: Callable[..., Awaitable[Sidecar]]
+    stand: Stand, make: Callable[..., Awaitable[ScrapeJob]]
 ) -> None:
     total = 64 * 1024 * 1024
     line = ("unrelated_filler " + "1" * 1006 + "\n").encode()  # 1 KiB per write
@@ -179,7 +184,7 @@ async def test_an_oversized_page_in_many_small_writes_stops_at_the_bound(
 
 
 async def test_an_announced_oversized_page_is_refused_before_reading(
-    stand: Stand, make: Callable[..., Awaitable[Sidecar]]
+    stand: Stand, make: Callable[..., Awaitable[ScrapeJob]]
 ) -> None:
     stand.body = gen_page("1") + "#" * (1024 * 1024) + "\n"
     sc = await make(**{"scrape.max_bytes": "256KiB"})
@@ -190,7 +195,7 @@ async def test_an_announced_oversized_page_is_refused_before_reading(
 
 
 async def test_a_series_flood_fails_too_many_series(
-    stand: Stand, make: Callable[..., Awaitable[Sidecar]]
+    stand: Stand, make: Callable[..., Awaitable[ScrapeJob]]
 ) -> None:
     flood = "".join(f'unrelated{{i="{i}"}} 1\n' for i in range(2_000))
     stand.body = "# TYPE unrelated gauge\n" + flood + gen_page("1")
@@ -204,7 +209,7 @@ async def test_a_series_flood_fails_too_many_series(
 
 
 async def test_a_page_cut_mid_number_is_truncated_and_not_a_restart(
-    stand: Stand, make: Callable[..., Awaitable[Sidecar]], clock: FakeClock
+    stand: Stand, make: Callable[..., Awaitable[ScrapeJob]], clock: FakeClock
 ) -> None:
     sc = await make()
     await sc.scrape_once()
@@ -225,7 +230,7 @@ async def test_a_page_cut_mid_number_is_truncated_and_not_a_restart(
 
 @pytest.mark.parametrize("bad", ["NaN", "+Inf", "-7"])
 async def test_a_bad_counter_keeps_the_total_and_is_counted(
-    bad: str, stand: Stand, make: Callable[..., Awaitable[Sidecar]], clock: FakeClock
+    bad: str, stand: Stand, make: Callable[..., Awaitable[ScrapeJob]], clock: FakeClock
 ) -> None:
     sc = await make()
     await sc.scrape_once()
@@ -254,7 +259,7 @@ async def test_a_bad_counter_keeps_the_total_and_is_counted(
 
 
 async def test_ten_thousand_rotating_model_names_keep_the_output_bounded(
-    stand: Stand, make: Callable[..., Awaitable[Sidecar]], clock: FakeClock
+    stand: Stand, make: Callable[..., Awaitable[ScrapeJob]], clock: FakeClock
 ) -> None:
     sc = await make(**{"scrape.max_models": "8"})
     for scrape in range(20):
@@ -275,7 +280,7 @@ async def test_ten_thousand_rotating_model_names_keep_the_output_bounded(
 
 
 async def test_the_last_scrape_error_tells_slow_from_down_and_clears_on_success(
-    stand: Stand, make: Callable[..., Awaitable[Sidecar]]
+    stand: Stand, make: Callable[..., Awaitable[ScrapeJob]]
 ) -> None:
     release = asyncio.Event()
 
@@ -300,12 +305,12 @@ async def test_the_last_scrape_error_tells_slow_from_down_and_clears_on_success(
 
 
 async def test_the_page_is_parsed_in_the_worker_process_not_on_the_event_loop(
-    make: Callable[..., Awaitable[Sidecar]], monkeypatch: pytest.MonkeyPatch
+    make: Callable[..., Awaitable[ScrapeJob]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def not_here(*args: object, **kwargs: object) -> None:
         raise AssertionError("parsed in the event loop's process")
 
-    monkeypatch.setattr(sidecar_module, "normalize", not_here)
+    monkeypatch.setattr(job_module, "normalize", not_here)
     monkeypatch.setattr(normalize_module, "text_string_to_metric_families", not_here)
     sc = await make()
     await sc.scrape_once()

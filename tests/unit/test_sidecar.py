@@ -1,8 +1,9 @@
-"""The sidecar in-process, against an aiohttp server standing in for vLLM.
+"""The sidecar in-process (the scrape job and the web port in front of it), against an aiohttp
+server standing in for vLLM.
 
 The stand-in produces on demand what a real vLLM cannot: a refused connection, a stall past the
 timeout, a 500, a garbage body, and a comeback whose counters restarted lower. Tests drive
-``Sidecar.scrape_once()`` directly and move an injected clock; nothing sleeps on the scheduler.
+``ScrapeJob.scrape_once()`` directly and move an injected clock; nothing sleeps on the scheduler.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from aiohttp.test_utils import TestClient, TestServer, unused_port
 from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.openmetrics.parser import text_fd_to_metric_families
 
-from kvtax.serve import sidecar as sidecar_module
 from kvtax.serve.config import load_config
+from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.scrape.readiness import FRESH_FOR
-from kvtax.serve.sidecar import Sidecar
-from tests.unit.conftest import FakeClock, Labels, one, parse_exposition, read_fixture
+from kvtax.serve.web import port as port_module
+from kvtax.serve.web.port import WebPort
+from tests.unit.conftest import FakeClock, Labels, one, parse_exposition, read_fixture, web_port
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
 ClientFactory = Callable[[web.Application], Awaitable[TestClient[web.Request, web.Application]]]
@@ -87,7 +89,7 @@ def parser() -> Iterator[ParsePool]:
     pool.close()
 
 
-def make_sidecar(port: int, clock: FakeClock, parser: ParsePool, **settings: str) -> Sidecar:
+def make_job(port: int, clock: FakeClock, parser: ParsePool, **settings: str) -> ScrapeJob:
     config = load_config(
         {
             "vllm.url": f"http://127.0.0.1:{port}",
@@ -99,34 +101,38 @@ def make_sidecar(port: int, clock: FakeClock, parser: ParsePool, **settings: str
         env={},
         file=None,
     )
-    return Sidecar(config, clock=clock, parser=parser)
+    return ScrapeJob(config, clock=clock, parser=parser)
 
 
 @pytest.fixture
-async def sidecar(
-    server: TestServer, clock: FakeClock, parser: ParsePool
-) -> AsyncIterator[Sidecar]:
+async def job(server: TestServer, clock: FakeClock, parser: ParsePool) -> AsyncIterator[ScrapeJob]:
     assert server.port is not None
-    sc = make_sidecar(server.port, clock, parser)
-    yield sc
-    await sc.stop()
+    made = make_job(server.port, clock, parser)
+    yield made
+    await made.close()
 
 
-def metrics(sc: Sidecar) -> dict[str, dict[Labels, float]]:
-    return parse_exposition(generate_latest(sc.registry).decode())
+@pytest.fixture
+def port(job: ScrapeJob) -> WebPort:
+    """The web port in front of ``job``, as kvtax serve connects its own."""
+    return web_port(job)
 
 
-def errors(sc: Sidecar, reason: str) -> float:
-    return one(metrics(sc), "kvtax_scrape_errors_total", reason=reason)
+def metrics(port: WebPort) -> dict[str, dict[Labels, float]]:
+    return parse_exposition(generate_latest(port.registry).decode())
+
+
+def errors(port: WebPort, reason: str) -> float:
+    return one(metrics(port), "kvtax_scrape_errors_total", reason=reason)
 
 
 async def test_a_good_scrape_publishes_up_and_the_engine_figures(
-    sidecar: Sidecar, clock: FakeClock
+    job: ScrapeJob, port: WebPort, clock: FakeClock
 ) -> None:
-    await sidecar.scrape_once()
+    await job.scrape_once()
     clock.advance(5)
-    await sidecar.scrape_once()
-    m = metrics(sidecar)
+    await job.scrape_once()
+    m = metrics(port)
     assert one(m, "kvtax_vllm_up") == 1.0
     assert one(m, "kvtax_scrapes_total") == 2.0
     assert one(m, "kvtax_vllm_info", version="0.32.0", engine="v1", api_servers="1") == 1.0
@@ -134,56 +140,58 @@ async def test_a_good_scrape_publishes_up_and_the_engine_figures(
     assert one(m, "kvtax_last_scrape_success_timestamp_seconds") == clock.now
     assert m["kvtax_scrape_duration_seconds"][frozenset()] >= 0
     for reason in ("timeout", "refused", "connect", "http_status", "parse", "no_models"):
-        assert errors(sidecar, reason) == 0.0  # created up front, so rate() works at once
+        assert errors(port, reason) == 0.0  # created up front, so rate() works at once
         assert one(m, "kvtax_last_scrape_error", reason=reason) == 0.0
 
 
 async def test_vllm_down_is_up_0_and_refused_errors_rise(
-    server: TestServer, sidecar: Sidecar
+    server: TestServer, job: ScrapeJob, port: WebPort
 ) -> None:
     await server.close()
-    await sidecar.scrape_once()
-    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
-    assert errors(sidecar, "refused") == 1.0
-    await sidecar.scrape_once()
-    assert errors(sidecar, "refused") == 2.0
-    assert errors(sidecar, "timeout") == 0.0
-    assert errors(sidecar, "connect") == 0.0
+    await job.scrape_once()
+    assert one(metrics(port), "kvtax_vllm_up") == 0.0
+    assert errors(port, "refused") == 1.0
+    await job.scrape_once()
+    assert errors(port, "refused") == 2.0
+    assert errors(port, "timeout") == 0.0
+    assert errors(port, "connect") == 0.0
 
 
-async def test_slow_vllm_is_a_timeout(vllm: FakeVllm, sidecar: Sidecar) -> None:
+async def test_slow_vllm_is_a_timeout(vllm: FakeVllm, job: ScrapeJob, port: WebPort) -> None:
     vllm.mode = "slow"
     try:
-        await sidecar.scrape_once()
+        await job.scrape_once()
     finally:
         vllm.release.set()
-    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
-    assert errors(sidecar, "timeout") == 1.0
-    assert errors(sidecar, "connect") == 0.0
-    assert errors(sidecar, "refused") == 0.0
+    assert one(metrics(port), "kvtax_vllm_up") == 0.0
+    assert errors(port, "timeout") == 1.0
+    assert errors(port, "connect") == 0.0
+    assert errors(port, "refused") == 0.0
 
 
-async def test_http_500_is_http_status(vllm: FakeVllm, sidecar: Sidecar) -> None:
+async def test_http_500_is_http_status(vllm: FakeVllm, job: ScrapeJob, port: WebPort) -> None:
     vllm.mode = "status500"
-    await sidecar.scrape_once()
-    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
-    assert errors(sidecar, "http_status") == 1.0
+    await job.scrape_once()
+    assert one(metrics(port), "kvtax_vllm_up") == 0.0
+    assert errors(port, "http_status") == 1.0
 
 
-async def test_garbage_body_is_parse(vllm: FakeVllm, sidecar: Sidecar) -> None:
+async def test_garbage_body_is_parse(vllm: FakeVllm, job: ScrapeJob, port: WebPort) -> None:
     vllm.mode = "garbage"
-    await sidecar.scrape_once()
-    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
-    assert errors(sidecar, "parse") == 1.0
-    assert sidecar.health.last_error is not None
-    assert sidecar.health.last_error.startswith("parse")
+    await job.scrape_once()
+    assert one(metrics(port), "kvtax_vllm_up") == 0.0
+    assert errors(port, "parse") == 1.0
+    assert job.health.last_error is not None
+    assert job.health.last_error.startswith("parse")
 
 
-async def test_a_page_without_models_is_no_models(vllm: FakeVllm, sidecar: Sidecar) -> None:
+async def test_a_page_without_models_is_no_models(
+    vllm: FakeVllm, job: ScrapeJob, port: WebPort
+) -> None:
     vllm.body = "# TYPE process_open_fds gauge\nprocess_open_fds 12\n"
-    await sidecar.scrape_once()
-    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
-    assert errors(sidecar, "no_models") == 1.0
+    await job.scrape_once()
+    assert one(metrics(port), "kvtax_vllm_up") == 0.0
+    assert errors(port, "no_models") == 1.0
 
 
 # vLLM with --disable-log-stats, or a release that renamed every metric kvtax reads: the page
@@ -202,85 +210,89 @@ async def test_a_page_without_vllm_series_keeps_the_pod_ready_and_raises_a_metri
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     assert server.port is not None
-    sc = make_sidecar(server.port, clock, parser, **{"proxy.listen_address": proxy})
+    job = make_job(server.port, clock, parser, **{"proxy.listen_address": proxy})
+    port = web_port(job)
     try:
-        client = await aiohttp_client(sc.web_app())
-        await sc.scrape_once()  # a good page first: then the series vanish
-        assert one(metrics(sc), "kvtax_vllm_metrics_missing") == 0.0
+        client = await aiohttp_client(port.app())
+        await job.scrape_once()  # a good page first: then the series vanish
+        assert one(metrics(port), "kvtax_vllm_metrics_missing") == 0.0
         vllm.body = STATS_OFF_PAGE
         for _ in range(5):  # long past the three intervals the old readiness allowed
             clock.advance(1)
-            await sc.scrape_once()
+            await job.scrape_once()
             resp = await client.get("/readyz")
             assert resp.status == 200, await resp.text()
-        assert one(metrics(sc), "kvtax_vllm_metrics_missing") == 1.0
+        assert one(metrics(port), "kvtax_vllm_metrics_missing") == 1.0
         warnings = [
             r.getMessage() for r in caplog.records if "--disable-log-stats" in r.getMessage()
         ]
         assert len(warnings) == 1  # one line when it starts, not one per scrape
         vllm.body = read_fixture("0.32-preempting.prom")
-        await sc.scrape_once()
-        assert one(metrics(sc), "kvtax_vllm_metrics_missing") == 0.0
+        await job.scrape_once()
+        assert one(metrics(port), "kvtax_vllm_metrics_missing") == 0.0
     finally:
-        await sc.stop()
+        await job.close()
 
 
 async def test_observe_only_is_ready_even_with_vllm_down(
     clock: FakeClock, parser: ParsePool, aiohttp_client: ClientFactory
 ) -> None:
-    sc = make_sidecar(unused_port(), clock, parser, **{"proxy.listen_address": "off"})
+    job = make_job(unused_port(), clock, parser, **{"proxy.listen_address": "off"})
+    port = web_port(job)
     try:
-        client = await aiohttp_client(sc.web_app())
-        await sc.scrape_once()
-        assert one(metrics(sc), "kvtax_vllm_up") == 0.0
+        client = await aiohttp_client(port.app())
+        await job.scrape_once()
+        assert one(metrics(port), "kvtax_vllm_up") == 0.0
         resp = await client.get("/readyz")
         assert resp.status == 200
         assert "observe-only" in await resp.text()
     finally:
-        await sc.stop()
+        await job.close()
 
 
 async def test_the_telemetry_path_moves_the_metrics_page(
     server: TestServer, clock: FakeClock, parser: ParsePool, aiohttp_client: ClientFactory
 ) -> None:
     assert server.port is not None
-    sc = make_sidecar(server.port, clock, parser, **{"web.telemetry_path": "/kvtax/metrics"})
+    job = make_job(server.port, clock, parser, **{"web.telemetry_path": "/kvtax/metrics"})
+    port = web_port(job)
     try:
-        client = await aiohttp_client(sc.web_app())
+        client = await aiohttp_client(port.app())
         moved = await client.get("/kvtax/metrics")
         assert moved.status == 200
         assert "kvtax_vllm_up" in await moved.text()
         assert (await client.get("/metrics")).status == 404
     finally:
-        await sc.stop()
+        await job.close()
 
 
-async def test_vllm_back_after_a_restart_is_up_within_one_scrape_with_no_negative_rate(
+async def test_vllm_back_after_a_restart_is_up_within_one_scrape_with_no_negative_rate(  # noqa: PLR0917 - pytest fixtures
     vllm: FakeVllm,
     server: TestServer,
-    sidecar: Sidecar,
+    job: ScrapeJob,
+    port: WebPort,
     clock: FakeClock,
     aiohttp_server: ServerFactory,
 ) -> None:
     vllm.body = read_fixture("0.32-after-overload.prom")
-    await sidecar.scrape_once()
+    await job.scrape_once()
     clock.advance(5)
-    await sidecar.scrape_once()
-    before = metrics(sidecar)
+    await job.scrape_once()
+    before = metrics(port)
     assert one(before, "kvtax_vllm_up") == 1.0
 
-    port = server.port
+    vllm_port = server.port
     await server.close()
     clock.advance(5)
-    await sidecar.scrape_once()
-    assert one(metrics(sidecar), "kvtax_vllm_up") == 0.0
+    await job.scrape_once()
+    assert one(metrics(port), "kvtax_vllm_up") == 0.0
 
     # vLLM comes back on the same port, restarted: its counters start again from zero.
     vllm.body = read_fixture("0.32-idle.prom")
-    await aiohttp_server(vllm.app(), port=port)
+    await aiohttp_server(vllm.app(), port=vllm_port)
     clock.advance(5)
-    await sidecar.scrape_once()
-    after = metrics(sidecar)
+    await job.scrape_once()
+    after = metrics(port)
     assert one(after, "kvtax_vllm_up") == 1.0
     assert one(after, "kvtax_vllm_restarts_total") == 1.0
     for name, series in after.items():
@@ -302,13 +314,14 @@ async def test_vllm_back_after_a_restart_is_up_within_one_scrape_with_no_negativ
 
 async def test_healthz_is_always_200_and_readyz_follows_vllm_health_with_the_proxy_on(
     vllm: FakeVllm,
-    sidecar: Sidecar,
+    job: ScrapeJob,
+    port: WebPort,
     clock: FakeClock,
     aiohttp_client: ClientFactory,
 ) -> None:
-    assert sidecar.config.proxy_listen_address is not None  # the proxy is on by default
-    sidecar.vllm_health.clock = clock  # vLLM's answer is reused until the clock moves on
-    client = await aiohttp_client(sidecar.web_app())
+    assert job.config.proxy_listen_address is not None  # the proxy is on by default
+    job.vllm_health.clock = clock  # vLLM's answer is reused until the clock moves on
+    client = await aiohttp_client(port.app())
 
     async def status(path: str) -> int:
         resp = await client.get(path)
@@ -319,7 +332,7 @@ async def test_healthz_is_always_200_and_readyz_follows_vllm_health_with_the_pro
     # Ready before any scrape: readiness asks vLLM's /health, not kvtax's scrapes.
     assert await status("/readyz") == 200
     vllm.mode = "status500"
-    await sidecar.scrape_once()
+    await job.scrape_once()
     assert await status("/readyz") == 200  # a failing /metrics page does not gate traffic
     vllm.healthy = False
     assert await status("/readyz") == 200  # the answer of a moment ago
@@ -331,7 +344,7 @@ async def test_healthz_is_always_200_and_readyz_follows_vllm_health_with_the_pro
     vllm.healthy = True
     clock.advance(FRESH_FOR)
     assert await status("/readyz") == 200
-    sidecar.draining = True  # at once, not a second later
+    job.draining = True  # at once, not a second later
     assert await status("/readyz") == 503
 
     resp = await client.get("/metrics")
@@ -340,17 +353,23 @@ async def test_healthz_is_always_200_and_readyz_follows_vllm_health_with_the_pro
     assert "kvtax_vllm_up 0.0" in await resp.text()
 
 
-async def test_version_and_engine_kind_are_published(vllm: FakeVllm, sidecar: Sidecar) -> None:
+async def test_version_and_engine_kind_are_published(
+    vllm: FakeVllm, job: ScrapeJob, port: WebPort
+) -> None:
     vllm.body = read_fixture("0.6.6.prom")
     vllm.version = None  # V0 servers without /version still work
-    await sidecar.scrape_once()
-    m = metrics(sidecar)
+    await job.scrape_once()
+    m = metrics(port)
     assert one(m, "kvtax_vllm_up") == 1.0
     assert one(m, "kvtax_vllm_info", version="unknown", engine="v0", api_servers="1") == 1.0
 
 
 async def test_a_page_served_by_several_api_servers_is_named_on_the_info_series(
-    vllm: FakeVllm, sidecar: Sidecar, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    vllm: FakeVllm,
+    job: ScrapeJob,
+    port: WebPort,
+    clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # With --api-server-count > 1 vLLM serves /metrics from prometheus-client's multiprocess
     # collector: the default registry's python_*/process_* series are gone (the real 2- and
@@ -365,11 +384,11 @@ async def test_a_page_served_by_several_api_servers_is_named_on_the_info_series(
         for line in read_fixture("0.32-preempting.prom").splitlines()
         if not family(line).startswith(default_registry)
     )
-    caplog.set_level(logging.INFO, logger="kvtax.serve.sidecar")
-    await sidecar.scrape_once()
+    caplog.set_level(logging.INFO, logger="kvtax.serve.scrape.job")
+    await job.scrape_once()
     clock.advance(5)
-    await sidecar.scrape_once()
-    m = metrics(sidecar)
+    await job.scrape_once()
+    m = metrics(port)
     assert one(m, "kvtax_vllm_info", version="0.32.0", engine="v1", api_servers="several") == 1.0
     assert one(m, "kvtax_kv_capacity_tokens", model_name="tiny-llama") == 2048.0
     said = [r.getMessage() for r in caplog.records if "API-server" in r.getMessage()]
@@ -377,22 +396,24 @@ async def test_a_page_served_by_several_api_servers_is_named_on_the_info_series(
 
 
 async def test_the_server_version_decides_prefix_cache_units(
-    vllm: FakeVllm, sidecar: Sidecar
+    vllm: FakeVllm, job: ScrapeJob, port: WebPort
 ) -> None:
     vllm.body = read_fixture("0.8.2.prom")
     vllm.version = "0.8.2"
-    await sidecar.scrape_once()
-    assert sidecar.health.version == "0.8.2"
+    await job.scrape_once()
+    assert job.health.version == "0.8.2"
     # 0.8.2 counts prefix-cache hits in blocks of 16 tokens: computed = prompt - hits x 16.
     computed = one(
-        metrics(sidecar),
+        metrics(port),
         "kvtax_engine_prompt_computed_tokens_total",
         model_name="meta-llama/Llama-3.1-8B-Instruct",
     )
     assert computed == 96_648 - 1_510 * 16
 
 
-async def test_a_page_larger_than_one_read_is_read_whole(vllm: FakeVllm, sidecar: Sidecar) -> None:
+async def test_a_page_larger_than_one_read_is_read_whole(
+    vllm: FakeVllm, job: ScrapeJob, port: WebPort
+) -> None:
     # Regression: the scraper took the first chunk of a large body for the whole page, so a
     # 1 MB page from a 30-model server failed as "parse" on every scrape.
     lines = ["# TYPE unrelated_filler gauge"]
@@ -401,10 +422,10 @@ async def test_a_page_larger_than_one_read_is_read_whole(vllm: FakeVllm, sidecar
     lines += ['vllm:num_requests_running{model_name="last-line"} 7']
     vllm.body = "\n".join(lines) + "\n"
     assert len(vllm.body) > 1_000_000
-    await sidecar.scrape_once()
-    assert sidecar.health.last_error is None
-    assert sidecar.health.up
-    assert one(metrics(sidecar), "kvtax_requests_running", model_name="last-line") == 7
+    await job.scrape_once()
+    assert job.health.last_error is None
+    assert job.health.up
+    assert one(metrics(port), "kvtax_requests_running", model_name="last-line") == 7
 
 
 async def test_stop_waits_for_the_first_scrape_it_started(
@@ -423,23 +444,27 @@ async def test_stop_waits_for_the_first_scrape_it_started(
         env={},
         file=None,
     )
-    sc = Sidecar(config, clock=clock, parser=parser)
+    job = ScrapeJob(config, clock=clock, parser=parser)
+    port = web_port(job)
     vllm.mode = "slow"
-    await sc.start()
-    await sc.stop()
+    await port.start()
+    job.start()
+    await job.stop()
+    await port.stop()
+    await job.close()
     vllm.release.set()
     scrapes = [
         task
         for task in asyncio.all_tasks()
-        if getattr(task.get_coro(), "__qualname__", "") == "Sidecar.scrape_once"
+        if getattr(task.get_coro(), "__qualname__", "") == "ScrapeJob.scrape_once"
     ]
     assert scrapes == []
-    assert sc.health.scrapes == 1
-    assert sc.health.errors["timeout"] == 1
+    assert job.health.scrapes == 1
+    assert job.health.errors["timeout"] == 1
 
 
 def count_renders(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """Every /metrics page the sidecar renders, in order."""
+    """Every /metrics page the web port renders, in order."""
     pages: list[bytes] = []
 
     def choose(accept: str) -> tuple[Callable[[Any], bytes], str]:
@@ -451,18 +476,18 @@ def count_renders(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
 
         return render, content_type
 
-    monkeypatch.setattr(sidecar_module, "choose_encoder", choose)
+    monkeypatch.setattr(port_module, "choose_encoder", choose)
     return pages
 
 
 async def test_concurrent_scrapes_of_kvtax_share_one_render(
-    sidecar: Sidecar, aiohttp_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+    job: ScrapeJob, port: WebPort, aiohttp_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Protection: a render costs 3.5-4.6 ms of the loop that relays the proxy's streams; 200
     # scrapers at once held a relayed stream 0.67 s when each rendered its own page.
-    await sidecar.scrape_once()
+    await job.scrape_once()
     pages = count_renders(monkeypatch)
-    client = await aiohttp_client(sidecar.web_app())
+    client = await aiohttp_client(port.app())
     responses = await asyncio.gather(*(client.get("/metrics") for _ in range(200)))
     bodies = {await r.read() for r in responses}
     assert {r.status for r in responses} == {200}
@@ -471,43 +496,44 @@ async def test_concurrent_scrapes_of_kvtax_share_one_render(
     assert bodies <= set(pages)
 
 
-async def test_the_page_changes_as_soon_as_a_scrape_changes_the_figures(
+async def test_the_page_changes_as_soon_as_a_scrape_changes_the_figures(  # noqa: PLR0917 - pytest fixtures
     vllm: FakeVllm,
-    sidecar: Sidecar,
+    job: ScrapeJob,
+    port: WebPort,
     aiohttp_client: ClientFactory,
     monkeypatch: pytest.MonkeyPatch,
     clock: FakeClock,
 ) -> None:
     count_renders(monkeypatch)
-    client = await aiohttp_client(sidecar.web_app())
+    client = await aiohttp_client(port.app())
 
     async def page() -> dict[str, dict[Labels, float]]:
         return parse_exposition(await (await client.get("/metrics")).text())
 
-    await sidecar.scrape_once()
+    await job.scrape_once()
     assert one(await page(), "kvtax_vllm_up") == 1.0
     assert one(await page(), "kvtax_scrapes_total") == 1.0
     vllm.mode = "status500"
-    await sidecar.scrape_once()  # a failed scrape changes the page too
+    await job.scrape_once()  # a failed scrape changes the page too
     first = await page()
     assert (one(first, "kvtax_vllm_up"), one(first, "kvtax_scrapes_total")) == (0.0, 2.0)
     vllm.mode = "ok"
-    await sidecar.scrape_once()
+    await job.scrape_once()
     assert one(await page(), "kvtax_kv_capacity_tokens", model_name="tiny-llama") == 2048.0
 
 
 async def test_a_page_is_shared_within_one_turn_of_the_loop_and_never_after(
-    sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
+    port: WebPort, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Between scrapes of vLLM the proxy's counters still move: a page asked for in a later turn
     # of the loop is rendered anew, so no reader ever gets counters older than its own ask.
     pages = count_renders(monkeypatch)
-    first = [sidecar.page()[0] for _ in range(50)]
+    first = [port.page()[0] for _ in range(50)]
     assert len(pages) == 1
     assert set(first) == {pages[0]}
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    sidecar.page()
+    port.page()
     assert len(pages) == 2
 
 
@@ -528,12 +554,12 @@ PROMETHEUS_ACCEPT = (
     ],
 )
 async def test_metrics_answers_the_format_and_encoding_the_scraper_asks_for(
-    sidecar: Sidecar, aiohttp_client: ClientFactory, case: tuple[str, str, str, bool]
+    job: ScrapeJob, port: WebPort, aiohttp_client: ClientFactory, case: tuple[str, str, str, bool]
 ) -> None:
     # Protection: /metrics was always text 0.0.4 and never gzipped, whatever was asked.
     accept, encoding, kind, gzipped = case
-    await sidecar.scrape_once()
-    client = await aiohttp_client(sidecar.web_app())
+    await job.scrape_once()
+    client = await aiohttp_client(port.app())
     headers = {"Accept": accept, "Accept-Encoding": encoding}
     resp = await client.get("/metrics", headers=headers, auto_decompress=False)
     raw = await resp.read()

@@ -1,7 +1,7 @@
 """``--web.config.file``: the exporter-toolkit format read, checked and applied to the web port.
 
 The file's errors name the key; a real TLS handshake (server certificate, client certificates
-required or not) and basic auth are checked against the sidecar's own web app on loopback.
+required or not) and basic auth are checked against kvtax's own web port on loopback.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from aiohttp.test_utils import TestServer
 
 from kvtax.errors import ConfigError
 from kvtax.serve.config import load_config
-from kvtax.serve.sidecar import Sidecar
+from kvtax.serve.scrape.job import ScrapeJob
+from kvtax.serve.web.port import WebPort
 from kvtax.serve.web.webconfig import (
     BCRYPT_THREADS,
     MAX_PENDING,
@@ -34,6 +35,7 @@ from kvtax.serve.web.webconfig import (
     parse,
 )
 from kvtax_dev.testbed.tlscerts import Certs, make_certs
+from tests.unit.conftest import web_port
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
 
@@ -349,7 +351,7 @@ async def test_pending_checks_of_all_names_together_are_bounded(
 async def test_a_busy_login_is_a_429_and_healthz_never_waits(
     aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client = await aiohttp_client(basic_auth_sidecar().web_app())
+    client = await aiohttp_client(basic_auth_port().app())
     blocked = BlockedBcrypt(monkeypatch)
     try:
         guesses = [
@@ -380,14 +382,14 @@ async def test_the_remembered_checks_are_bounded(monkeypatch: pytest.MonkeyPatch
     assert len(asked) == VERIFIED_MAX + 2  # the oldest was forgotten
 
 
-def basic_auth_sidecar() -> Sidecar:
+def basic_auth_port() -> WebPort:
     config = load_config({"vllm.url": "http://127.0.0.1:9"}, env={}, file=None)
     users = BasicAuth({"prometheus": HASH.encode()})
-    return Sidecar(config, security=WebSecurity(basic_auth=users))
+    return web_port(ScrapeJob(config), security=WebSecurity(basic_auth=users))
 
 
 async def test_a_password_longer_than_bcrypt_takes_is_401_not_500(aiohttp_client: Any) -> None:
-    client = await aiohttp_client(basic_auth_sidecar().web_app())
+    client = await aiohttp_client(basic_auth_port().app())
     long = {"Authorization": basic("prometheus", "x" * 73)}  # bcrypt 5 raises past 72 bytes
     resp = await client.get("/metrics", headers=long)
     assert resp.status == 401
@@ -431,7 +433,7 @@ async def test_the_event_loop_serves_other_requests_while_bcrypt_runs(
         return True
 
     monkeypatch.setattr(bcrypt, "checkpw", slow_checkpw)
-    client = await aiohttp_client(basic_auth_sidecar().web_app())
+    client = await aiohttp_client(basic_auth_port().app())
     ok = {"Authorization": basic("prometheus", "s3cret")}
     scrape = asyncio.ensure_future(client.get("/metrics", headers=ok))
     assert await asyncio.to_thread(entered.wait, 5.0)
@@ -467,8 +469,10 @@ async def push(request: web.Request) -> web.Response:
 async def serve(web_file: Path) -> TestServer:
     config = load_config({"vllm.url": "http://127.0.0.1:9"}, env={}, file=None)
     security = load(web_file)
-    sidecar = Sidecar(config, security=security, routes=[("POST", "/api/v1/delivered", push)])
-    server = TestServer(sidecar.web_app(), host="127.0.0.1")
+    port = web_port(
+        ScrapeJob(config), security=security, routes=[web.post("/api/v1/delivered", push)]
+    )
+    server = TestServer(port.app(), host="127.0.0.1")
     await server.start_server(ssl=security.ssl_context)
     return server
 

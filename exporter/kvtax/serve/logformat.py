@@ -3,7 +3,7 @@
 logfmt is one line of ``key=value`` pairs, values quoted when they hold a space, a quote or an
 equals sign::
 
-    time=2026-12-01T11:22:05.123Z level=info logger=kvtax.serve.sidecar msg="vLLM at ... is up"
+    time=2026-12-01T11:22:05.123Z level=info logger=kvtax.serve.scrape.job msg="vLLM at ... is up"
 
 JSON is one object per line with the same keys, for log pipelines that parse JSON. An exception
 adds ``exc``, the traceback in one value. :func:`formatter` returns the :class:`logging.Formatter`

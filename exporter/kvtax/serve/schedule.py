@@ -3,8 +3,8 @@
 Everything ``kvtax serve`` does on a clock is a job of the one scheduler that
 :func:`kvtax.serve.wiring.build` makes and hands to each part:
 
-- ``scrape``: the sidecar scrapes vLLM and folds the page, every ``--scrape.interval``
-  (:mod:`kvtax.serve.sidecar`); after each fold it hands the new figures to its subscribers
+- ``scrape``: the scrape job scrapes vLLM and folds the page, every ``--scrape.interval``
+  (:mod:`kvtax.serve.scrape.job`); after each fold it hands the new figures to its subscribers
   (the gate steps its cap there), so nothing polls for them;
 - ``gateway``: the gateway poller, every ``--scrape.interval``, when ``--gateway.url`` is set
   (:mod:`kvtax.serve.sources.push`);
@@ -27,7 +27,7 @@ scheduler; its job then gets one of its own, started and shut down with it.
 Example::
 
     scheduler = new_scheduler()
-    job = Periodic("scrape", sidecar.scrape_once, 15.0, scheduler)
+    job = Periodic("scrape", scrape.scrape_once, 15.0, scheduler)
     job.start()
     scheduler.start()  # in the running loop
     ...

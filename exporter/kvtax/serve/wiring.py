@@ -4,13 +4,19 @@
 
 - the delivery ledger and its model names, written by the proxy, the push route and the
   gateway poller;
-- the window (:class:`~kvtax.figures.window.Window`), written only by the scrape job, which
-  credits the proxy's running streams and then pairs the ledger's totals with the engine's;
-- the sidecar (scraper, parse pool, scrape job, web port with the push route);
-- the report behind ``/metrics``: the sidecar's health and figures, the ledger's counters, the
-  proxy's gauges and the self-watch, read and never written.
+- the gate and the proxy, which credits its running streams to the ledger on demand;
+- the window (:class:`~kvtax.figures.window.Window`), written only by the scrape job
+  (:class:`~kvtax.serve.scrape.job.ScrapeJob`: scraper, parse pool, its job on the scheduler),
+  which credits the proxy's running streams and then pairs the ledger's totals with the
+  engine's;
+- the report behind ``/metrics``: the scrape job's health and figures, the ledger's counters,
+  the proxy's gauges, the gate's and the self-watch's samples, read and never written;
+- the web port (:class:`~kvtax.serve.web.port.WebPort`), handed that report, the scrape job's
+  readiness for ``/readyz``, and the push route.
 
-The gate (:mod:`kvtax.serve.proxy.gate`) follows the sidecar's figures: the scrape hands each
+Each part is built after the parts it reads, so nothing is connected after the fact.
+
+The gate (:mod:`kvtax.serve.proxy.gate`) follows the scrape's figures: the scrape hands each
 fold's figures to its ``on_figures`` subscribers, :meth:`Gate.on_figures
 <kvtax.serve.proxy.gate.Gate.on_figures>` among them; the proxy holds the gate only when
 ``--gate.mode`` is not ``off``, and ``/metrics`` shows its advice either way.
@@ -43,6 +49,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
@@ -56,14 +63,15 @@ from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax.serve.schedule import new_scheduler
+from kvtax.serve.scrape.job import LedgerFeed, ScrapeJob
 from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.selfwatch import LoopWatch
-from kvtax.serve.sidecar import LedgerFeed, Sidecar
 from kvtax.serve.sources.models import ModelsPoller
 from kvtax.serve.sources.push import PUSH_PATH, GatewayPoller, push_handler
+from kvtax.serve.web.port import Report, WebPort
 from kvtax.serve.web.webconfig import load as load_web_config
 
-__all__ = ["Stack", "build", "gate_settings", "run"]
+__all__ = ["Stack", "build", "gate_settings", "report_of", "run"]
 
 log = logging.getLogger("kvtax.serve.wiring")
 
@@ -79,26 +87,22 @@ class Stack:
     proxy: Proxy
     gateway: GatewayPoller | None
     loopwatch: LoopWatch
-    sidecar: Sidecar
+    scrape: ScrapeJob
     gate: Gate
+    # Everything /metrics shows (see report_of); the web port renders it.
+    report: Report
+    web: WebPort
     scheduler: AsyncIOScheduler
     models: ModelsPoller | None = None
-
-    def report(self) -> Iterator[Sample | HistogramSample]:
-        """Everything ``/metrics`` shows, read from the parts; it changes none of them."""
-        yield from self.sidecar.samples()
-        yield from ledger_samples(self.ledger.counts())
-        yield from adapter_samples(self.ledger.adapter_counts())
-        proxy = self.proxy
-        yield from proxy_samples(proxy.in_flight, proxy.streams_open, proxy.upstream_retries)
-        yield from self.gate.samples()
-        yield from self.loopwatch.samples()
 
     async def start(self) -> None:
         # The one scheduler first: each part adds its job to it as it starts, removes it as
         # it stops.
         self.scheduler.start()
-        await self.sidecar.start()
+        # The web port before the scrape: a port kvtax cannot listen on fails the start
+        # before any scrape ran.
+        await self.web.start()
+        self.scrape.start()
         self.loopwatch.start()
         if self.config.proxy_listen_address is not None:
             await self.proxy.start(*self.config.proxy_listen_address)
@@ -111,7 +115,7 @@ class Stack:
         """Stop taking requests: /readyz fails, the proxy lets requests in flight finish for up
         to ``grace`` seconds, and the gateway and ``/v1/models`` pollers stop (their jobs leave
         the scheduler). ``/metrics`` stays up, and the scrape goes on."""
-        self.sidecar.draining = True
+        self.scrape.draining = True
         await self.proxy.stop(grace)
         if self.gateway is not None:
             await self.gateway.stop()
@@ -119,11 +123,33 @@ class Stack:
             await self.models.stop()
 
     async def stop(self) -> None:
-        await self.sidecar.stop()
+        # The scrape ends first (one in flight finishes), then the web port, then the scrape's
+        # clients to vLLM: /readyz asks vLLM's /health through one of them until the port is
+        # down.
+        await self.scrape.stop()
+        await self.web.stop()
+        await self.scrape.close()
         await self.loopwatch.stop()
         # Last: its jobs are gone by now (a part that never started added none).
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
+
+
+def report_of(
+    scrape: ScrapeJob, ledger: DeliveryLedger, proxy: Proxy, gate: Gate, loopwatch: LoopWatch
+) -> Report:
+    """Everything ``/metrics`` shows, read from the parts on each call; it changes none of
+    them. (The web port adds its own ``kvtax_metrics_requests_total``.)"""
+
+    def report() -> Iterator[Sample | HistogramSample]:
+        yield from scrape.samples()
+        yield from ledger_samples(ledger.counts())
+        yield from adapter_samples(ledger.adapter_counts())
+        yield from proxy_samples(proxy.in_flight, proxy.streams_open, proxy.upstream_retries)
+        yield from gate.samples()
+        yield from loopwatch.samples()
+
+    return report
 
 
 def _proxy_settings(config: Config) -> ProxySettings:
@@ -213,39 +239,42 @@ def build(
     push = push_handler(
         ledger, config.push_token, allow_unauthenticated=config.push_allow_unauthenticated
     )
-    stack: Stack | None = None
-
-    def report() -> Iterator[Sample | HistogramSample]:
-        assert stack is not None  # built below, before any scrape of /metrics can run
-        return stack.report()
-
-    sidecar = Sidecar(
+    scrape = ScrapeJob(
         config,
         window=window,
         feed=LedgerFeed(names, ledger, proxy.credit_in_flight),
-        report=report,
-        routes=[("POST", PUSH_PATH, push)],
         clock=clock,
         parser=parser,
-        security=security,
         scheduler=scheduler,
         # Pushed by the scrape after each fold: the gate steps its cap on the new figures.
         on_figures=[gate.on_figures],
     )
-    stack = Stack(
+    loopwatch = LoopWatch(scheduler=scheduler)
+    report = report_of(scrape, ledger, proxy, gate, loopwatch)
+    port = WebPort(
         config,
-        names,
-        ledger,
-        window,
-        proxy,
-        _gateway(config, ledger, scheduler),
-        LoopWatch(scheduler=scheduler),
-        sidecar,
-        gate,
-        scheduler,
-        _models(config, names, scheduler),
+        report=report,
+        readiness=scrape.readiness,
+        # A scrape that changed the figures makes the next GET of /metrics render anew.
+        revision=scrape.revision,
+        security=security,
+        routes=[web.post(PUSH_PATH, push)],
     )
-    return stack
+    return Stack(
+        config=config,
+        names=names,
+        ledger=ledger,
+        window=window,
+        proxy=proxy,
+        gateway=_gateway(config, ledger, scheduler),
+        loopwatch=loopwatch,
+        scrape=scrape,
+        gate=gate,
+        report=report,
+        web=port,
+        scheduler=scheduler,
+        models=_models(config, names, scheduler),
+    )
 
 
 async def run(config: Config) -> int:

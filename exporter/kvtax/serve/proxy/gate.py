@@ -9,7 +9,7 @@ shed with a reason (``queue_full`` past ``--gate.max-queue``, ``wait_expired`` p
 queue at once. :meth:`Gate.leave` frees the slot when the request ends (for a stream, once its
 ``[DONE]`` or final usage event went to the client). :meth:`Gate.observe` steps the cap once a
 scrape: the scrape hands each fold's figures to :meth:`Gate.on_figures` (a subscriber of the
-sidecar, wired in :mod:`kvtax.serve.wiring`), which logs and outlives any error of one step.
+scrape job, wired in :mod:`kvtax.serve.wiring`), which logs and outlives any error of one step.
 
 The queue is a heap whose leavers are only marked (dropped when they reach its head, or when
 half the heap is such): a client leaving, a wait expiring and shutdown's cancel-all cost O(1)
@@ -312,7 +312,7 @@ class Gate:
         self._pump()
 
     def on_figures(self, figures: Mapping[str, ModelFigures]) -> None:
-        """The scrape's new figures (the sidecar calls this after each fold): step the cap. An
+        """The scrape's new figures (the scrape job calls this after each fold): step the cap. An
         error of one step is logged here, with the cap it leaves, and the next scrape is stepped
         as usual: an error must never hold the cap where it was for good, silently."""
         try:

@@ -6,7 +6,7 @@ explicitly; it answers every problem with a 4xx and an OpenAI-style JSON message
 plain JSON: a body with a Content-Encoding other than ``identity`` (gzip, deflate, br, zstd) is
 refused with 415 before a byte of it is read, and only once the token passed, so kvtax never
 inflates a body (a 1 MiB gzip bomb inflates to 1 GiB); the web port's server does not inflate
-either (:meth:`kvtax.serve.sidecar.Sidecar.web_runner`).
+either (:meth:`kvtax.serve.web.port.WebPort.runner`).
 :class:`GatewayPoller` reads a gateway's Prometheus counter on the scrape interval (the
 ``gateway`` job of kvtax's one scheduler, :mod:`kvtax.serve.schedule`) and turns its
 reset-corrected increases into ledger increments (source ``gateway``). It does not follow

@@ -1,17 +1,18 @@
-"""The observe-mode sidecar: scrape on a schedule, fold, derive, and serve kvtax's /metrics.
+"""The scrape job: scrape vLLM on a schedule, fold, derive, and hand the figures on.
 
-:class:`Sidecar` owns the I/O of observe mode: the ``scrape`` job of kvtax's one scheduler
-(:mod:`kvtax.serve.schedule`) scrapes vLLM every interval, the fold step (normalize, then the
-window and derive of :mod:`kvtax.figures`) turns the text into figures, and an aiohttp app serves
-``/metrics``, ``/healthz`` and ``/readyz``. A vLLM that is down, slow or restarting shows as
-``kvtax_vllm_up 0`` and a scrape error by reason; it never stops the sidecar. The scrape is the
-write path: with a :class:`LedgerFeed`, it credits the proxy's running streams and pairs the
-ledger's totals with the engine's in the window. A GET of ``/metrics`` only reads.
+:class:`ScrapeJob` is the ``scrape`` job of kvtax's one scheduler (:mod:`kvtax.serve.schedule`):
+it scrapes vLLM every interval, and the fold step (normalize, then the window and derive of
+:mod:`kvtax.figures`) turns the text into figures. A vLLM that is down, slow or restarting shows
+as ``kvtax_vllm_up 0`` and a scrape error by reason; it never stops the sidecar. The scrape is
+the write path: with a :class:`LedgerFeed`, it credits the proxy's running streams and pairs the
+ledger's totals with the engine's in the window. What it knows is read through
+:meth:`~ScrapeJob.samples` (its health and the figures) and :meth:`~ScrapeJob.readiness` (for
+``/readyz``); the web port (:mod:`kvtax.serve.web.port`) serves both, and
 :func:`kvtax.serve.wiring.build` passes each part what it needs.
 
 The scrape pushes its figures: after each fold it calls every ``on_figures`` subscriber with the
-new figures (the gate steps its cap there), so nobody polls the sidecar for them. A
-subscriber that raises is logged; the scrape and the other subscribers go on.
+new figures (the gate steps its cap there), so nobody polls the job for them. A subscriber that
+raises is logged; the scrape and the other subscribers go on.
 
 The ledger is read as near to vLLM's page as the scrape can: its totals as soon as the page has
 arrived, before the parse (which can take seconds on a starved machine, while streams go on
@@ -21,48 +22,39 @@ at the fold, so that join coverage can bracket the instant vLLM counted its requ
 exception: the names the ledger labels running streams with are learned from that page, so the
 totals are read again at the fold, after the names.
 
-The page is parsed in a worker process (:class:`~kvtax.serve.scrape.parsepool.ParsePool`), so a big
-page
-never holds up the event loop that also relays the proxy's streams. For the same reason kvtax's
-own page is rendered at most once per turn of that loop: a render costs milliseconds, and a
-burst of scrapers (200 at once) shares one render instead of holding a relayed stream for each.
+The page is parsed in a worker process (:class:`~kvtax.serve.scrape.parsepool.ParsePool`), so a
+big page never holds up the event loop that also relays the proxy's streams.
 
-The web port never inflates a request body (its server runs with ``auto_decompress`` off): the
-push route refuses a compressed body with 415 (:mod:`kvtax.serve.sources.push`), and a body refused
-for any other reason, or never read, is never decoded.
+Every change to what the job publishes (a fold, a scrape's outcome) moves its
+:meth:`~ScrapeJob.revision`, so that the web port renders its page anew rather than serve one
+rendered before the change.
 
 Example::
 
-    sidecar = Sidecar(config)  # observe only; see kvtax.serve.wiring for the whole stack
-    await sidecar.start()
+    job = ScrapeJob(config)  # alone; see kvtax.serve.wiring for the whole stack
+    job.start()
     ...
-    await sidecar.stop()
+    await job.close()
 """
 
 from __future__ import annotations
 
 import asyncio
-import gzip
 import logging
 import platform
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
-from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from kvtax import __version__
 from kvtax.delivery.ledger import DeliveryLedger, LedgerTotals, ModelNames
 from kvtax.engine.apiservers import ApiServerReport
 from kvtax.engine.normalize import REJECT_REASONS, ParseError, normalize
 from kvtax.engine.snapshot import VllmSnapshot
-from kvtax.expose.exposition import ReportCollector
 from kvtax.expose.publish import model_samples
-from kvtax.expose.samples import HistogramSample, Sample
+from kvtax.expose.samples import Sample
 from kvtax.figures.derive import EngineSettings, ModelFigures, derive_all
 from kvtax.figures.window import Window, candidates
 from kvtax.serve.config import Config
@@ -70,15 +62,11 @@ from kvtax.serve.schedule import Periodic
 from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.scrape.readiness import HEALTH_MAX_BYTES, HealthCheck
 from kvtax.serve.scrape.scraper import REASONS, ScrapeError, Scraper
-from kvtax.serve.web.webconfig import WebSecurity
 
-__all__ = ["FiguresSubscriber", "LedgerFeed", "Route", "ScrapeHealth", "Sidecar"]
+__all__ = ["FiguresSubscriber", "LedgerFeed", "ScrapeHealth", "ScrapeJob"]
 
-log = logging.getLogger("kvtax.serve.sidecar")
+log = logging.getLogger(__name__)
 
-Report = Callable[[], Iterable[Sample | HistogramSample]]
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Route = tuple[str, str, Handler]
 # Called with the new figures after each fold (the gate's Gate.on_figures).
 FiguresSubscriber = Callable[[Mapping[str, ModelFigures]], None]
 
@@ -119,8 +107,8 @@ class ScrapeHealth:
     metrics_missing: bool = False
 
 
-class Sidecar:
-    """Scrapes one vLLM server and serves kvtax's metrics. See the module docstring."""
+class ScrapeJob:
+    """Scrapes one vLLM server and folds its pages into figures. See the module docstring."""
 
     def __init__(
         self,
@@ -128,17 +116,12 @@ class Sidecar:
         *,
         window: Window | None = None,
         feed: LedgerFeed | None = None,
-        report: Report | None = None,
-        routes: Sequence[Route] = (),
         clock: Callable[[], float] = time.time,
         parser: ParsePool | None = None,
-        security: WebSecurity | None = None,
         scheduler: AsyncIOScheduler | None = None,
         on_figures: Sequence[FiguresSubscriber] = (),
     ) -> None:
         self.config = config
-        # TLS and basic auth of the web port (--web.config.file); plain HTTP without.
-        self.security = security or WebSecurity()
         self.clock = clock
         self.window = window or Window(config.window, max_models=config.scrape_max_models)
         self.feed = feed
@@ -156,27 +139,23 @@ class Sidecar:
         # A parser passed in belongs to the caller (tests share one); one made here is ours.
         self._owns_parser = parser is None
         self.parser = parser if parser is not None else ParsePool()
-        self._routes = tuple(routes)
-        self.registry = CollectorRegistry(auto_describe=False)
-        # The whole report when the wiring passes one; alone, the sidecar's own samples.
-        self.registry.register(ReportCollector(report or self.samples))
-        # process_* (RSS, open FDs, CPU seconds) of this process, the standard way.
-        ProcessCollector(registry=self.registry)
         # The scrape job, on the scheduler the wiring hands every part (alone: one of its own).
         self._job = Periodic("scrape", self.scrape_once, config.scrape_interval, scheduler)
         self.on_figures = tuple(on_figures)
-        self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
         # The models of the last page folded: while a page has the same ones, the ledger's
         # labels are already right when the page arrives (see _read_on_arrival).
         self._page_models: frozenset[str] = frozenset()
         self._first: asyncio.Task[None] | None = None
-        # kvtax's own page as rendered in this turn of the loop, by format and encoding.
-        self._pages: dict[tuple[str, bool], bytes] = {}
-        # /metrics answers by format (openmetrics, text) and encoding (gzip, identity).
-        self.served: Counter[tuple[str, str]] = Counter()
+        # Moves whenever what samples() returns changed (see revision()).
+        self._revision = 0
         # Set on SIGTERM: /readyz fails so the Service stops sending new requests.
         self.draining = False
+
+    def revision(self) -> int:
+        """A number that moves whenever a scrape changed what :meth:`samples` returns: the web
+        port renders its page anew when it has moved."""
+        return self._revision
 
     # -- the fold step (the write path) -----------------------------------------------------
     def ingest(self, text: str, timestamp: float) -> VllmSnapshot:
@@ -206,7 +185,7 @@ class Sidecar:
             parsed, totals, joined_before=joined_before, joined_after=joined_after
         )
         self.figures = derive_all(self.window, self.settings)
-        self._pages.clear()  # the next GET of /metrics shows the new figures
+        self._revision += 1  # the next GET of /metrics shows the new figures
         self._hand_on(self.figures)
         return snap
 
@@ -301,7 +280,7 @@ class Sidecar:
                 self._note_api_servers(snap.api_servers)
             finally:
                 self.health.last_duration = time.perf_counter() - started
-                self._pages.clear()  # up, errors and figures changed: render anew when asked
+                self._revision += 1  # up, errors and figures changed: render anew when asked
 
     def _note_api_servers(self, report: ApiServerReport | None) -> None:
         """Keep what the page says about vLLM's API-server processes; say once when several
@@ -345,7 +324,7 @@ class Sidecar:
         self.health.last_reason = reason
 
     def samples(self) -> Iterator[Sample]:
-        """The sidecar's health and the models' figures, as of the last scrape (reads only)."""
+        """The scrape's health and the models' figures, as of the last scrape (reads only)."""
         h = self.health
         yield Sample("kvtax_build_info", (__version__, platform.python_version()), 1.0)
         yield Sample("kvtax_vllm_up", (), 1.0 if h.up else 0.0)
@@ -366,13 +345,11 @@ class Sidecar:
         if h.engine is not None:
             servers = h.api_servers or "unknown"
             yield Sample("kvtax_vllm_info", (h.version or "unknown", h.engine, servers), 1.0)
-        for (form, encoding), count in sorted(self.served.items()):
-            yield Sample("kvtax_metrics_requests_total", (form, encoding), float(count))
         yield from model_samples(self.figures, self.config.max_num_seqs)
 
-    # -- HTTP --------------------------------------------------------------------------------
+    # -- readiness ---------------------------------------------------------------------------
     async def readiness(self) -> tuple[bool, str]:
-        """Whether the pod may take traffic, and why.
+        """Whether the pod may take traffic, and why (``/readyz`` on the web port).
 
         With the proxy on, traffic flows through kvtax to vLLM: ready means the proxy reaches
         vLLM's /health (an answer at most a second old, one request however many probes ask).
@@ -388,116 +365,16 @@ class Sidecar:
             return False, f"the proxy cannot reach vLLM: {failure.reason}: {failure.detail}"
         return True, "ok"
 
-    def page(self, accept: str = "", *, gzipped: bool = False) -> tuple[bytes, str]:
-        """kvtax's /metrics page in the format ``accept`` asks for (prometheus-client's own
-        negotiation: OpenMetrics or text 0.0.4), gzipped if asked, and its Content-Type.
-
-        Each format is rendered at most once per turn of the event loop: scrapers that ask in
-        the same turn (a burst of them lands in one or a few turns) share one render; the next
-        turn renders anew, so a page never shows counters older than the turn it was asked in.
-        """
-        encoder, content_type = choose_encoder(accept)
-        key = (content_type, gzipped)
-        body = self._pages.get(key)
-        if body is None:
-            plain = self._pages.get((content_type, False))
-            if plain is None:
-                plain = encoder(self.registry)
-            body = gzip.compress(plain, compresslevel=6, mtime=0) if gzipped else plain
-            if not self._pages:
-                try:
-                    asyncio.get_running_loop().call_soon(self._pages.clear)
-                except RuntimeError:  # no loop (a direct call): nothing would clear it
-                    return body, content_type
-            self._pages[(content_type, False)] = plain
-            self._pages[key] = body
-        return body, content_type
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        gzipped = gzip_accepted(request.headers.get("Accept-Encoding", ""))
-        body, content_type = self.page(request.headers.get("Accept", ""), gzipped=gzipped)
-        form = "openmetrics" if content_type.startswith("application/openmetrics") else "text"
-        self.served[form, "gzip" if gzipped else "identity"] += 1
-        headers = {"Content-Type": content_type}
-        if gzipped:
-            headers["Content-Encoding"] = "gzip"
-        return web.Response(body=body, headers=headers)
-
-    async def _healthz(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
-
-    async def _readyz(self, request: web.Request) -> web.Response:
-        ready, why = await self.readiness()
-        return web.Response(text=why + "\n", status=200 if ready else 503)
-
-    def _open_paths(self) -> frozenset[str]:
-        """Paths basic auth leaves alone: the probes, and the extra routes (the push route),
-        which carry their own bearer token in the same Authorization header."""
-        return frozenset({"/healthz", "/readyz", *(path for _, path, _ in self._routes)})
-
-    def web_app(self) -> web.Application:
-        security, open_paths = self.security, self._open_paths()
-
-        @web.middleware
-        async def basic_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if request.path in open_paths:
-                return await handler(request)
-            verdict = await security.verdict(request.headers.get("Authorization"))
-            if verdict == "ok":
-                return await handler(request)
-            if verdict == "busy":
-                # This user name has its share of bcrypt checks pending (someone is guessing):
-                # answered at once rather than queued behind them.
-                return web.Response(
-                    status=429,
-                    text="Too Many Requests: logins of this user are being checked; retry\n",
-                    headers={"Retry-After": "1"},
-                )
-            return web.Response(
-                status=401,
-                text="Unauthorized\n",
-                headers={"WWW-Authenticate": 'Basic realm="kvtax"'},
-            )
-
-        middlewares = [basic_auth] if security.basic_auth is not None else []
-        app = web.Application(middlewares=middlewares)
-        app.router.add_get(self.config.web_telemetry_path, self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        for method, path, handler in self._routes:
-            app.router.add_route(method, path, handler)
-        return app
-
-    def web_runner(self) -> web.AppRunner:
-        """The web port's server. It never inflates a request body: with aiohttp's default, a
-        gzip body is inflated as it arrives, before any handler refused it, and what a handler
-        left unread (a 401, a 413) is read on for 10 s after the answer ("lingering"), which
-        inflated a 1 MiB gzip bomb to 1 GiB on the loop the proxy relays on."""
-        return web.AppRunner(self.web_app(), access_log=None, auto_decompress=False)
-
     # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self) -> None:
-        host, port = self.config.web_listen_address
-        self._runner = self.web_runner()
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=self.security.ssl_context)
-        await site.start()
-        log.info(
-            "serving %s on %s://%s:%d%s, scraping %s every %.1fs",
-            self.config.web_telemetry_path,
-            self.security.scheme,
-            host,
-            port,
-            " with basic auth" if self.security.basic_auth is not None else "",
-            self.config.vllm_url,
-            self.config.scrape_interval,
-        )
+    def start(self) -> None:
+        """Add the job to the scheduler and run the first scrape now, not one interval from
+        now: a task of its own (not a run of the job), so that :meth:`stop` can wait for it
+        wherever the scheduler is. Call it in the running loop."""
         self._job.start()
-        # The first scrape runs now, not one interval from now: a task of its own (not a
-        # run of the job), so that stop() can wait for it wherever the scheduler is.
         self._first = asyncio.get_running_loop().create_task(self.scrape_once())
 
     async def stop(self) -> None:
+        """End the scraping: no new scrape starts, and one in flight ends first."""
         if self._owns_parser:
             self.parser.close()  # a parse in flight fails at once
         # Let a scrape in flight end (its fetch is bounded by the timeout) rather than be
@@ -510,9 +387,11 @@ class Sidecar:
             pass
         if self._owns_parser:
             self.parser.close()  # again: a scrape that reached its parse after the first close
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+
+    async def close(self) -> None:
+        """:meth:`stop`, then close the clients to vLLM: the scraper's, and the one ``/readyz``
+        asks through (so, in the stack, after the web port stopped)."""
+        await self.stop()
         await self.scraper.close()
         await self.vllm_health.close()
 
