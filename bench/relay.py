@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import math
 import os
 import resource
@@ -364,6 +365,11 @@ async def measure(relay: Relay, streams: int, plan: Plan) -> Turn:
     def cpu() -> float:
         return _cpu_seconds(relay.pids())
 
+    # The client's own full collections (20-40 ms at 64 streams) would otherwise run inside a
+    # measured wave, and because the client allocates alike every run, they land on the same
+    # mode's wave run after run. Collect before each turn and not during it, for every mode.
+    gc.collect()
+    gc.disable()
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             # Open the streams' connections (and the relay's upstream ones) beforehand: the
@@ -391,6 +397,7 @@ async def measure(relay: Relay, streams: int, plan: Plan) -> Turn:
             turn.short_cpu = cpu() - before
             turn.short_requests = plan.short_waves * streams
     finally:
+        gc.enable()
         stop.set()
         await sampler
     return turn
