@@ -4,8 +4,7 @@
 pattern) while a page of ``--models`` models (about 425 series each) is normalized one of four
 ways: ``inline`` on the loop, in a ``thread``, in a ``multiprocessing`` ``process`` pool, and in
 kvtax's own ``worker`` (:class:`kvtax.serve.scrape.parsepool.ParsePool`). It prints the round trips
-per
-second
+per second
 and their p50/p99/max during the parse, next to an ``idle`` baseline of 2 s. A thread holds the
 GIL for the parse, and each socket call of the loop then waits for the switch interval.
 

@@ -3,8 +3,7 @@
 Each board answers its questions in the order a person under pressure asks them: is the engine
 thrashing, what is it costing, what should max_num_seqs be. Queries are composed from
 :mod:`kvtax.mixin.dashboards.queries` (catalog, vocabulary and recording-rule names only); each
-board
-lives in its own module (:mod:`.overview`, :mod:`.capacity`, :mod:`.fleet`) and shares units
+board lives in its own module (:mod:`.overview`, :mod:`.capacity`, :mod:`.fleet`) and shares units
 and thresholds through :mod:`.common`. Pure: no I/O.
 
 Example::

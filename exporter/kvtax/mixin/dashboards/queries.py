@@ -2,8 +2,7 @@
 
 Every series a panel queries comes from one of three places: :data:`kvtax.expose.catalog.METRICS`
 (kvtax's own metrics), :data:`kvtax.engine.vocabulary.CONCEPTS` (vLLM's names, every version at
-once)
-or the recording rules. The helpers here refuse a name outside those tables at generation
+once) or the recording rules. The helpers here refuse a name outside those tables at generation
 time; :func:`kvtax_dev.promql.series_names` reads them back out of the finished JSON so a
 test can prove the committed dashboards agree. Pure string work; no I/O.
 

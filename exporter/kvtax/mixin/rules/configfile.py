@@ -1,13 +1,12 @@
 """``--config FILE.yaml`` of ``kvtax rules`` and ``kvtax dashboards``: RulesConfig without Python.
 
 The file is a flat YAML mapping whose keys are :class:`~kvtax.mixin.rules.config.RulesConfig`'s
-fields;
-every field may be set, none must be. Values are checked against the field's type and range (a
-finite number for thresholds, from 0 to 1 for shares (:data:`~kvtax.mixin.rules.config.SHARES`); a
-Prometheus duration for windows and ``*_for``, no longer than Prometheus can hold,
-:data:`MAX_DURATION`; a label name for ``cluster_label``; a mapping of alert name to severity
-for ``severity_overrides``), and an error names the file and the key. The same file drives the
-rules and the dashboards, so a threshold line on a panel and its alert cannot disagree::
+fields; every field may be set, none must be. Values are checked against the field's type and range
+(a finite number for thresholds, from 0 to 1 for shares (:data:`~kvtax.mixin.rules.config.SHARES`);
+a Prometheus duration for windows and ``*_for``, no longer than Prometheus can hold,
+:data:`MAX_DURATION`; a label name for ``cluster_label``; a mapping of alert name to severity for
+``severity_overrides``), and an error names the file and the key. The same file drives the rules and
+the dashboards, so a threshold line on a panel and its alert cannot disagree::
 
     cluster_label: cluster
     kvtax_selector: 'job="kvtax"'

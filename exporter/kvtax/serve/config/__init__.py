@@ -11,8 +11,7 @@ warning; within one source the new name wins over the old.
 
 This module merges the sources and checks settings against each other; the value parsers are in
 :mod:`kvtax.serve.config.values`, the YAML reader in :mod:`kvtax.serve.config.file` and the
-reference
-page in :mod:`kvtax.serve.config.docs`. Everything public is re-exported here.
+reference page in :mod:`kvtax.serve.config.docs`. Everything public is re-exported here.
 
 Example::
 

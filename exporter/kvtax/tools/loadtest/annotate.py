@@ -2,8 +2,7 @@
 
 Each step's engine figures come from :func:`kvtax.tools.loadtest.measure.engine_step` over the
 timeline's slice for the step (:meth:`~kvtax.tools.loadtest.timeline.Timeline.span`), so they are
-the
-numbers ``kvtax loadtest`` and the dashboards compute. The x axis of the table is the tool's
+the numbers ``kvtax loadtest`` and the dashboards compute. The x axis of the table is the tool's
 concurrency when every step has one, else the request rate it achieved. The tool is any whose
 report :mod:`kvtax.tools.loadtest.tools` reads: guidellm, AIPerf, ``vllm bench serve``.
 """
