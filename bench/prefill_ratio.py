@@ -202,6 +202,8 @@ def run(args: argparse.Namespace) -> Result:
         num_gpu_blocks=args.blocks,
         max_model_len=args.max_model_len,
         extra_args=SERVE_ARGS,
+        # Compiled, as vLLM serves by default: the ratio is a claim about compute speed.
+        eager=False,
     )
     rng = random.Random(args.seed)
     with engine:

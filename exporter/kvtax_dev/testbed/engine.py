@@ -57,6 +57,14 @@ def free_port() -> int:
         return port
 
 
+def beside_cores() -> str | None:
+    """The core for an engine started beside the session's, as ``VllmEngine(cpus=...)`` and
+    ``VLLM_CPU_OMP_THREADS_BIND`` read it: "1" on a machine of two cores or more, where vLLM's
+    "auto" binds the worker of every engine to core 0 (two engines on it would each compute at
+    half speed). None on one core: "auto" is all there is."""
+    return "1" if (os.cpu_count() or 1) >= 2 else None
+
+
 def _progress(message: str) -> None:
     # Long steps (install, model build, startup) would otherwise look like a hang.
     print(f"kvtax_dev.testbed: {message}", file=sys.stderr, flush=True)
@@ -170,6 +178,7 @@ class VllmEngine:
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         cpus: str | None = None,
+        eager: bool = True,
         log_path: Path | None = None,
         model_dir: Path | None = None,
         model_name: str = DEFAULT_MODEL_NAME,
@@ -191,6 +200,11 @@ class VllmEngine:
         # a 2-core machine binds the worker to core 0 and leaves core 1 to the API server and
         # the rest: two engines started with the default both compute on core 0.
         self.cpus = cpus
+        # --enforce-eager skips the torch.compile of the model at start (13 s of the 60 s a start
+        # takes here: vLLM recompiles at every start, its compile cache failing to load). The
+        # testbed measures scheduling, preemption and counters, which compiling does not change;
+        # benchmarks of compute speed (bench/prefill_ratio.py) pass eager=False.
+        self.eager = eager
         self.log_path: Path = (
             log_path
             if log_path is not None
@@ -227,6 +241,7 @@ class VllmEngine:
             str(self.num_gpu_blocks),
             "--dtype",
             "bfloat16",
+            *(["--enforce-eager"] if self.eager else []),
             *self.extra_args,
         ]
 
