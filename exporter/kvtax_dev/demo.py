@@ -208,6 +208,14 @@ def _previews(running: _Stack, since: float, out: Path) -> Path | None:
     return out
 
 
+def _scraped_twice_more(kvtax: KvtaxProcess) -> dict[str, float]:
+    """kvtax's /metrics once it has scraped vLLM twice more than when called."""
+    first = kvtax.metrics().get("kvtax_scrapes_total", 0.0)
+    return kvtax.wait_for(
+        lambda m: m.get("kvtax_scrapes_total", 0.0) >= first + 2, what="two more scrapes"
+    )
+
+
 async def _run_phase(
     kvtax: KvtaxProcess,
     engine: VllmEngine,
@@ -246,10 +254,9 @@ async def _run_phase(
         await asyncio.wait({load}, timeout=1.0)
     await load
     seconds = time.monotonic() - started
-    # vLLM counts a preemption when the request next produces output, and kvtax scrapes once a
-    # second: let two scrapes land before reading the phase's counters.
-    await asyncio.sleep(2.5)
-    after = await asyncio.to_thread(kvtax.metrics)
+    # vLLM counts a preemption when the request next produces output: let two of kvtax's
+    # scrapes land after the load before reading the phase's counters.
+    after = await asyncio.to_thread(_scraped_twice_more, kvtax)
     live.show(status(after, seconds))
     live.release()
     return phase_result(phase.name, seconds, before, after), after

@@ -1,7 +1,16 @@
 """Shared fixtures for end-to-end tests against a real vLLM CPU engine.
 
-Starting vLLM takes 30-60 s, so the whole session shares ONE engine. Tests must therefore
+Starting vLLM takes 45-60 s here, so the whole session shares ONE engine. Tests must therefore
 reason about counter *deltas*, never absolute values, and leave the engine idle.
+
+The full suite runs in three lanes, three pytest processes side by side (scripts/test). Every
+test that uses the session's engine carries the ``session_engine`` marker, added here: that lane
+(``-m session_engine``) runs them one at a time on one engine that computes on core 0 (vLLM's
+"auto" binding). A second lane takes the end-to-end tests that start an engine of their own
+(bound to core 1, :func:`~kvtax_dev.testbed.engine.beside_cores`) or need none; a third the unit
+tests and the packaging checks. The modules in :data:`LAST` run at the end of the engine's
+lane, by when the other lanes have normally finished: their alerts depend on one /metrics
+answering within a second, which they should not have to share the machine for.
 """
 
 from __future__ import annotations
@@ -29,13 +38,24 @@ def pytest_configure(config: pytest.Config) -> None:
     # Registered here too so the marker is known even when pytest runs without the
     # project's ini settings (for example from another rootdir).
     config.addinivalue_line("markers", "e2e: needs a real vLLM engine (slow)")
+    config.addinivalue_line("markers", "session_engine: uses the session's vLLM engine")
 
 
+# Tests in the modules named here run last in the engine's lane (see the module docstring).
+LAST = ("test_fleet_e2e.py",)
+
+
+# tryfirst: -m selects by the markers added here, in the mark plugin's hook of this name.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Hooks in a conftest see every collected item, so mark only the ones under tests/e2e.
     for item in items:
         if item.path.resolve().is_relative_to(_HERE):
             item.add_marker(pytest.mark.e2e)
+            if "vllm_engine" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.session_engine)
+    # A stable sort: the LAST modules move to the end, everything else keeps its order.
+    items.sort(key=lambda item: item.path.name in LAST)
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,9 @@
 
 A real ``kvtax serve`` (with its proxy) watches the session's real vLLM CPU engine; a real
 Prometheus scrapes both every 3 s and evaluates the committed recording rules
-(``alerts/kvtax-recording.yaml``). The load is the known overload (64 concurrent streams x 500
-tokens against a 2,048-token pool), twice, sent through the proxy, with a few clients that
-hang up early. Then every target of every panel, with the template variables
+(``alerts/kvtax-recording.yaml``). The load is the known overload (64 concurrent streams x 300
+tokens against a 2,048-token pool, eight times what it holds), once, sent through the proxy,
+with a few clients that hang up early. Then every target of every panel, with the template variables
 filled in as Grafana would, must parse and return at least one series with a number in it,
 and ``kvtax dashboards preview`` must draw each dashboard from that Prometheus.
 
@@ -51,6 +51,8 @@ SCRAPE_INTERVAL = "3s"
 # to span the whole overload.
 RATE_INTERVAL = "1m"
 ROUNDS = 1
+# Tokens per request: enough that every panel has preemptions, recompute and waste to show.
+MAX_TOKENS = 300
 # The query's recording rule that settles last (it reads other records).
 LAST_RECORD = "model_name:kvtax_waste:ratio_rate5m"
 
@@ -67,10 +69,15 @@ class Overload:
 async def _overload(url: str, model: str, rounds: int) -> None:
     for _ in range(rounds):
         await asyncio.gather(
-            drive(url, model, concurrency=64, max_tokens=500, stream=True),
+            drive(url, model, concurrency=64, max_tokens=MAX_TOKENS, stream=True),
             # Clients that leave mid-stream: their tokens are generated but never delivered.
             drive(
-                url, model, concurrency=6, max_tokens=500, stream=True, disconnect_after_chunks=3
+                url,
+                model,
+                concurrency=6,
+                max_tokens=MAX_TOKENS,
+                stream=True,
+                disconnect_after_chunks=3,
             ),
         )
 
@@ -119,7 +126,12 @@ def overload(vllm_engine: VllmEngine) -> Iterator[Overload]:
                 what="the waste ratio",
             )
             prometheus.wait_for(lambda: prometheus.query(LAST_RECORD), what=LAST_RECORD)
-            time.sleep(2 * parse_duration(SCRAPE_INTERVAL))
+            # Both targets scraped twice more, so each rate's last sample is after the load.
+            since = time.time() + parse_duration(SCRAPE_INTERVAL)
+            prometheus.wait_for(
+                lambda: prometheus.query(f"min(timestamp(up)) > {since}"),
+                what="two more scrapes of each target",
+            )
             api = PrometheusApi(prometheus.url)
             yield Overload(api, prometheus.url, vllm_engine.model_name, start, time.time())
 

@@ -15,7 +15,7 @@ three times over:
   all of its load and the fleet tax is the ratio of the load's sums;
 - the short test profile (20s windows, ``for: 5s``) with the alerts, so they fire in seconds.
 
-The hot replica gets 64 requests of 500 tokens, all at once, against its 2,048-token pool; the
+The hot replica gets 64 requests of 300 tokens, all at once, against its 2,048-token pool; the
 calm one gets 2 at a time of 200 tokens, which fit. The calm replica also serves a LoRA adapter
 (random weights, made by :mod:`kvtax_dev.testbed.lora`; vLLM's CPU build serves it), and half its
 requests name the adapter. Then:
@@ -253,7 +253,7 @@ async def _loads(hot: Replica, calm: Replica) -> tuple[dict[str, list[RequestRes
     model = hot.engine.model_name
     hot_results, calm_streams, adapter_streams = await asyncio.gather(
         # One wave that overflows the pool; the calm one's two streams never do.
-        drive(hot.kvtax.proxy_url, model, concurrency=64, max_tokens=500, stream=True, requests=64),
+        drive(hot.kvtax.proxy_url, model, concurrency=64, max_tokens=300, stream=True, requests=64),
         # One stream for the base model and one for its adapter, through the calm pod's proxy.
         # Usage asked for, so each client knows how many tokens it received.
         _timed_streams(calm.kvtax.proxy_url, model, requests=8, max_tokens=200),
@@ -353,7 +353,9 @@ def second_engine(
     vllm_engine: VllmEngine, plugin_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmEngine]:
     """The calm replica: the same model and pool as the session's engine, plus a LoRA adapter,
-    with kvtax's plugin from the folder alone."""
+    with kvtax's plugin from the folder alone. An engine of its own: a fleet is two replicas,
+    and this one's start-time settings (the adapter, and a ``PYTHONPATH`` of the folder alone)
+    are what its tests check; the session's engine must not carry them for the others."""
     tmp = tmp_path_factory.mktemp("vllm-b")
     try:
         # The session's engine has built the tiny model, which the adapter is shaped after.

@@ -107,7 +107,9 @@ def _wait_readyz(kvtax: KvtaxProcess, status: int, timeout: float = 30.0) -> Non
 
 
 def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> None:
-    """Stop the real engine under kvtax, then start it again on the same port."""
+    """Stop the real engine under kvtax, then start it again on the same port. The session's
+    engine itself restarts (one of the suite's engine starts): a vLLM restart is what this
+    checks, and no other engine is running that could be restarted for it."""
     # Some traffic first, so that vLLM's counters are above zero and a restart resets them.
     asyncio.run(
         drive(vllm_engine.url, vllm_engine.model_name, concurrency=2, max_tokens=16, stream=False)

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtax import plugin
 from kvtax.figures.derive import tax_ratio
 from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.engine import beside_cores
 from kvtax_dev.testbed.load import PROMPT, PROMPT_TOKENS, RequestResult, drive
 from kvtax_dev.testbed.sidecar import KvtaxProcess, series_key
 
@@ -332,8 +333,8 @@ def test_load_the_pool_holds_has_no_tax(vllm_engine: VllmEngine, tmp_path: Path)
 
 
 # -- (2) an overload ---------------------------------------------------------------------------
-# 64 x (41 + 500) tokens want ~34,600 KV tokens from a 2,048-token pool.
-OVERLOAD = Load(clients=64, max_tokens=500)
+# 64 x (41 + 300) tokens want ~21,800 KV tokens from a 2,048-token pool.
+OVERLOAD = Load(clients=64, max_tokens=300)
 
 
 def test_overload_measured_tax_equals_the_raw_counters(
@@ -448,9 +449,14 @@ def test_overload_with_disconnects_wastes_more_than_the_tax(
 
 # -- an engine without the plugin ---------------------------------------------------------------
 def test_engine_without_the_plugin_publishes_the_estimate_only(tmp_path: Path) -> None:
+    """An engine of its own: vLLM reads its plugin allowlist once, at start, and the session's
+    engine must keep the plugin for every other test. It computes on the core beside the
+    session engine's, so that the two lanes of the suite do not share one."""
     # VLLM_PLUGINS is vLLM's allowlist for every entry-point plugin group, stat loggers included;
     # "" parses to [""], a list that names no plugin, so vLLM loads none of kvtax's.
-    engine = VllmEngine(extra_env={"VLLM_PLUGINS": ""}, log_path=tmp_path / "engine.log")
+    engine = VllmEngine(
+        extra_env={"VLLM_PLUGINS": ""}, cpus=beside_cores(), log_path=tmp_path / "engine.log"
+    )
     with engine:
         assert "kvtax_plugin_" not in engine.metrics_text()
         run = run_scenario(engine, tmp_path, "no-plugin", Load(clients=32, max_tokens=300))
