@@ -170,6 +170,50 @@ async def test_a_wait_past_max_wait_answers_429_with_retry_after(
     assert gate.queued == 0
 
 
+async def _one_second_requests(gate: Gate, clock: list[float]) -> list[asyncio.Task[Any]]:
+    """Requests of the test itself, straight at ``gate``: three served of 1 s each, enough for
+    a service time, then one in flight and one queued behind it (1 s: within a 1 s bound)."""
+    for _ in range(3):
+        served = gate.ticket(1, 1)
+        assert await gate.enter(served) is None
+        clock[0] += 1.0
+        gate.leave(served)
+    assert await gate.enter(gate.ticket(1, 1)) is None
+    queued = asyncio.ensure_future(gate.enter(gate.ticket(1, 1)))
+    await asyncio.sleep(0)
+    assert gate.queued == 1
+    return [queued]
+
+
+async def test_a_wait_foretold_past_max_wait_answers_429_at_once(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    fake, upstream = vllm
+    clock = [1000.0]
+    gate = Gate(
+        GateSettings(cap=CapSettings(mode="static", static_cap=1), max_wait=1.0),
+        clock=lambda: clock[0],
+    )
+    url = await _start(proxies, upstream, gate)
+    held = await _one_second_requests(gate, clock)
+    try:
+        async with aiohttp.ClientSession() as client:
+            # One queued ahead, one in flight of 1 s: 2 s, over the 1 s bound.
+            status, headers, body = await _post(client, url)
+        assert status == 429
+        assert headers["Retry-After"] == "1"  # at most --gate.max-wait
+        assert body["error"]["type"] == "rate_limit_exceeded"
+        assert "--gate.max-wait" in body["error"]["message"]
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    assert gate.rejections["wait_predicted"] == 1
+    assert fake.bodies == []  # refused at the gate, never sent on
+    outcomes = proxies[0].ledger.counts()
+    assert sum(b.outcomes["shed"] for b in outcomes.values()) == 1
+
+
 async def test_retry_after_follows_the_completion_rate(
     vllm: tuple[HeldVllm, str], proxies: Started
 ) -> None:

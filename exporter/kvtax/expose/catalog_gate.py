@@ -77,7 +77,8 @@ GATE_METRICS: tuple[MetricSpec, ...] = (
         "kvtax_gate_rejections_total",
         "counter",
         "Requests the gate answered itself, by reason: queue_full (429, over "
-        "--gate.max-queue), wait_expired (429, over --gate.max-wait), over_budget "
+        "--gate.max-queue), wait_predicted (429 at arrival, its expected wait over "
+        "--gate.max-wait), wait_expired (429, over --gate.max-wait), over_budget "
         "(400, over --gate.token-budget).",
         ("reason",),
         "gate",

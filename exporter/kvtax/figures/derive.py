@@ -33,6 +33,7 @@ __all__ = [
     "coverage",
     "derive_all",
     "derive_model",
+    "kv_block_size",
     "kv_capacity_tokens",
     "recommended_max_num_seqs",
     "tax_ratio",
@@ -80,6 +81,7 @@ class ModelFigures:
     running: float | None = None
     waiting: float | None = None
     kv_capacity_tokens: float | None = None
+    kv_block_size: int | None = None  # tokens a KV block holds; None: the page does not say
     length_p50: float | None = None
     length_p95: float | None = None
     recommended_max_num_seqs: int | None = None
@@ -108,6 +110,13 @@ def kv_capacity_tokens(info: Mapping[str, str]) -> float | None:
     if blocks and block_size:
         return blocks * block_size
     return None
+
+
+def kv_block_size(info: Mapping[str, str]) -> int | None:
+    """Tokens a KV block holds, from the ``block_size`` label of ``vllm:cache_config_info``;
+    None when the label is absent or no whole positive number (``"None"`` included)."""
+    size = _num(info.get("block_size"))
+    return int(size) if size is not None and size.is_integer() else None
 
 
 def recommended_max_num_seqs(capacity: float, target_usage: float, p95_length: float) -> int:
@@ -198,6 +207,7 @@ def derive_model(points: Sequence[Point], settings: EngineSettings) -> ModelFigu
         running=last.gauges.get("requests_running"),
         waiting=last.gauges.get("requests_waiting"),
         kv_capacity_tokens=capacity,
+        kv_block_size=kv_block_size(last.info),
         length_p50=_length_quantile(first, last, 0.5),
         length_p95=p95,
         recommended_max_num_seqs=recommended,

@@ -25,6 +25,10 @@ Cold start: before the engine has length statistics, the cap comes from the foot
 requests the proxy has seen (the budget rule in request-count form), and before that from the
 floor. It is never unlimited. Every cap stays within [floor, ceiling].
 
+Blocks are vLLM's own: ``--gate.block-size`` when given, else the ``block_size`` of vLLM's
+cache_config_info as the scrape last saw it (:attr:`Signals.block_size`), else
+:data:`DEFAULT_BLOCK_SIZE` (:func:`block_size_of`).
+
 Example::
 
     state = initial(CapSettings(mode="adaptive"))
@@ -39,12 +43,26 @@ from typing import Literal
 
 from kvtax.figures.derive import recommended_max_num_seqs
 
-__all__ = ["MODES", "SOURCES", "CapSettings", "CapState", "Mode", "Signals", "initial", "step"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "MODES",
+    "SOURCES",
+    "CapSettings",
+    "CapState",
+    "Mode",
+    "Signals",
+    "block_size_of",
+    "initial",
+    "step",
+]
 
 Mode = Literal["off", "static", "budget", "auto", "adaptive"]
 MODES: tuple[Mode, ...] = ("off", "static", "budget", "auto", "adaptive")
 # How the current cap was chosen (the ``source`` label of kvtax_gate_cap).
 SOURCES = ("static", "floor", "cold_start", "formula", "budget", "cut", "raise")
+# vLLM's default --block-size on GPUs: the blocks counted before a scrape shows vLLM's own, and
+# with a vLLM whose cache_config_info has no block_size.
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +72,8 @@ class CapSettings:
     floor: int = 2
     ceiling: int = 256
     target_usage: float = 0.9
-    block_size: int = 16
+    # --gate.block-size; None: vLLM's own (Signals.block_size), see block_size_of.
+    block_size: int | None = None
     # auto: a new formula value must differ by more than this fraction (and by at least one)
     # and hold for `confirm` scrapes in a row before the cap follows it.
     hysteresis: float = 0.2
@@ -89,6 +108,7 @@ class Signals:
     recomputed: float = 0.0
     queued: int = 0
     in_flight: int = 0
+    block_size: int | None = None  # vLLM's KV block size, tokens (cache_config_info)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +149,21 @@ def formula(signals: Signals, settings: CapSettings) -> tuple[int, str] | None:
     return settings.bound(cap), source
 
 
+def block_size_of(settings: CapSettings, seen: int | None) -> int:
+    """The KV block size, in tokens, the gate counts in: ``--gate.block-size`` when given (the
+    operator's word wins, e.g. for a vLLM whose page lacks it), else vLLM's own as last
+    ``seen`` on its page, else :data:`DEFAULT_BLOCK_SIZE`."""
+    if settings.block_size is not None:
+        return settings.block_size
+    return seen if seen is not None and seen > 0 else DEFAULT_BLOCK_SIZE
+
+
 def budget_blocks(signals: Signals, settings: CapSettings) -> int | None:
     """Whole KV blocks the budget mode may hand out: capacity x target usage."""
     if signals.capacity_tokens is None or signals.capacity_tokens <= 0:
         return None
-    return max(1, math.floor(signals.capacity_tokens * settings.target_usage / settings.block_size))
+    size = block_size_of(settings, signals.block_size)
+    return max(1, math.floor(signals.capacity_tokens * settings.target_usage / size))
 
 
 def step(state: CapState, signals: Signals, settings: CapSettings) -> CapState:

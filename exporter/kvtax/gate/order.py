@@ -10,10 +10,21 @@ Retry-After divides the requests ahead by the current completion rate, which
 fixed number of completions spans ever less time as the rate rises, and a rate taken over
 more time than it covers reads low (4,096 completions over 60 s made 200/s read 68/s).
 
+Fail fast: a request that must queue is refused at once when :func:`expected_wait` says it
+would wait past ``--gate.max-wait``; its client hears "no" now, not once the wait has been
+spent. That wait comes from the requests' service time, not from the completion rate:
+:class:`ServiceTime` keeps the mean time from admission to leave of the last
+:data:`SERVICE_SAMPLES` requests, and by Little's law the slots in flight free at about
+``in_flight / service_time`` a second. The completion rate measures the traffic as much as the
+engine (a quiet gate completes one request a minute however fast each is), and a new backlog
+needs many completions to measure its own, which a slow engine takes longer than the wait to
+give; a service time is known after :data:`SERVICE_ENOUGH` requests of any traffic.
+
 Example::
 
     queue_key("shortest", seq=7, footprint=300)   # (300, 7)
     retry_after(ahead=10, completions=20, span=10.0, limit=60)   # 6
+    expected_wait(ahead=8, in_flight=3, samples=32, service_time=10.0)   # 30.0
 """
 
 from __future__ import annotations
@@ -26,8 +37,12 @@ __all__ = [
     "ORDERS",
     "RATE_RECENT",
     "RATE_SPAN",
+    "SERVICE_ENOUGH",
+    "SERVICE_SAMPLES",
     "CompletionRate",
     "Order",
+    "ServiceTime",
+    "expected_wait",
     "queue_key",
     "retry_after",
 ]
@@ -49,6 +64,72 @@ def retry_after(*, ahead: int, completions: int, span: float, limit: float) -> i
         return max(1, math.ceil(limit))
     rate = completions / span
     return max(1, min(math.ceil(limit), math.ceil((ahead + 1) / rate)))
+
+
+def expected_wait(*, ahead: int, in_flight: int, samples: int, service_time: float) -> float | None:
+    """Seconds a request joining the queue behind ``ahead`` others should expect to wait:
+    (ahead + 1) x ``service_time`` / max(1, ``in_flight``). By Little's law the ``in_flight``
+    requests, each held ``service_time`` seconds on average (the mean of ``samples`` finished
+    ones), free about in_flight / service_time slots a second, and the request is in once those
+    ahead and one more have been freed. The count of requests is what frees slots in budget
+    mode too, where the cap is also on KV blocks: a leave gives a slot back whatever blocks it
+    frees (a large head may need several, several small ones may pass on one).
+
+    None, the wait unknown, with fewer than :data:`SERVICE_ENOUGH` samples: none at all says
+    nothing (a gate that has served nobody refuses nobody on a guess), and one or two may be an
+    outlier (a request that stopped at its first tokens, a client gone). Unlike a completion
+    rate, a service time is the requests' own, so it holds for the first request to queue as
+    for the last: a request queues only when those in flight fill the cap. The caller refuses
+    nobody on an unknown wait: the queue and ``wait_expired`` then bound it as before.
+    """
+    if samples < SERVICE_ENOUGH or not math.isfinite(service_time) or service_time < 0:
+        return None
+    return (ahead + 1) * service_time / max(1, in_flight)
+
+
+# The service time is the mean of the last SERVICE_SAMPLES requests' times from admission to
+# leave, known once SERVICE_ENOUGH have left. 32: the mean of 32 has about a sixth of one
+# request's spread as its error (1/sqrt(32)), and a change in the requests (a new client, longer
+# answers) replaces it within 32 leaves. 3: one outlier is then a third of the mean, not all of
+# it; and with 3 or more in flight, 3 leave within about one service time of the cap filling,
+# inside the first --gate.max-wait (10-20 s requests against 30 s), where waiting for 10
+# completions of a new backlog took 30-60 s on such an engine.
+SERVICE_SAMPLES = 32
+SERVICE_ENOUGH = 3
+
+
+class ServiceTime:
+    """The mean time from admission to leave of the last :data:`SERVICE_SAMPLES` requests.
+
+    A window of durations with their running total: :meth:`add` and :meth:`reading` are O(1)
+    and the memory is bounded. The total is summed afresh (exactly, :func:`math.fsum`) once per
+    :data:`SERVICE_SAMPLES` adds, so that the rounding of adding and taking away durations for
+    ever cannot drift it: O(1) amortized. A mean of the last N, not a moving average, so that a
+    request stops counting once N have left after it, and the mean, not the median, since
+    Little's law needs the mean (slots free at the mean's pace when lengths are mixed).
+    """
+
+    def __init__(self) -> None:
+        self._durations: deque[float] = deque(maxlen=SERVICE_SAMPLES)
+        self._total = 0.0
+        self._adds = 0
+
+    def add(self, duration: float) -> None:
+        """One request left ``duration`` seconds after its admission."""
+        duration = max(0.0, duration)
+        durations = self._durations
+        if len(durations) == durations.maxlen:
+            self._total -= durations[0]
+        durations.append(duration)
+        self._total += duration
+        self._adds += 1
+        if self._adds % SERVICE_SAMPLES == 0:
+            self._total = math.fsum(durations)
+
+    def reading(self) -> tuple[int, float]:
+        """The durations in the window and their mean (0 with none)."""
+        n = len(self._durations)
+        return n, (self._total / n if n else 0.0)
 
 
 # The completion rate is that of the last RATE_RECENT seconds, or of the last RATE_SPAN when

@@ -1,9 +1,10 @@
 """One scrape's :class:`~kvtax.gate.cap.Signals`, from the figures every model has.
 
 A vLLM server usually serves one model; with several, the gate in front of it sees the pool as
-one: the largest capacity and KV usage, the longest p95 length, and the preemptions and
-recompute of all models together. Counts are increases of reset-corrected totals since the
-previous call, so the caller keeps the totals this returns and hands them back next time.
+one: the largest capacity, block size and KV usage, the longest p95 length, and the
+preemptions and recompute of all models together. Counts are increases of reset-corrected
+totals since the previous call, so the caller keeps the totals this returns and hands them
+back next time.
 
 Example::
 
@@ -50,6 +51,8 @@ def signals_of(
     capacities = [f.kv_capacity_tokens for f in engine.values() if f.kv_capacity_tokens]
     lengths = [f.length_p95 for f in engine.values() if f.length_p95]
     usages = [f.kv_usage for f in engine.values() if f.kv_usage is not None]
+    # One server has one block size (cache_config_info is server-wide); max() only picks it.
+    sizes = [f.kv_block_size for f in engine.values() if f.kv_block_size]
     signals = Signals(
         capacity_tokens=max(capacities, default=None),
         length_p95=max(lengths, default=None),
@@ -59,5 +62,6 @@ def signals_of(
         recomputed=recomputed,
         queued=queued,
         in_flight=in_flight,
+        block_size=max(sizes, default=None),
     )
     return signals, totals

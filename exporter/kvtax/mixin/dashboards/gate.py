@@ -14,7 +14,7 @@ from kvtax.mixin.dashboards.queries import by, histogram_quantile, kvtax, rate
 __all__ = ["GATE_ROW"]
 
 _GATE = "namespace, pod"
-_SHED = (("reason", "queue_full|wait_expired"),)
+_SHED = (("reason", "queue_full|wait_predicted|wait_expired"),)
 
 _cap = Panel(
     "Admission cap",
@@ -70,8 +70,9 @@ _shed = Panel(
         ),
     ),
     PER_S,
-    "Requests the gate answered itself, per second, by reason: queue_full and wait_expired are "
-    "429s with Retry-After (shedding), over_budget is a 400 for the per-request token budget. "
+    "Requests the gate answered itself, per second, by reason: queue_full, wait_predicted and "
+    "wait_expired are 429s with Retry-After (shedding), over_budget is a 400 for the "
+    "per-request token budget. "
     "Let through (dashed) went on to vLLM.",
     "KvtaxGateShedding",
     width=8,

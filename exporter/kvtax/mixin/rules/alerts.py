@@ -288,7 +288,8 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
     )
 
     # -- the proxy's gate (docs/gate.md) -------------------------------------------------------
-    shed = c.selector("kvtax_gate_rejections_total", k, 'reason=~"queue_full|wait_expired"')
+    shed_reasons = 'reason=~"queue_full|wait_predicted|wait_expired"'  # the gate's 429s
+    shed = c.selector("kvtax_gate_rejections_total", k, shed_reasons)
     shed_rate = f"sum by ({pod}) (rate({shed}[{w}]))"
     admitted_rate = f"sum by ({pod}) (rate({c.selector('kvtax_gate_admitted_total', k)}[{w}]))"
     add(
@@ -299,7 +300,7 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         "warning",
         "The gate in the kvtax proxy is answering many requests with 429.",
         f"The gate{ON_POD} has shed {{{{ $value | humanizePercentage }}}} of "
-        f"requests (queue full or wait expired) over {w}, for {c.gate_shed_for}.",
+        f"requests (queue full, wait predicted or expired) over {w}, for {c.gate_shed_for}.",
     )
 
     # The final pass, as mixins do it: every alert gets its runbook section.

@@ -309,7 +309,9 @@ class Config:
         "gate.max_wait",
         30.0,
         v.positive_duration,
-        "Longest wait in the gate's queue; past it the request gets 429 with Retry-After.",
+        "Longest wait in the gate's queue: a request the queue's pace says would wait longer "
+        "gets 429 with Retry-After at once (wait_predicted), one that waits that long gets it "
+        "then (wait_expired).",
         "DURATION",
     )
     gate_order: str = option(
@@ -342,11 +344,13 @@ class Config:
         "states no max_tokens. Unset: the whole KV pool.",
         "TOKENS",
     )
-    gate_block_size: int = option(
+    gate_block_size: int | None = option(
         "gate.block_size",
-        16,
-        v.positive(int),
-        "vLLM's KV block size in tokens (--block-size), to count footprints in whole blocks.",
+        None,
+        v.optional_positive_int,
+        "vLLM's KV block size in tokens (--block-size), to count footprints in whole blocks. "
+        "Unset: vLLM's own, from the block_size of its cache_config_info; 16 until a scrape "
+        "shows it (or with a vLLM that does not). Given, it wins.",
         "TOKENS",
     )
 

@@ -67,13 +67,16 @@ def undecodable(encoding: str) -> Answer:
 
 _SHED_MESSAGES = {
     "queue_full": "the gate's queue is full (--gate.max-queue); retry later",
+    "wait_predicted": "the gate's queue would hold the request longer than --gate.max-wait; "
+    "retry later",
     "wait_expired": "the request waited in the gate's queue longer than --gate.max-wait; "
     "retry later",
 }
 
 
 def shed(reason: str, retry_after: int) -> Answer:
-    """The gate's 429: the queue was full or the wait ran out; ``Retry-After`` in seconds."""
+    """The gate's 429: the queue was full, the wait would be too long, or it ran out;
+    ``Retry-After`` in seconds."""
     return Answer.error(
         429,
         _SHED_MESSAGES[reason],

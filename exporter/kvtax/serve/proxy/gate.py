@@ -3,13 +3,18 @@
 
 The decisions are pure functions of :mod:`kvtax.gate`; this module holds the state they
 act on. :meth:`Gate.enter` admits a request at once when it fits and would head the queue,
-else queues it; a queued request is admitted in :mod:`~kvtax.gate.order` as slots free, or
-shed with a reason (``queue_full`` past ``--gate.max-queue``, ``wait_expired`` past
-``--gate.max-wait``). A queued client that goes away (its handler is cancelled) leaves the
-queue at once. :meth:`Gate.leave` frees the slot when the request ends (for a stream, once its
-``[DONE]`` or final usage event went to the client). :meth:`Gate.observe` steps the cap once a
-scrape: the scrape hands each fold's figures to :meth:`Gate.on_figures` (a subscriber of the
-scrape job, wired in :mod:`kvtax.serve.wiring`), which logs and outlives any error of one step.
+else queues it, or sheds it at once with a reason: ``queue_full`` past ``--gate.max-queue``,
+``wait_predicted`` when the requests' service time says it would wait past
+``--gate.max-wait`` (:func:`~kvtax.gate.order.expected_wait`). A queued request is admitted in
+:mod:`~kvtax.gate.order` as slots free, or shed as ``wait_expired`` once it did wait that
+long: the backstop for a wait that ran longer than foretold, or that nothing could foretell.
+A queued client that goes away (its handler is cancelled) leaves the queue at once.
+:meth:`Gate.leave` frees the slot when the request ends (for a stream, once its ``[DONE]`` or
+final usage event went to the client). :meth:`Gate.observe` steps the cap once a scrape: the
+scrape hands each fold's figures to :meth:`Gate.on_figures` (a subscriber of the scrape job,
+wired in :mod:`kvtax.serve.wiring`), which logs and outlives any error of one step. The
+figures also carry vLLM's KV block size, which footprints are counted in unless
+``--gate.block-size`` is given (a ticket keeps the blocks it was issued with).
 
 The queue is a heap whose leavers are only marked (dropped when they reach its head, or when
 half the heap is such): a client leaving, a wait expiring and shutdown's cancel-all cost O(1)
@@ -40,12 +45,12 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtax.delivery.ledger import HistogramAccumulator
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
-from kvtax.gate.cap import CapSettings, CapState, initial, step
+from kvtax.gate.cap import CapSettings, CapState, block_size_of, initial, step
 from kvtax.gate.footprint import (
     MAX_FOOTPRINT,
     OverBudget,
@@ -53,7 +58,14 @@ from kvtax.gate.footprint import (
     blocks_of,
     footprint_of,
 )
-from kvtax.gate.order import CompletionRate, Order, queue_key, retry_after
+from kvtax.gate.order import (
+    CompletionRate,
+    Order,
+    ServiceTime,
+    expected_wait,
+    queue_key,
+    retry_after,
+)
 from kvtax.gate.signals import signals_of
 
 __all__ = [
@@ -67,7 +79,7 @@ __all__ = [
 
 log = logging.getLogger("kvtax.serve.proxy.gate")
 
-REASONS = ("queue_full", "wait_expired", "over_budget")
+REASONS = ("queue_full", "wait_predicted", "wait_expired", "over_budget")
 # What enter() says once close() ran: kvtax is shutting down (not a shed, not counted as one).
 CLOSED = "shutdown"
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -101,6 +113,7 @@ class Ticket:
     blocks: int
     arrived: float
     admitted: bool = False
+    admitted_at: float = 0.0  # the gate's clock when it was let through
     waiter: asyncio.Future[None] | None = None
     queued: bool = False  # in the queue's heap and not gone (a leaver's entry stays, unmarked)
 
@@ -117,6 +130,8 @@ class Gate:
         self.waits = HistogramAccumulator(WAIT_BUCKETS)
         self.estimator = TokenEstimator()
         self.capacity_tokens: float | None = None
+        # vLLM's KV block size as the last scrape that showed it said (see block_size).
+        self.vllm_block_size: int | None = None
         # A heap of (key, ticket); the key holds the ticket's unique seq, so tickets are never
         # compared. Entries of tickets that left stay until they reach the head or compaction.
         self._queue: list[tuple[tuple[int, int], Ticket]] = []
@@ -124,6 +139,7 @@ class Gate:
         self.closed = False  # shutdown began: close() emptied the queue, enter() refuses
         self._seq = itertools.count()
         self._done = CompletionRate(clock())
+        self._service = ServiceTime()
         self._footprints: deque[int] = deque(maxlen=256)
         self._totals: Mapping[str, tuple[float, float]] = {}
 
@@ -142,8 +158,16 @@ class Gate:
         self._footprints.append(footprint)
         # Each sequence holds whole blocks of its own.
         sequence = footprint_of(each, completion)
-        blocks = min(MAX_FOOTPRINT, blocks_of(sequence, self.settings.cap.block_size) * prompts * n)
+        blocks = min(MAX_FOOTPRINT, blocks_of(sequence, self.block_size) * prompts * n)
         return Ticket(seq=next(self._seq), footprint=footprint, blocks=blocks, arrived=self.clock())
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size tickets are counted in (:func:`~kvtax.gate.cap.block_size_of`):
+        the flag's, else vLLM's own once a scrape showed it, else 16. A ticket issued before
+        it changed keeps the blocks it was counted in, and gives back those same blocks when it
+        leaves: until then, the blocks in flight mix the two sizes."""
+        return block_size_of(self.settings.cap, self.vllm_block_size)
 
     def _assumed_completion(self, prompt: int) -> int:
         if self.settings.max_model_len is not None:
@@ -189,6 +213,9 @@ class Gate:
         if self._waiting >= self.settings.max_queue:
             self.rejections["queue_full"] += 1
             return "queue_full"
+        if self._foretold_too_long(ticket):
+            self.rejections["wait_predicted"] += 1
+            return "wait_predicted"
         ticket.waiter = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, (self._key(ticket), ticket))
         ticket.queued = True
@@ -218,15 +245,57 @@ class Gate:
         head = self._head()
         return head is None or self._key(ticket) < self._queue[0][0]
 
+    def _foretold_too_long(self, ticket: Ticket) -> bool:
+        """``ticket``, which must queue, would wait past ``--gate.max-wait``: the requests ahead
+        of it and itself, as fast as the requests in flight free their slots by their service
+        time (:func:`~kvtax.gate.order.expected_wait`). Refused now, its client can go elsewhere
+        while waiting there still helps.
+
+        The first request to queue is judged too: it queues because those in flight fill the
+        cap, and they free it at the pace their service time says, whatever the traffic before.
+        In ``shortest`` order only the requests it would follow count, and they are counted only
+        when everyone queued would be too many. A cap cut below the requests in flight makes the
+        wait read short (the first leaves admit nobody): the estimate errs towards queueing,
+        and ``wait_expired`` stays the backstop."""
+        samples, service_time = self._service.reading()
+        in_flight, limit = self.in_flight, self.settings.max_wait
+
+        def too_long(ahead: int) -> bool:
+            wait = expected_wait(
+                ahead=ahead, in_flight=in_flight, samples=samples, service_time=service_time
+            )
+            return wait is not None and wait > limit
+
+        everyone = too_long(self._waiting)
+        if not everyone or self.settings.order == "fifo":
+            return everyone
+        return too_long(self._ahead(self._key(ticket)))
+
+    def _ahead(self, key: tuple[int, int]) -> int:
+        """Queued tickets whose key is below ``key``: those the queue serves first. The walk of
+        the heap stops at each entry not below ``key`` (nothing beneath it in the heap is), so
+        it costs the entries below ``key``, not the whole queue."""
+        queue, count = self._queue, 0
+        stack = [0] if queue else []
+        while stack:
+            i = stack.pop()
+            entry, ticket = queue[i]
+            if not entry < key:
+                continue
+            count += ticket.queued  # a leaver's entry stays in the heap; it is not ahead
+            stack.extend(child for child in (2 * i + 1, 2 * i + 2) if child < len(queue))
+        return count
+
     def _key(self, ticket: Ticket) -> tuple[int, int]:
         return queue_key(self.settings.order, seq=ticket.seq, footprint=ticket.footprint)
 
     def _admit(self, ticket: Ticket) -> None:
         ticket.admitted = True
+        ticket.admitted_at = now = self.clock()
         self.in_flight += 1
         self.blocks_in_flight += ticket.blocks
         self.admitted += 1
-        self.waits.observe(self.clock() - ticket.arrived)
+        self.waits.observe(now - ticket.arrived)
         if ticket.waiter is not None and not ticket.waiter.done():
             ticket.waiter.set_result(None)
 
@@ -267,7 +336,9 @@ class Gate:
         ticket.admitted = False
         self.in_flight -= 1
         self.blocks_in_flight -= ticket.blocks
-        self._done.add(self.clock())
+        now = self.clock()
+        self._done.add(now)
+        self._service.add(now - ticket.admitted_at)
         self._pump()
 
     def close(self) -> None:
@@ -305,11 +376,21 @@ class Gate:
         )
         if signals.capacity_tokens is not None:
             self.capacity_tokens = signals.capacity_tokens
+        self._learn_block_size(signals.block_size)
+        # A scrape that lacks it (vLLM down) keeps the last one seen, as the tickets do.
+        signals = replace(signals, block_size=self.vllm_block_size)
         before = self.state
         self.state = step(before, signals, self.settings.cap)
         if self.state.cap != before.cap and self.settings.on:
             log.info("gate cap %d -> %d (%s)", before.cap, self.state.cap, self.state.source)
         self._pump()
+
+    def _learn_block_size(self, seen: int | None) -> None:
+        if seen is None or seen == self.vllm_block_size:
+            return
+        self.vllm_block_size = seen
+        if self.settings.cap.block_size is None:
+            log.info("gate: vLLM's KV blocks hold %d tokens; footprints count in those", seen)
 
     def on_figures(self, figures: Mapping[str, ModelFigures]) -> None:
         """The scrape's new figures (the scrape job calls this after each fold): step the cap. An
