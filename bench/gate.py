@@ -1,35 +1,39 @@
-"""The gate against vLLM's own knobs, side by side on the real CPU engine.
+"""The gate where preemption hurts: open-loop overload, beside vLLM's caps and GIE's rule.
 
-One run, five arms, the same offered load in each: ``--clients`` closed-loop clients (default
-16) send ``--requests`` streamed generations of 41 prompt + 500 output tokens (``ignore_eos``)
-through a fresh ``kvtax serve`` proxy. Each request needs 5 KV blocks of 128; the pool of 16
-blocks holds three, so 16 clients offer over four times what it holds. A client that gets a 429
-(kvtax's gate) or a 503 (vLLM's --max-num-queued-reqs) waits what Retry-After says (1 s without
-one, at most 5 s) and tries again; its time to first token counts from its first attempt.
+Issue 25. The engine is the testbed's prefill-heavy random Llama (float32; one 1,000-token
+prefill costs ~34 decode steps, bench/results/prefill-ratio.md) on a KV pool of ``--blocks``
+blocks of 128 tokens (default 32: 4,096 tokens), ``--max-model-len`` 2,048. Requests are
+streamed completions of random token ids (``--workload long``: 800-1,500 prompt tokens,
+64-256 output tokens with ``ignore_eos``; ``mixed``: half of them 32-128-token prompts).
 
-Arms:
+1. **The sustained rate.** Closed loop, straight to vLLM, at the concurrency the pool holds
+   without preemption (requests of the workload's largest size that fit: 2 by default), for
+   ``--rate-duration`` seconds: completions per second. ``--rate R`` skips it.
+2. **Open-loop overload.** For each ``--load`` multiple, Poisson arrivals at load x rate for
+   ``--duration`` seconds (``--seed``; the same arrival times and sizes in every arm). A 429 or
+   503 is recorded (with its time to refusal and Retry-After) and not retried. After the window
+   the requests in flight get ``--drain`` more seconds, then are cancelled. ``--loop closed``
+   runs load x that concurrency closed-loop clients instead, which retry a refusal after its
+   Retry-After (1 s without one, at most 5 s).
+3. **Arms** (``--arms``, default all seven), each through a fresh ``kvtax serve`` proxy:
+   ``no-gate``; ``vllm-max-num-seqs`` and ``vllm-max-num-queued-reqs`` at kvtax's
+   ``kvtax_recommended_max_num_seqs`` (read after the first no-gate arm, or ``--recommended``),
+   each on its own restarted engine; ``gie-saturation``, GIE's saturation rule in a bench proxy
+   in front of kvtax's (bench/gate_gie.py); ``kvtax-budget``, ``kvtax-auto``,
+   ``kvtax-adaptive``: kvtax's gate in that mode, once per ``--orders`` entry (the mixed
+   workload compares ``fifo`` with ``shortest``). Arms without a vLLM flag share one engine.
 
-1. ``no-gate``: vLLM as the testbed starts it (--max-num-seqs 64), kvtax's gate off;
-2. ``vllm-max-num-seqs``: vLLM restarted with --max-num-seqs = kvtax's recommendation
-   (``kvtax_recommended_max_num_seqs`` after arm 1);
-3. ``vllm-max-num-queued-reqs``: vLLM restarted with --max-num-queued-reqs = the same number;
-4. ``kvtax-auto`` and 5. ``kvtax-adaptive``: the engine of arm 1, the gate on;
-6. ``kvtax-budget`` (not in the default five): the budget mode, on the same engine.
+Per arm: vLLM's preemptions, the tax from kvtax's counters (measured by kvtax's plugin when
+the engine loads it), delivered throughput and SLO goodput (tokens clients received during
+the window, of all requests / of requests with TTFT <= ``--slo-ttft`` and every gap between
+chunks <= ``--slo-gap``), TTFT p50/p99 of admitted requests (and p99 of the long ones), the
+worst gap, the share shed, time to refusal p50/p99, Retry-After on every 429, and kvtax's gate
+rejections by reason as its metrics label them. Then the best kvtax arm against the issue's
+targets, computed from those numbers. Markdown into ``--out`` and JSON beside it.
 
-Per arm: vLLM's preemptions; the tax R / (Pc + G + R) from kvtax's counters over the arm, with
-the measured recompute (kvtax's plugin) when the engine has it; TTFT p50/p99; the p99 of each
-request's longest gap between chunks and the requests with a gap over 1 s; throughput
-(generated tokens / s), delivered goodput (tokens of completed requests / s), SLO goodput
-(tokens / s of requests with TTFT <= --slo-ttft and no gap over 1 s); 429s and 503s; the gate's
-queue wait (mean and p99 from its histogram).
+Run from the repository root under the end-to-end lock; ``--dry-run`` prints the plan::
 
-Run from the repository root under the end-to-end lock. All five arms take three engine starts
-(about 8 minutes on a busy 2-core machine); to keep each lock hold short, run them in two::
-
-    flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate --out bench/results/gate.md \\
-        --arms no-gate,kvtax-auto,kvtax-adaptive
-    flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate --out bench/results/gate.md \\
-        --arms vllm-max-num-seqs,vllm-max-num-queued-reqs --append
+    flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate --out bench/results/gate.md
 """
 
 from __future__ import annotations
@@ -37,139 +41,344 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import math
+import os
+import platform
+import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import requests
 
-from kvtax_dev.exposition import read_series
+from bench.gate_arrivals import (
+    WORKLOADS,
+    Spec,
+    Workload,
+    closed_loop_specs,
+    held_concurrency,
+    open_loop_plan,
+    prompt_ids,
+)
+from bench.gate_stats import (
+    REFUSED,
+    ArmResult,
+    Record,
+    Refusal,
+    against_targets,
+    arm_table,
+    loads_of,
+    summarize,
+    targets_table,
+)
+from kvtax_dev import dev_env, repo_root
+from kvtax_dev.exposition import read_samples, read_series, total
+from kvtax_dev.process import ChildProcess, http_ok
 from kvtax_dev.testbed import VllmEngine
-from kvtax_dev.testbed.load import PROMPT
+from kvtax_dev.testbed.engine import BLOCK_SIZE_TOKENS, ensure_vllm_venv, free_port
+from kvtax_dev.testbed.prefill_model import (
+    PREFILL_HEAVY_NAME,
+    SERVE_ARGS,
+    ensure_prefill_heavy_model,
+)
 from kvtax_dev.testbed.sidecar import KvtaxProcess
 
-MODEL = "tiny-llama"
+ALL_ARMS = (
+    "no-gate",
+    "vllm-max-num-seqs",
+    "vllm-max-num-queued-reqs",
+    "gie-saturation",
+    "kvtax-budget",
+    "kvtax-auto",
+    "kvtax-adaptive",
+)
+# The engine each arm needs: the testbed's (shared), or one restarted with a vLLM cap.
+SHARED, SEQS, QUEUED = "shared", "max-num-seqs", "max-num-queued-reqs"
+ENGINE_OF = {
+    "vllm-max-num-seqs": SEQS,
+    "vllm-max-num-queued-reqs": QUEUED,
+}
+DEFAULT_MAX_NUM_SEQS = 64
 STALL_S = 1.0
+# Guesses for --dry-run's time estimate only.
+ENGINE_START_S = 90.0
+ARM_OVERHEAD_S = 15.0
 
 
-@dataclass
-class Request:
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    tokens: int = 0
-    completed: bool = False
-    refused: dict[int, int] = field(default_factory=dict)
+def progress(message: str) -> None:
+    print(f"bench.gate: {message}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class ArmResult:
+# -- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArmPlan:
+    """One arm: its name, the engine it needs, and kvtax's gate flags (None: gate off)."""
+
     name: str
-    preemptions: float
-    tax: float | None
-    tax_method: str
-    ttft_p50: float | None
-    ttft_p99: float | None
-    stall_p99: float | None
-    stalled_requests: int
-    throughput: float
-    goodput: float
-    slo_goodput: float
-    completed: int
-    refused_429: int
-    refused_503: int
-    queue_wait_mean: float | None
-    queue_wait_p99: float | None
-    wall: float
-    note: str = ""
+    engine: str
+    mode: str | None = None
+    order: str = "fifo"
+    gie: bool = False
 
 
-def _quantile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+def plan_arms(arms: Sequence[str], orders: Sequence[str]) -> list[ArmPlan]:
+    """The arms in running order: no-gate first (the recommendation comes from it), then the
+    rest of the shared engine's, then the restarted engines'."""
+    unknown = [a for a in arms if a not in ALL_ARMS]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ALL_ARMS)}")
+    plans: list[ArmPlan] = []
+    for name in ALL_ARMS:  # the canonical order, whatever order --arms lists them in
+        if name not in arms:
+            continue
+        if name.startswith("kvtax-"):
+            mode = name.removeprefix("kvtax-")
+            for order in orders:
+                label = name if order == "fifo" else f"{name}-{order}"
+                plans.append(ArmPlan(label, SHARED, mode=mode, order=order))
+        else:
+            plans.append(ArmPlan(name, ENGINE_OF.get(name, SHARED), gie=name == "gie-saturation"))
+    shared = [p for p in plans if p.engine == SHARED]
+    return shared + [p for p in plans if p.engine != SHARED]
 
 
-def _body(max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "temperature": 0,
-    }
+def gate_flags(plan: ArmPlan, args: argparse.Namespace) -> list[str]:
+    if plan.mode is None:
+        return []
+    return [
+        f"--gate.mode={plan.mode}",
+        f"--gate.order={plan.order}",
+        f"--gate.block-size={BLOCK_SIZE_TOKENS}",
+        f"--gate.max-model-len={args.max_model_len}",
+        f"--gate.max-queue={args.gate_max_queue}",
+        f"--gate.max-wait={args.gate_max_wait}",
+        *shlex.split(args.gate_extra),
+    ]
 
 
-async def _attempt(
-    session: aiohttp.ClientSession, url: str, req: Request, began: float, max_tokens: int
-) -> float | None:
-    """One try; the seconds to wait before the next one, or None when done."""
-    async with session.post(url + "/v1/completions", json=_body(max_tokens)) as resp:
-        if resp.status in (429, 503):
-            await resp.read()
-            req.refused[resp.status] = req.refused.get(resp.status, 0) + 1
-            after = resp.headers.get("Retry-After")
-            return min(5.0, float(after)) if after else 1.0
-        if resp.status != 200:
-            await resp.read()
-            return None
-        last: float | None = None
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            now = time.monotonic()
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                req.tokens = event["usage"].get("completion_tokens", req.tokens)
-            if not event.get("choices"):
-                continue
-            if req.ttft is None:
-                req.ttft = now - began
-            elif last is not None:
-                req.gaps.append(now - last)
-            last = now
-        req.completed = True
-        return None
+def estimate_seconds(plans: Sequence[ArmPlan], args: argparse.Namespace) -> float:
+    """A rough guess of the run's length: engine starts, the rate, and every arm at every
+    load (its window, half its drain, kvtax's start and the settling around it)."""
+    kinds = {p.engine for p in plans}
+    if args.rate is None:
+        kinds.add(SHARED)  # the rate is measured on the shared engine
+    rate = 0.0 if args.rate is not None else float(args.rate_duration) + ARM_OVERHEAD_S
+    per_arm = float(args.duration) + float(args.drain) / 2 + ARM_OVERHEAD_S
+    return len(kinds) * ENGINE_START_S + rate + len(plans) * len(args.loads) * per_arm
 
 
-async def _load(
-    url: str, clients: int, requests: int, max_tokens: int
-) -> tuple[list[Request], float]:
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
-    done: list[Request] = []
-    timeout = aiohttp.ClientTimeout(total=600)
+# -- talking to the server --------------------------------------------------------------------
 
-    async def client() -> None:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while not queue.empty():
-                queue.get_nowait()
-                req, began = Request(), time.monotonic()
+
+def request_body(spec: Spec, salt: str, model: str) -> bytes:
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt_ids(spec, salt),
+            "max_tokens": spec.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def tokens_of(event: dict[str, Any], count: int) -> int:
+    """Completion tokens so far after one stream event: its cumulative usage when it has one,
+    else one more for a chunk with a choice."""
+    usage = event.get("usage")
+    so_far = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(so_far, int):
+        return max(count, so_far)
+    return count + 1 if event.get("choices") else count
+
+
+async def attempt(
+    session: aiohttp.ClientSession, url: str, body: bytes, rec: Record, t0: float
+) -> None:
+    """One try of one request, into ``rec``; times are seconds after ``t0``."""
+    began = time.monotonic()
+    try:
+        async with session.post(
+            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        ) as resp:
+            rec.status = resp.status
+            if resp.status in REFUSED:
+                await resp.read()
+                seconds = time.monotonic() - began
+                rec.refusals.append(Refusal(resp.status, seconds, resp.headers.get("Retry-After")))
+                return
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                return
+            count = 0
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    rec.completed = True
+                    break
+                now = time.monotonic() - t0
+                grown = tokens_of(json.loads(data), count)
+                if grown > count:
+                    if rec.first is None:
+                        rec.first = now
+                    rec.events.append((now, grown))
+                    count = grown
+    except aiohttp.ClientError as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+
+
+def _session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
+
+
+def _record(spec: Spec, sent: float) -> Record:
+    return Record(spec.index, spec.long, spec.prompt_tokens, spec.max_tokens, sent=sent)
+
+
+async def _finish(tasks: Sequence[asyncio.Task[None]], until: float, t0: float) -> float:
+    """Wait for ``tasks`` until ``until`` seconds after ``t0``, cancel the rest; the cutoff."""
+    if tasks:
+        await asyncio.wait(tasks, timeout=max(0.0, until - (time.monotonic() - t0)))
+    cutoff = time.monotonic() - t0
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return cutoff
+
+
+async def open_loop(
+    url: str, specs: Sequence[Spec], salt: str, model: str, *, duration: float, drain: float
+) -> tuple[list[Record], float]:
+    """Send each request at its time, once; wait ``drain`` seconds past the window for the
+    rest. Returns the records and the cutoff (seconds after the start)."""
+    bodies = [request_body(s, salt, model) for s in specs]  # built before the clock starts
+    records = [_record(s, s.at) for s in specs]
+    async with _session() as session:
+        t0 = time.monotonic()
+
+        async def one(spec: Spec, body: bytes, rec: Record) -> None:
+            delay = spec.at - (time.monotonic() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec.sent = time.monotonic() - t0
+            await attempt(session, url, body, rec, t0)
+
+        tasks = [
+            asyncio.create_task(one(s, b, r))
+            for s, b, r in zip(specs, bodies, records, strict=True)
+        ]
+        await asyncio.sleep(max(0.0, duration - (time.monotonic() - t0)))
+        cutoff = await _finish(tasks, duration + drain, t0)
+    return records, cutoff
+
+
+def retry_wait(retry_after: str | None) -> float:
+    """How long a closed-loop client waits after a refusal: Retry-After (at most 5 s), else 1 s."""
+    try:
+        return min(5.0, max(0.0, float(retry_after))) if retry_after else 1.0
+    except ValueError:
+        return 1.0
+
+
+async def closed_loop(
+    url: str,
+    clients: int,
+    specs: Iterator[Spec],
+    salt: str,
+    model: str,
+    *,
+    duration: float,
+    drain: float,
+) -> tuple[list[Record], float]:
+    """``clients`` clients, each sending its next request when the last one ended, retrying a
+    refusal after Retry-After, starting nothing after ``duration``; ``drain`` as in open_loop."""
+    records: list[Record] = []
+    async with _session() as session:
+        t0 = time.monotonic()
+
+        async def client() -> None:
+            while time.monotonic() - t0 < duration:
+                spec = next(specs)
+                body = request_body(spec, salt, model)
+                rec = _record(spec, time.monotonic() - t0)
+                records.append(rec)
                 while True:
-                    wait = await _attempt(session, url, req, began, max_tokens)
-                    if wait is None:
+                    await attempt(session, url, body, rec, t0)
+                    if not rec.refused or time.monotonic() - t0 >= duration:
                         break
-                    await asyncio.sleep(wait)
-                done.append(req)
+                    await asyncio.sleep(retry_wait(rec.refusals[-1].retry_after))
 
-    started = time.monotonic()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return done, time.monotonic() - started
-
-
-def _sum(page: dict[str, float], prefix: str) -> float:
-    return sum(v for k, v in page.items() if k == prefix or k.startswith(prefix + "{"))
+        tasks = [asyncio.create_task(client()) for _ in range(clients)]
+        cutoff = await _finish(tasks, duration + drain, t0)
+    return records, cutoff
 
 
-def _tax(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, str]:
+# -- engines, kvtax and the GIE proxy ---------------------------------------------------------
+
+
+def make_engine(args: argparse.Namespace, kind: str, recommended: int | None) -> VllmEngine:
+    venv = ensure_vllm_venv()
+    model_dir = ensure_prefill_heavy_model(venv)
+    extra = [*SERVE_ARGS, *args.engine_arg]
+    max_num_seqs = DEFAULT_MAX_NUM_SEQS
+    if kind == SEQS:
+        assert recommended is not None
+        max_num_seqs = recommended
+    elif kind == QUEUED:
+        assert recommended is not None
+        extra += ["--max-num-queued-reqs", str(recommended)]
+    return VllmEngine(
+        model_dir=model_dir,
+        model_name=PREFILL_HEAVY_NAME,
+        num_gpu_blocks=args.blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max_num_seqs,
+        extra_args=extra,
+        # Compiled, as vLLM serves by default and as bench/prefill_ratio.py measured the
+        # prefill/decode ratio this bench relies on.
+        eager=False,
+    )
+
+
+def engine_note(kind: str, recommended: int | None) -> str:
+    if kind == SEQS:
+        return f"--max-num-seqs {recommended}"
+    if kind == QUEUED:
+        return f"--max-num-queued-reqs {recommended}"
+    return ""
+
+
+def _engine_counters(engine: VllmEngine) -> tuple[float, float]:
+    samples = read_samples(engine.metrics_text())
+    return (
+        total(samples, "vllm:num_preemptions_total"),
+        total(samples, "vllm:prefix_cache_hits_total"),
+    )
+
+
+def _sum(page: dict[str, float], name: str) -> float:
+    return sum(v for k, v in page.items() if k == name or k.startswith(name + "{"))
+
+
+def tax_between(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, str]:
+    """R / (Pc + G + R) over the arm from kvtax's counters; R measured by kvtax's plugin when
+    the engine has it, else kvtax's estimate."""
     pc = _sum(after, "kvtax_engine_prompt_computed_tokens_total") - _sum(
         before, "kvtax_engine_prompt_computed_tokens_total"
     )
@@ -178,195 +387,644 @@ def _tax(before: dict[str, float], after: dict[str, float]) -> tuple[float | Non
     )
     for method in ("measured", "estimated"):
         name = f"kvtax_recomputed_tokens_{method}_total"
-        if any(k.startswith(name) for k in after):
+        if any(k == name or k.startswith(name + "{") for k in after):
             r = _sum(after, name) - _sum(before, name)
             work = pc + g + r
             return (r / work if work > 0 else 0.0), method
     return None, "none"
 
 
-def _wait_quantiles(page: dict[str, float]) -> tuple[float | None, float | None]:
-    count = page.get("kvtax_gate_queue_wait_seconds_count")
-    if not count:
-        return None, None
-    mean = page["kvtax_gate_queue_wait_seconds_sum"] / count
-    buckets = sorted(
-        (float(k.split('le="')[1].split('"')[0]), v)
-        for k, v in page.items()
-        if k.startswith("kvtax_gate_queue_wait_seconds_bucket")
+def rejections_between(before: str, after: str) -> dict[str, float]:
+    """kvtax's gate rejections over the arm, by their ``reason`` label, whatever reasons the
+    running kvtax has (none is assumed)."""
+    old = read_samples(before).get("kvtax_gate_rejections_total", {})
+    out: dict[str, float] = {}
+    for labels, value in read_samples(after).get("kvtax_gate_rejections_total", {}).items():
+        reason = dict(labels).get("reason", "")
+        out[reason] = out.get(reason, 0.0) + value - old.get(labels, 0.0)
+    return out
+
+
+def recommended_of(page: dict[str, float]) -> int | None:
+    found = [v for k, v in page.items() if k.startswith("kvtax_recommended_max_num_seqs")]
+    return int(min(found)) if found else None
+
+
+@contextlib.contextmanager
+def gie_proxy(upstream: str, engine: VllmEngine, args: argparse.Namespace) -> Iterator[str]:
+    """bench.gate_gie in its own process, in front of ``upstream``; yields its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.gate_gie",
+        f"--upstream={upstream}",
+        f"--metrics={engine.url}/metrics",
+        f"--port={port}",
+        f"--poll={args.gie_poll}",
+    ]
+    if args.gie_stale is not None:
+        argv.append(f"--stale={args.gie_stale}")
+    # This checkout's bench and kvtax_dev, whatever the working directory.
+    env = dev_env(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(repo_root()), env["PYTHONPATH"]])
+    child = ChildProcess(
+        "bench.gate_gie",
+        argv,
+        log_path=Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-gate-gie-{port}.log",
+        ready=lambda: http_ok(f"{url}/healthz"),
+        env=env,
+        startup_timeout=30.0,
     )
-    p99 = next((le for le, n in buckets if n >= 0.99 * count), None)
-    return mean, p99
+    child.start()
+    try:
+        yield url
+    finally:
+        child.stop()
 
 
-def _preemptions(engine: VllmEngine) -> float:
-    return _sum(read_series(engine.metrics_text()), "vllm:num_preemptions_total")
+def gie_stats(url: str) -> dict[str, Any]:
+    with contextlib.suppress(requests.RequestException, ValueError):
+        resp = requests.get(f"{url}/gie/stats", timeout=5)
+        if resp.ok:
+            stats: dict[str, Any] = resp.json()
+            return stats
+    return {}
+
+
+# -- one arm ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """One load level: its multiple, the offered rate, and the requests (open loop)."""
+
+    multiple: float
+    rate: float
+    specs: list[Spec] = field(default_factory=list)
+    clients: int = 0
+
+
+def drive(url: str, load: Load, salt: str, args: argparse.Namespace) -> tuple[list[Record], float]:
+    if args.loop == "open":
+        return asyncio.run(
+            open_loop(
+                url,
+                load.specs,
+                salt,
+                PREFILL_HEAVY_NAME,
+                duration=args.duration,
+                drain=args.drain,
+            )
+        )
+    return asyncio.run(
+        closed_loop(
+            url,
+            load.clients,
+            closed_loop_specs(WORKLOADS[args.workload], args.seed),
+            salt,
+            PREFILL_HEAVY_NAME,
+            duration=args.duration,
+            drain=args.drain,
+        )
+    )
 
 
 def run_arm(
-    name: str,
-    engine: VllmEngine,
-    args: argparse.Namespace,
-    gate: Sequence[str] = (),
-    note: str = "",
+    plan: ArmPlan, engine: VllmEngine, load: Load, args: argparse.Namespace, note: str
 ) -> tuple[ArmResult, dict[str, float]]:
+    progress(f"arm {plan.name} at {load.multiple:g}x ({load.rate:.3f} req/s offered)...")
+    engine.wait_idle(timeout=300)
+    salt = f"{plan.name}/{load.multiple:g}/{args.seed}"
     with KvtaxProcess(
-        engine.url, proxy=True, scrape_interval="1s", window="60s", extra_args=list(gate)
+        engine.url,
+        proxy=True,
+        scrape_interval="1s",
+        window="60s",
+        extra_args=gate_flags(plan, args),
     ) as kvtax:
         kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
         assert kvtax.proxy_url is not None
-        before, p0 = kvtax.metrics(), _preemptions(engine)
-        done, wall = asyncio.run(
-            _load(kvtax.proxy_url, args.clients, args.requests, args.max_tokens)
-        )
+        text0 = kvtax.metrics_text()
+        pre0, hits0 = _engine_counters(engine)
+        extra: dict[str, Any] = {}
+        if plan.gie:
+            with gie_proxy(kvtax.proxy_url, engine, args) as url:
+                records, cutoff = drive(url, load, salt, args)
+                extra = gie_stats(url)
+        else:
+            records, cutoff = drive(kvtax.proxy_url, load, salt, args)
         time.sleep(2.5)  # two more scrapes, so kvtax's counters hold the whole arm
-        after, p1 = kvtax.metrics(), _preemptions(engine)
-    tax, method = _tax(before, after)
-    ttfts = [r.ttft for r in done if r.ttft is not None]
-    worst_gaps = [max(r.gaps, default=0.0) for r in done if r.completed]
-    tokens = sum(r.tokens for r in done)
-    good = sum(r.tokens for r in done if r.completed)
-    slo = sum(
-        r.tokens
-        for r in done
-        if r.completed
-        and r.ttft is not None
-        and r.ttft <= args.slo_ttft
-        and max(r.gaps, default=0.0) <= STALL_S
-    )
-    mean, p99 = _wait_quantiles(after)
+        text1 = kvtax.metrics_text()
+        pre1, hits1 = _engine_counters(engine)
+    before, after = read_series(text0), read_series(text1)
+    tax, method = tax_between(before, after)
+    if extra:
+        polls = max(1, int(extra.get("polls", 0)))
+        note = (
+            f"{note}; " if note else ""
+        ) + f"saturated in {100 * extra.get('saturated_polls', 0) / polls:.0f} % of {polls} polls"
     result = ArmResult(
-        name=name,
-        preemptions=p1 - p0,
+        arm=plan.name,
+        load=load.multiple,
+        rate=load.rate,
+        loop=args.loop,
+        summary=summarize(
+            records,
+            window=args.duration,
+            cutoff=cutoff,
+            slo_ttft=args.slo_ttft,
+            slo_gap=args.slo_gap,
+            stall=STALL_S,
+        ),
+        preemptions=pre1 - pre0,
         tax=tax,
         tax_method=method,
-        ttft_p50=_quantile(ttfts, 0.5),
-        ttft_p99=_quantile(ttfts, 0.99),
-        stall_p99=_quantile(worst_gaps, 0.99),
-        stalled_requests=sum(1 for g in worst_gaps if g > STALL_S),
-        throughput=tokens / wall,
-        goodput=good / wall,
-        slo_goodput=slo / wall,
-        completed=sum(1 for r in done if r.completed),
-        refused_429=sum(r.refused.get(429, 0) for r in done),
-        refused_503=sum(r.refused.get(503, 0) for r in done),
-        queue_wait_mean=mean,
-        queue_wait_p99=p99,
-        wall=wall,
+        prefix_cache_hits=hits1 - hits0,
+        rejections=rejections_between(text0, text1),
         note=note,
+        requests=[r.row() for r in records],
     )
-    print(f"{name}: {json.dumps(asdict(result))}", file=sys.stderr, flush=True)
+    s = result.summary
+    progress(
+        f"arm {plan.name} at {load.multiple:g}x: {s.offered} offered, {s.admitted} admitted, "
+        f"{s.completed} completed, {s.refused_429} x 429, {s.refused_503} x 503, "
+        f"{result.preemptions:.0f} preemptions, delivered {s.delivered_tps:.1f} tok/s, "
+        f"SLO goodput {s.slo_goodput_tps:.1f} tok/s"
+    )
     return result, after
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+# -- the sustained rate -----------------------------------------------------------------------
 
 
-def table(results: Sequence[ArmResult]) -> str:
-    head = (
-        "| arm | preemptions | tax | TTFT p50 s | TTFT p99 s | p99 worst gap s | gaps > 1 s "
-        "| throughput tok/s | goodput tok/s | SLO goodput tok/s | completed | 429 | 503 "
-        "| queue wait mean / p99 s |\n|" + "---|" * 14
+@dataclass
+class RateMeasurement:
+    concurrency: int
+    seconds: float
+    completions: int
+    rate: float
+    preemptions: float
+    measured: bool = True
+
+
+def measure_rate(
+    engine: VllmEngine, args: argparse.Namespace, workload: Workload
+) -> RateMeasurement:
+    held = held_concurrency(workload, args.blocks, BLOCK_SIZE_TOKENS)
+    progress(f"measuring the sustained rate: {held} closed-loop clients, {args.rate_duration:g} s")
+    engine.wait_idle(timeout=300)
+    # Warm-up: the first requests pay one-off costs.
+    asyncio.run(
+        closed_loop(
+            engine.url,
+            1,
+            closed_loop_specs(workload, args.seed + 1),
+            "warm-up",
+            PREFILL_HEAVY_NAME,
+            duration=0.1,
+            drain=120,
+        )
     )
-    rows = [
-        f"| {r.name} | {r.preemptions:.0f} | "
-        f"{'n/a' if r.tax is None else f'{100 * r.tax:.2f}% ({r.tax_method})'} | "
-        f"{_fmt(r.ttft_p50)} | {_fmt(r.ttft_p99)} | {_fmt(r.stall_p99)} | {r.stalled_requests} | "
-        f"{r.throughput:.0f} | {r.goodput:.0f} | {r.slo_goodput:.0f} | {r.completed} | "
-        f"{r.refused_429} | {r.refused_503} | "
-        f"{_fmt(r.queue_wait_mean)} / {_fmt(r.queue_wait_p99)} |"
-        for r in results
+    pre0, _ = _engine_counters(engine)
+    records, _ = asyncio.run(
+        closed_loop(
+            engine.url,
+            held,
+            closed_loop_specs(workload, args.seed + 2),
+            "rate",
+            PREFILL_HEAVY_NAME,
+            duration=args.rate_duration,
+            drain=0.0,
+        )
+    )
+    pre1, _ = _engine_counters(engine)
+    done = sum(1 for r in records if r.completed and r.events[-1][0] <= args.rate_duration)
+    rate = done / args.rate_duration
+    progress(f"sustained rate {rate:.3f} req/s ({done} completions, {pre1 - pre0:.0f} preemptions)")
+    return RateMeasurement(held, args.rate_duration, done, rate, pre1 - pre0)
+
+
+def make_loads(rate: float, args: argparse.Namespace, workload: Workload) -> list[Load]:
+    held = held_concurrency(workload, args.blocks, BLOCK_SIZE_TOKENS)
+    loads = []
+    for multiple in args.loads:
+        offered = multiple * rate
+        if args.loop == "open":
+            specs = open_loop_plan(offered, args.duration, workload, args.seed)
+            loads.append(Load(multiple, offered, specs=specs))
+        else:
+            clients = args.clients or max(1, math.ceil(multiple * held))
+            loads.append(Load(multiple, 0.0, clients=clients))
+    return loads
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def vllm_version() -> str:
+    with contextlib.suppress(Exception):
+        venv = ensure_vllm_venv()
+        for info in sorted(venv.glob("lib/python*/site-packages/vllm*.dist-info")):
+            return info.name.removesuffix(".dist-info").replace("-", " ").replace("_", "-")
+    return "vLLM (version unknown)"
+
+
+def render(data: dict[str, Any]) -> str:
+    """The markdown report from the JSON the run saves."""
+    meta = data["meta"]
+    rate = data["rate"]
+    arms = [ArmResult.from_json(a) for a in data["arms"]]
+    workload = WORKLOADS[meta["workload"]]
+    how = (
+        f"measured: {rate['completions']} completions in {rate['seconds']:g} s of "
+        f"{rate['concurrency']} closed-loop clients straight to vLLM, "
+        f"{rate['preemptions']:.0f} preemptions"
+        if rate.get("measured")
+        else "given with --rate"
+    )
+    if meta["loop"] == "open":
+        loop = (
+            f"Open loop: Poisson arrivals at load x the sustained rate for {meta['duration']:g} s "
+            f"(seed {meta['seed']}), the same arrival times and sizes in every arm; a 429 or 503 "
+            "is not retried"
+        )
+    else:
+        loop = (
+            f"Closed loop: load x {rate['concurrency']} clients for {meta['duration']:g} s, each "
+            "retrying a refusal after its Retry-After (1 s without one, at most 5 s)"
+        )
+    lines = [
+        "# The gate against vLLM's caps and GIE's saturation rule (bench/gate.py, issue 25)",
+        "",
+        f"Run on {meta['date']} on {meta['host']}. Engine: {meta['engine']} on the "
+        f"prefill-heavy random Llama (`{PREFILL_HEAVY_NAME}`, float32), KV pool "
+        f"{meta['blocks'] * BLOCK_SIZE_TOKENS:,} tokens ({meta['blocks']} blocks of "
+        f"{BLOCK_SIZE_TOKENS}), `--max-model-len {meta['max_model_len']}`, "
+        f"`--max-num-seqs {DEFAULT_MAX_NUM_SEQS}` unless the arm sets a cap"
+        + (f", extra engine flags `{' '.join(meta['engine_args'])}`" if meta["engine_args"] else "")
+        + ".",
+        f"Workload ({meta['workload']}): {workload.describe()}, random token ids (fresh in every "
+        f"arm, so no arm prefills from another's prefix cache). {loop}. After the "
+        f"window, requests in flight get {meta['drain']:g} s more, then are cancelled "
+        "(*unfinished*).",
+        f"Sustained rate: **{rate['rate']:.3f} requests/s** ({how}). kvtax's recommendation "
+        f"(`kvtax_recommended_max_num_seqs`): **{data.get('recommended')}** "
+        f"({data.get('recommended_source', 'n/a')}), used by both vLLM cap arms.",
+        f"Gate flags of the kvtax arms: `{' '.join(meta['gate_flags'])}`. The GIE arm's proxy "
+        f"polls vLLM's /metrics every {meta['gie_poll']:g} s"
+        + (f" (stale after {meta['gie_stale']:g} s)" if meta.get("gie_stale") else "")
+        + " and sheds with 429 when KV usage >= 0.8 or waiting >= 5. Every arm's requests pass "
+        "a fresh `kvtax serve` proxy (gate off but in the kvtax arms).",
+        f"Delivered throughput and SLO goodput count the completion tokens clients received "
+        f"during the {meta['duration']:g} s window, per second; SLO goodput only of requests "
+        f"that completed with TTFT <= {meta['slo_ttft']:g} s and every gap between chunks <= "
+        f"{meta['slo_gap']:g} s. TTFT is of admitted requests (not refused); '≥' marks a "
+        "quantile that fell on an unfinished request's wait so far. Worst gap and gaps > 1 s: "
+        "between chunks of admitted streams. Shed: refused attempts / attempts. Raw numbers: "
+        f"[{meta['json']}]({meta['json']}).",
+        "",
+        "```",
+        *meta["commands"],
+        "```",
     ]
-    return "\n".join([head, *rows])
+    for multiple in loads_of(arms):
+        here = [a for a in arms if a.load == multiple]
+        offered = here[0].rate
+        heading = f"## {multiple:g}x"
+        if meta["loop"] == "open":
+            heading += f": {offered:.3f} requests/s offered, {here[0].summary.offered} requests"
+        lines += ["", heading, "", arm_table(here)]
+        notes = [f"- {a.arm}: {a.note}" for a in here if a.note]
+        if notes:
+            lines += ["", *notes]
+        best, checks = against_targets(here, stall_limit=STALL_S)
+        lines += ["", f"### Against the targets at {multiple:g}x", "", targets_table(best, checks)]
+    lines.append("")
+    return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.gate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=16, help="Concurrent clients.")
-    parser.add_argument("--requests", type=int, default=64, help="Requests per arm.")
-    parser.add_argument("--max-tokens", type=int, default=500, help="Output tokens per request.")
-    parser.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO, seconds.")
-    parser.add_argument(
-        "--arms",
-        default="no-gate,vllm-max-num-seqs,vllm-max-num-queued-reqs,kvtax-auto,kvtax-adaptive",
-        help="Comma-separated arms to run (default: all five).",
+def _arm_key(a: dict[str, Any]) -> tuple[str, float]:
+    return a["arm"], a["load"]
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a comma list of numbers: {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("need one or more positive numbers")
+    return values
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench.gate",
+        description=(__doc__ or "").split("\n\n")[0],
     )
-    parser.add_argument(
+    p.add_argument(
+        "--arms",
+        default=",".join(ALL_ARMS),
+        help="Comma list of arms to run (default: all): " + ", ".join(ALL_ARMS) + ".",
+    )
+    p.add_argument(
+        "--orders",
+        default=None,
+        help="Comma list of --gate.order values each kvtax arm runs with (fifo, shortest); "
+        "default fifo, or fifo,shortest with --workload mixed.",
+    )
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="long",
+        help="Request mix (default %(default)s).",
+    )
+    p.add_argument(
+        "--loop",
+        choices=("open", "closed"),
+        default="open",
+        help="Open loop (Poisson arrivals, no retries) or closed loop (clients that retry); "
+        "default %(default)s.",
+    )
+    p.add_argument(
+        "--load",
+        dest="loads",
+        type=_floats,
+        default=[2.0, 4.0],
+        help="Comma list of multiples of the sustained rate (closed loop: of its concurrency); "
+        "default 2,4.",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="Seconds of arrivals per arm (default %(default)g).",
+    )
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=30.0,
+        help="Seconds requests in flight get after the window before they are cancelled "
+        "(default %(default)g).",
+    )
+    p.add_argument(
+        "--seed", type=int, default=25, help="Seed of arrivals and sizes (default %(default)s)."
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Sustained rate in requests/s; skips measuring it.",
+    )
+    p.add_argument(
+        "--rate-duration",
+        type=float,
+        default=60.0,
+        help="Seconds of the closed-loop measurement of the sustained rate (default %(default)g).",
+    )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="Closed loop: clients per arm (default: load x the concurrency the pool holds).",
+    )
+    p.add_argument(
         "--recommended",
         type=int,
         default=None,
-        help="Use this number instead of kvtax's recommendation.",
+        help="The vLLM cap arms' number, instead of kvtax's recommendation after no-gate.",
     )
-    parser.add_argument(
-        "--out", type=Path, default=None, help="Write the arms as JSON beside this path."
+    p.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=2.0,
+        help="SLO: most seconds to first token (default %(default)g).",
     )
-    parser.add_argument(
+    p.add_argument(
+        "--slo-gap",
+        type=float,
+        default=0.5,
+        help="SLO: most seconds between two chunks (default %(default)g).",
+    )
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=32,
+        help="KV pool, in blocks of 128 tokens (default %(default)s).",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="vLLM --max-model-len (default %(default)s).",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="An extra vLLM flag for every engine, repeatable; write values with '=' "
+        "(--engine-arg=--max-num-batched-tokens=512).",
+    )
+    p.add_argument(
+        "--gate-max-queue",
+        type=int,
+        default=4,
+        help="The kvtax arms' --gate.max-queue (default %(default)s).",
+    )
+    p.add_argument(
+        "--gate-max-wait",
+        default="30s",
+        help="The kvtax arms' --gate.max-wait, a duration (default %(default)s).",
+    )
+    p.add_argument(
+        "--gate-extra",
+        default="",
+        help="More kvtax serve flags for the kvtax arms, one shell-quoted string.",
+    )
+    p.add_argument(
+        "--gie-poll",
+        type=float,
+        default=0.1,
+        help="Seconds between the GIE proxy's polls of vLLM's /metrics (default %(default)g).",
+    )
+    p.add_argument(
+        "--gie-stale",
+        type=float,
+        default=None,
+        help="The GIE proxy counts a reading older than this as saturated (default off).",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Write the markdown report here and the raw JSON beside it (.json).",
+    )
+    p.add_argument(
         "--append",
         action="store_true",
-        help="Add to the arms already in the JSON (to run the arms under two lock holds).",
+        help="Keep the arms already in --out's JSON (the same arm and load is replaced), and "
+        "reuse its sustained rate and recommendation unless given: to split the run over "
+        "lock holds.",
     )
-    args = parser.parse_args(argv)
-    arms = args.arms.split(",")
-    gate_common = [
-        "--gate.block-size=128",
-        "--gate.max-queue=64",
-        "--gate.max-wait=60s",
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="Only write --out's markdown again from its JSON.",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Print the plan (arms, engines, schedules when --rate is given) and exit.",
+    )
+    return p
+
+
+def dry_run(plans: Sequence[ArmPlan], args: argparse.Namespace, workload: Workload) -> str:
+    held = held_concurrency(workload, args.blocks, BLOCK_SIZE_TOKENS)
+    lines = [
+        f"workload {workload.name}: {workload.describe()}",
+        f"pool {args.blocks} x {BLOCK_SIZE_TOKENS} tokens; held concurrency {held}",
+        f"loop {args.loop}, loads {', '.join(f'{x:g}x' for x in args.loads)}, "
+        f"duration {args.duration:g} s, drain {args.drain:g} s, seed {args.seed}",
+        "arms:",
     ]
-    results: list[ArmResult] = []
-    recommended = args.recommended
+    for plan in plans:
+        flags = " ".join(gate_flags(plan, args)) or "gate off"
+        where = "shared engine" if plan.engine == SHARED else f"engine with --{plan.engine} N"
+        lines.append(f"  {plan.name}: {where}; {flags}" + ("; GIE proxy" if plan.gie else ""))
+    if args.rate is None:
+        lines.append("rate: measured first (pass --rate to see the schedules)")
+    else:
+        for load in make_loads(args.rate, args, workload):
+            if args.loop == "open":
+                longs = sum(1 for s in load.specs if s.long)
+                lines.append(
+                    f"  {load.multiple:g}x: {load.rate:.3f} req/s, {len(load.specs)} requests "
+                    f"({longs} long), first at "
+                    + ", ".join(f"{s.at:.2f}" for s in load.specs[:5])
+                    + " s"
+                )
+            else:
+                lines.append(f"  {load.multiple:g}x: {load.clients} closed-loop clients")
+    lines.append(f"estimated time: {estimate_seconds(plans, args) / 60:.0f} min")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    orders = (args.orders or ("fifo,shortest" if args.workload == "mixed" else "fifo")).split(",")
+    plans = plan_arms([a for a in args.arms.split(",") if a], orders)
     saved = args.out.with_suffix(".json") if args.out is not None else None
-    if recommended is None and args.append and saved is not None and saved.exists():
-        recommended = json.loads(saved.read_text())["recommended"]  # the earlier hold's
-    shared = {"no-gate", "kvtax-auto", "kvtax-adaptive", "kvtax-budget"} & set(arms)
-    with VllmEngine() if shared else contextlib.nullcontext() as engine:
-        if "no-gate" in arms:
-            result, page = run_arm("no-gate", engine, args)
-            results.append(result)
-            found = [v for k, v in page.items() if k.startswith("kvtax_recommended_max_num_seqs")]
-            if recommended is None and found:
-                recommended = int(min(found))
-        for mode in ("auto", "adaptive", "budget"):
-            if f"kvtax-{mode}" in arms:
-                gate = [f"--gate.mode={mode}", *gate_common]
-                results.append(run_arm(f"kvtax-{mode}", engine, args, gate)[0])
-    recommended = recommended or 3
-    print(f"kvtax's recommendation: {recommended}", file=sys.stderr, flush=True)
-    if "vllm-max-num-seqs" in arms:
-        with VllmEngine(max_num_seqs=recommended) as engine:
-            results.append(
-                run_arm("vllm-max-num-seqs", engine, args, note=f"--max-num-seqs {recommended}")[0]
-            )
-    if "vllm-max-num-queued-reqs" in arms:
-        extra = ["--max-num-queued-reqs", str(recommended)]
-        with VllmEngine(extra_args=extra) as engine:
-            results.append(
-                run_arm(
-                    "vllm-max-num-queued-reqs",
-                    engine,
-                    args,
-                    note=f"--max-num-queued-reqs {recommended}",
-                )[0]
-            )
-    if args.out is not None:
-        saved = args.out.with_suffix(".json")
-        earlier = []
-        if args.append and saved.exists():
-            earlier = [ArmResult(**a) for a in json.loads(saved.read_text())["arms"]]
-        results = [*earlier, *results]
-        saved.write_text(
-            json.dumps(
-                {
-                    "recommended": recommended,
-                    "args": vars(args) | {"out": str(args.out)},
-                    "arms": [asdict(r) for r in results],
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    print(table(results))
+    if args.render:
+        if saved is None or not saved.exists():
+            raise SystemExit("--render needs --out with a JSON beside it")
+        args.out.write_text(render(json.loads(saved.read_text())))
+        return 0
+    if args.dry_run:
+        print(dry_run(plans, args, workload))
+        return 0
+
+    earlier: dict[str, Any] = {}
+    if args.append and saved is not None and saved.exists():
+        earlier = json.loads(saved.read_text())
+    rate_info: dict[str, Any] | None = None
+    if args.rate is not None:
+        rate_info = asdict(RateMeasurement(0, 0.0, 0, args.rate, 0.0, measured=False))
+        rate_info["concurrency"] = held_concurrency(workload, args.blocks, BLOCK_SIZE_TOKENS)
+    elif earlier.get("rate"):
+        rate_info = earlier["rate"]
+        progress(f"reusing the sustained rate {rate_info['rate']:.3f} req/s from {saved}")
+    recommended = args.recommended or earlier.get("recommended")
+    source = "--recommended" if args.recommended else earlier.get("recommended_source")
+    results: list[ArmResult] = []
+    command = ".venv/bin/python -m bench.gate " + shlex.join(
+        sys.argv[1:] if argv is None else list(argv)
+    )
+    commands = [*earlier.get("meta", {}).get("commands", []), command]
+
+    def report() -> str:
+        """Write what ran so far (the JSON and the markdown), so a failed arm loses nothing."""
+        assert rate_info is not None
+        fresh = [asdict(r) for r in results]
+        ran = {_arm_key(a) for a in fresh}
+        kept = [a for a in earlier.get("arms", []) if _arm_key(a) not in ran]
+        data = {
+            "meta": run_meta(args, saved, commands),
+            "rate": rate_info,
+            "recommended": recommended,
+            "recommended_source": source,
+            "arms": kept + fresh,
+        }
+        text = render(data)
+        if args.out is not None:
+            assert saved is not None
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            saved.write_text(json.dumps(data, indent=2) + "\n")
+            args.out.write_text(text)
+        return text
+
+    shared = [p for p in plans if p.engine == SHARED]
+    if shared or rate_info is None:
+        progress("starting the shared engine...")
+        with make_engine(args, SHARED, None) as engine:
+            if rate_info is None:
+                rate_info = asdict(measure_rate(engine, args, workload))
+            for load in make_loads(rate_info["rate"], args, workload):
+                for plan in shared:
+                    result, page = run_arm(plan, engine, load, args, "")
+                    results.append(result)
+                    if plan.name == "no-gate" and recommended is None:
+                        recommended = recommended_of(page)
+                        source = f"after no-gate at {load.multiple:g}x"
+                        progress(f"kvtax's recommendation: {recommended}")
+                    report()
+    assert rate_info is not None
+    capped = [p for p in plans if p.engine != SHARED]
+    if capped and recommended is None:
+        recommended = held_concurrency(workload, args.blocks, BLOCK_SIZE_TOKENS)
+        source = "none read from kvtax: the concurrency the pool holds"
+        progress(f"no recommendation from kvtax; the vLLM caps use {recommended}")
+    for plan in capped:
+        note = engine_note(plan.engine, recommended)
+        progress(f"starting an engine with {note}...")
+        with make_engine(args, plan.engine, recommended) as engine:
+            for load in make_loads(rate_info["rate"], args, workload):
+                results.append(run_arm(plan, engine, load, args, note)[0])
+                report()
+    print(report())
     return 0
+
+
+def run_meta(args: argparse.Namespace, saved: Path | None, commands: list[str]) -> dict[str, Any]:
+    """The report's header: when, where, the engine, the workload and the flags."""
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": f"{platform.node() or 'this host'} ({os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f} when written)",
+        "engine": vllm_version(),
+        "blocks": args.blocks,
+        "max_model_len": args.max_model_len,
+        "engine_args": args.engine_arg,
+        "workload": args.workload,
+        "loop": args.loop,
+        "duration": args.duration,
+        "drain": args.drain,
+        "seed": args.seed,
+        "slo_ttft": args.slo_ttft,
+        "slo_gap": args.slo_gap,
+        "gate_flags": gate_flags(ArmPlan("kvtax-MODE", SHARED, mode="MODE"), args),
+        "gie_poll": args.gie_poll,
+        "gie_stale": args.gie_stale,
+        "json": saved.name if saved is not None else "gate.json",
+        "commands": commands,
+    }
 
 
 if __name__ == "__main__":
