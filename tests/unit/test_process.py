@@ -82,8 +82,10 @@ def test_a_child_never_ready_is_stopped_and_the_error_is_the_callers(tmp_path: P
 
     child = ready_child(tmp_path, error=MineError)
     child._ready = lambda: False  # the marker appears, but the probe never says yes
-    with pytest.raises(MineError, match=r"(?s)child not ready after 1 s.*hello from the child"):
-        child.start(timeout=1)
+    # 5 s, not 1: the child's Python must start and print its marker before the timeout, and
+    # beside the suite's engine lane a start took over 1 s (the log tail was still empty).
+    with pytest.raises(MineError, match=r"(?s)child not ready after 5 s.*hello from the child"):
+        child.start(timeout=5)
     assert not child.running
     assert child.returncode == -signal.SIGTERM
 
