@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestServer, unused_port
 
 from kvtax.figures.derive import ModelFigures
 from kvtax.serve.config import load_config
+from kvtax.serve.schedule import Periodic
 from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax.serve.wiring import build
@@ -158,3 +159,26 @@ async def test_a_subscriber_that_raises_stops_neither_the_scrape_nor_the_others(
     failures = [r for r in caplog.records if "handing the scrape's figures" in r.getMessage()]
     assert len(failures) == 2
     assert "_boom" in failures[0].getMessage()
+
+
+async def test_a_run_submitted_before_stop_that_begins_after_it_does_nothing() -> None:
+    # Protection: Periodic._once returns when the job is stopped. The scheduler submits a run as
+    # a task; stopped before that task's first step, stop() cannot see it to wait for it, and it
+    # ran on what its owner had closed since (a poller's session: "Session is closed", logged as
+    # a failed poll; tests/unit/test_poller.py failed 9 runs in 30 so).
+    runs: list[int] = []
+
+    async def run() -> None:
+        runs.append(1)
+
+    job = Periodic("probe", run, 3600.0)
+    job.start()
+    submitted = asyncio.ensure_future(job._once())  # as the scheduler's executor submits a run
+    await job.stop()
+    await submitted
+    assert runs == []
+    # Started, the same job runs.
+    job.start()
+    await job._once()
+    await job.stop()
+    assert runs == [1]

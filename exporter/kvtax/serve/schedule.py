@@ -141,6 +141,11 @@ class Periodic:
             self._own.start()
 
     async def _once(self) -> None:
+        if self._job is None:
+            # Stopped between the scheduler's submitting this run and its first step: stop()
+            # could not see it to wait for it, and what it would use may be closed by now (a
+            # poller's session: "Session is closed", logged as a failed poll).
+            return
         self._running = asyncio.current_task()
         try:
             await self._run()

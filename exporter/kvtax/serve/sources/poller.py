@@ -113,6 +113,6 @@ class Poller(ABC):
     async def stop(self) -> None:
         # A poll in flight is cancelled and waited for, so the session closes after it.
         await self._job.stop(cancel=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
