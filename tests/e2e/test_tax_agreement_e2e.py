@@ -4,7 +4,7 @@ kvtax computes "the tax" twice, by one definition (docs/tax.md, "The one definit
 ``kvtax_preemption_tax_ratio`` is the exporter's own window (``--window``), and
 ``namespace_pod_model_name:kvtax_preemption_tax:ratio_rate<W>`` is the recording rule, a ratio of
 ``rate()`` over the same counters with the same method order. Here both run with W = 30 s on the
-session's real vLLM CPU engine while 96 requests of 300 tokens, 64 streams at a time, overload
+session's real vLLM CPU engine while 64 streams of 300 tokens at a time, for a minute, overload
 its 2,048-token pool, and Prometheus (scraping vLLM and kvtax every second) records both. They
 must agree within :data:`TOLERANCE_MEDIAN` at the median second, and within :data:`TOLERANCE` at
 every second of steady overload.
@@ -52,6 +52,10 @@ GAUGE = "kvtax_preemption_tax_ratio"
 # room for a slower machine.
 TOLERANCE_MEDIAN = 0.01
 TOLERANCE = 0.05
+# The load keeps 64 streams open for this long: windows wholly inside it, and past the 3 s
+# the two windows can be apart, then span about STEADY_S seconds however fast the engine is.
+STEADY_S = 25
+LOAD_S = WINDOW_S + 3 + STEADY_S
 HANG_GUARD_S = 420.0  # fails a hung run; not a performance claim
 
 
@@ -67,9 +71,9 @@ def _overload(engine: VllmEngine) -> list[RequestResult]:
             concurrency=64,
             max_tokens=300,
             stream=True,
-            # A wave and a half, so that windows lie wholly inside the load for a good while
-            # (tens of seconds; each further wave costs CI about a minute).
-            requests=96,
+            # For a time, not a count of requests: a count held the overload for 33 s on a quiet
+            # machine and 60 s beside the other lanes, so the steady windows numbered 0 to 20.
+            for_seconds=LOAD_S,
         )
     )
 
@@ -102,7 +106,7 @@ def test_exporter_gauge_and_recording_rule_agree(vllm_engine: VllmEngine, tmp_pa
             load.start()
             load.join(HANG_GUARD_S)
             assert not load.is_alive(), "the overload did not finish"
-            load_end = time.time()
+            issued_until = start + LOAD_S  # after that no request starts: the drain
             # Let both windows slide past the load's end, so its last seconds are compared too.
             time.sleep(WINDOW_S / 2)
             end = time.time()
@@ -125,10 +129,11 @@ def test_exporter_gauge_and_recording_rule_agree(vllm_engine: VllmEngine, tmp_pa
     busy = [t for t in both if max(ours[t], theirs[t]) > 0]
     assert len(busy) >= 10, f"too few seconds with a tax on both sides: {len(busy)}"
     diffs = [abs(ours[t] - theirs[t]) for t in busy]
-    # Seconds whose whole window lies inside the overload: there the 1-3 s shift between the
-    # two windows moves little work. At the load's edges a window holds a few seconds of work,
-    # and the same shift can move the ratio by 0.15 (seen once at the first preemptions).
-    steady = [abs(ours[t] - theirs[t]) for t in busy if start + WINDOW_S + 3 <= t <= load_end]
+    # Seconds whose whole window lies inside the overload (64 streams open): there the 1-3 s
+    # shift between the two windows moves little work. At the load's edges (its first
+    # preemptions, its drain) a window holds a few seconds of changing work, and the same shift
+    # can move the ratio by 0.15 (seen once at the first preemptions, 0.053 in a drain).
+    steady = [abs(ours[t] - theirs[t]) for t in busy if start + WINDOW_S + 3 <= t <= issued_until]
     peak = max(ours[t] for t in busy)
     print(
         f"\ntax agreement: {len(busy)} s compared, peak gauge {peak:.3f}; |gauge - rule| "
@@ -138,5 +143,8 @@ def test_exporter_gauge_and_recording_rule_agree(vllm_engine: VllmEngine, tmp_pa
     )
     assert peak > 0.05, "the overload produced no tax to compare"
     assert statistics.median(diffs) <= TOLERANCE_MEDIAN
-    assert len(steady) >= 5, f"too few seconds of steady overload: {len(steady)}"
+    # About STEADY_S of them, less the seconds where the gauge has no sample: kvtax's scrape of
+    # the busy engine runs late and Prometheus' second passes without one (9 of 77 s, seen on a
+    # quiet machine; the longest gap 4 s).
+    assert len(steady) >= STEADY_S // 2, f"too few seconds of steady overload: {len(steady)}"
     assert max(steady) <= TOLERANCE

@@ -41,3 +41,14 @@ def test_a_client_that_hangs_up_after_n_chunks_says_so() -> None:
     )
     assert (result.disconnected, result.chunks, result.ok) == (True, 3, False)
     assert result.completion_tokens is None  # the usage chunk never came
+
+
+def test_a_load_for_a_time_keeps_its_clients_busy_until_then_and_sends_no_more() -> None:
+    # Protection: for_seconds. A count of requests lasts as long as the engine takes; a load
+    # for a time keeps sending (more than one wave here) and stops starting requests after it.
+    results = asyncio.run(
+        _drive_stand_in(concurrency=2, max_tokens=2, stream=True, requests=1, for_seconds=0.3)
+    )
+    assert len(results) > 2  # each client sent again as its request ended: not a count of 1
+    assert [r.index for r in results] == list(range(len(results)))
+    assert all(r.ok for r in results), results

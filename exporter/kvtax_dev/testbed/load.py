@@ -12,8 +12,10 @@ Depends only on the standard library and aiohttp.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,17 +207,22 @@ async def drive(
     prompt: str = PROMPT,
     continuous_usage: bool = False,
     timeout_s: float = 600.0,
+    for_seconds: float | None = None,
 ) -> list[RequestResult]:
-    """Send ``requests`` (default: ``concurrency``) requests, ``concurrency`` at a time.
+    """Send ``requests`` (default: ``concurrency``) requests, ``concurrency`` at a time; or,
+    with ``for_seconds``, keep ``concurrency`` in flight until that many seconds have passed,
+    then send no more and wait for those still open (``requests`` is then ignored).
 
     ``url`` is the server base (``http://host:port``); the path is /v1/completions, or
     /v1/chat/completions with ``chat``. ``include_usage`` sets
     ``stream_options.include_usage`` on streamed requests (None leaves it unset, as most
     clients do). Request *i* carries ``seed + i``. Results are in request order.
+
+    A load for a time, not a count, holds its overload for as long on a fast machine as on a
+    slow one: a test that compares seconds of steady overload gets the same number of them.
     """
     total = concurrency if requests is None else requests
     endpoint = url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
-    gate = asyncio.Semaphore(concurrency)
     # No connection cap beyond ours: aiohttp's default of 100 would silently throttle. And a
     # fresh connection per request: a pooled keep-alive connection that the server closes just
     # as it is reused fails with ServerDisconnectedError before the request reaches the server
@@ -226,7 +233,7 @@ async def drive(
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def run(index: int) -> RequestResult:
+        async def one(index: int) -> RequestResult:
             body = _body(
                 model,
                 prompt=prompt,
@@ -237,17 +244,41 @@ async def drive(
                 chat=chat,
                 seed=seed + index,
             )
+            return await _one(
+                session,
+                endpoint,
+                body,
+                index=index,
+                chat=chat,
+                disconnect_after_chunks=disconnect_after_chunks,
+            )
+
+        if for_seconds is not None:
+            return await _for_a_time(one, concurrency, for_seconds)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def run(index: int) -> RequestResult:
             async with gate:
-                return await _one(
-                    session,
-                    endpoint,
-                    body,
-                    index=index,
-                    chat=chat,
-                    disconnect_after_chunks=disconnect_after_chunks,
-                )
+                return await one(index)
 
         return list(await asyncio.gather(*(run(i) for i in range(total))))
+
+
+async def _for_a_time(
+    one: Callable[[int], Awaitable[RequestResult]], concurrency: int, seconds: float
+) -> list[RequestResult]:
+    """``concurrency`` clients, each sending its next request as its last one ends, until
+    ``seconds`` have passed; the results in request order."""
+    indexes = itertools.count()
+    results: list[RequestResult] = []
+    start = time.monotonic()
+
+    async def client() -> None:
+        while time.monotonic() - start < seconds:
+            results.append(await one(next(indexes)))
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return sorted(results, key=lambda r: r.index)
 
 
 __all__ = ["PROMPT", "PROMPT_TOKENS", "RequestResult", "drive"]
