@@ -109,6 +109,8 @@ STALL_S = 1.0
 # Guesses for --dry-run's time estimate only.
 ENGINE_START_S = 90.0
 ARM_OVERHEAD_S = 15.0
+WARMUP_REQUEST_S = 15.0  # one warm-up request, about one service time
+WARMUP_TIMEOUT_S = 120.0  # fails a hung warm-up; not a measurement
 
 
 def progress(message: str) -> None:
@@ -171,7 +173,8 @@ def estimate_seconds(plans: Sequence[ArmPlan], args: argparse.Namespace) -> floa
     if args.rate is None:
         kinds.add(SHARED)  # the rate is measured on the shared engine
     rate = 0.0 if args.rate is not None else float(args.rate_duration) + ARM_OVERHEAD_S
-    per_arm = float(args.duration) + float(args.drain) / 2 + ARM_OVERHEAD_S
+    warm = WARMUP_REQUEST_S * getattr(args, "warmup", 0)
+    per_arm = float(args.duration) + float(args.drain) / 2 + ARM_OVERHEAD_S + warm
     return len(kinds) * ENGINE_START_S + rate + len(plans) * len(args.loads) * per_arm
 
 
@@ -491,12 +494,32 @@ def drive(url: str, load: Load, salt: str, args: argparse.Namespace) -> tuple[li
     )
 
 
+async def warm_up(url: str, workload: Workload, salt: str, count: int) -> list[Record]:
+    """``count`` requests of the workload's sizes through ``url``, one after another, before
+    the window. A kvtax gate foretells a wait once SERVICE_ENOUGH (3) requests have left it;
+    a gate that has run for a while has, so the window measures the gate as it runs, not its
+    first seconds after a start (a run with --warmup 0 shows those)."""
+    sizes = closed_loop_specs(workload, 0)
+    done: list[Record] = []
+    async with _session() as session:
+        t0 = time.monotonic()
+        for _ in range(count):
+            spec = next(sizes)
+            rec = _record(spec, time.monotonic() - t0)
+            body = request_body(spec, f"{salt}/warm-up", PREFILL_HEAVY_NAME)
+            await asyncio.wait_for(attempt(session, url, body, rec, t0), WARMUP_TIMEOUT_S)
+            done.append(rec)
+    return done
+
+
 def run_arm(
     plan: ArmPlan, engine: VllmEngine, load: Load, args: argparse.Namespace, note: str
 ) -> tuple[ArmResult, dict[str, float]]:
     progress(f"arm {plan.name} at {load.multiple:g}x ({load.rate:.3f} req/s offered)...")
     engine.wait_idle(timeout=300)
     salt = f"{plan.name}/{load.multiple:g}/{args.seed}"
+    if args.warmup:
+        note = (f"{note}; " if note else "") + f"{args.warmup} warm-up requests before the window"
     with KvtaxProcess(
         engine.url,
         proxy=True,
@@ -506,14 +529,21 @@ def run_arm(
     ) as kvtax:
         kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
         assert kvtax.proxy_url is not None
-        text0 = kvtax.metrics_text()
-        pre0, hits0 = _engine_counters(engine)
+        workload = WORKLOADS[args.workload]
         extra: dict[str, Any] = {}
         if plan.gie:
             with gie_proxy(kvtax.proxy_url, engine, args) as url:
+                asyncio.run(warm_up(url, workload, salt, args.warmup))
+                engine.wait_idle(timeout=300)
+                text0 = kvtax.metrics_text()
+                pre0, hits0 = _engine_counters(engine)
                 records, cutoff = drive(url, load, salt, args)
                 extra = gie_stats(url)
         else:
+            asyncio.run(warm_up(kvtax.proxy_url, workload, salt, args.warmup))
+            engine.wait_idle(timeout=300)
+            text0 = kvtax.metrics_text()
+            pre0, hits0 = _engine_counters(engine)
             records, cutoff = drive(kvtax.proxy_url, load, salt, args)
         time.sleep(2.5)  # two more scrapes, so kvtax's counters hold the whole arm
         text1 = kvtax.metrics_text()
@@ -771,6 +801,14 @@ def parser() -> argparse.ArgumentParser:
         default=30.0,
         help="Seconds requests in flight get after the window before they are cancelled "
         "(default %(default)g).",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="Requests sent one at a time through each arm's front door before its window, "
+        "not counted (default %(default)s): kvtax's gate foretells waits once 3 requests "
+        "have left it. 0 measures the gate's first seconds after a start.",
     )
     p.add_argument(
         "--seed", type=int, default=25, help="Seed of arrivals and sizes (default %(default)s)."

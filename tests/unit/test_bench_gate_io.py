@@ -201,3 +201,36 @@ async def test_gie_proxy_relays_until_saturated_then_sheds_without_retry_after()
     assert (stats["relayed"], stats["shed"]) == (2, 2)
     assert stats["polls"] == 4
     assert stats["saturated_polls"] == 2
+
+
+async def test_warm_up_sends_its_requests_one_at_a_time_in_the_workloads_sizes() -> None:
+    # Protection: one at a time. The gate learns a service time from requests that left it;
+    # sent together through a cap of one, the later ones would queue and could be shed.
+    open_now, most, sizes = 0, 0, []
+
+    async def count(request: web.Request) -> web.StreamResponse:
+        nonlocal open_now, most
+        open_now += 1
+        most = max(most, open_now)
+        try:
+            body = await request.json()
+            sizes.append((len(body["prompt"]), body["max_tokens"]))
+            await asyncio.sleep(0.01)  # overlap any request sent alongside
+            return await completions(request)
+        finally:
+            open_now -= 1
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", count)
+    runner, url = await _serve(app)
+    workload = gate.WORKLOADS["long"]
+    try:
+        records = await gate.warm_up(url, workload, "test", 3)
+    finally:
+        await runner.cleanup()
+    assert len(records) == len(sizes) == 3
+    assert all(r.completed for r in records)
+    assert most == 1
+    for prompt, max_tokens in sizes:
+        assert workload.long_prompt[0] <= prompt <= workload.long_prompt[1]
+        assert workload.output[0] <= max_tokens <= workload.output[1]
