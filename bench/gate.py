@@ -73,6 +73,7 @@ from bench.gate_stats import (
     Refusal,
     against_targets,
     arm_table,
+    by_length_table,
     loads_of,
     summarize,
     targets_table,
@@ -726,6 +727,10 @@ def render(data: dict[str, Any]) -> str:
         if meta["loop"] == "open":
             heading += f": {offered:.3f} requests/s offered, {here[0].summary.offered} requests"
         lines += ["", heading, "", arm_table(here)]
+        apart = by_length_table(here)
+        if apart is not None:
+            lines += ["", "Long and short prompts apart (TTFT of those that had a first token):"]
+            lines += ["", apart]
         notes = [f"- {a.arm}: {a.note}" for a in here if a.note]
         if notes:
             lines += ["", *notes]

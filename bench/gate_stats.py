@@ -457,6 +457,39 @@ def arm_table(arms: Sequence[ArmResult]) -> str:
     return "\n".join([head, rule, *(arm_row(a) for a in arms)])
 
 
+def _by_length_cells(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Offered, the share refused, and TTFT p50 / p99 (of those that had a first token) of
+    one kind of request, from the JSON's per-request rows."""
+    if not rows:
+        return ["0", "—", "—"]
+    refused = sum(1 for r in rows if r["first"] is None and r["refusals"])
+    ttfts = [r["first"] - r["sent"] for r in rows if r["first"] is not None]
+    return [
+        str(len(rows)),
+        f"{100 * refused / len(rows):.0f} %",
+        f"{_s(quantile(ttfts, 0.5))} / {_s(quantile(ttfts, 0.99))}",
+    ]
+
+
+def by_length_table(arms: Sequence[ArmResult]) -> str | None:
+    """Long and short requests apart, per arm: does an order starve the long ones (refused
+    more, or served later)? None when the arms' requests are all of one kind."""
+    kinds = {r["long"] for a in arms for r in a.requests}
+    if len(kinds) < 2:
+        return None
+    lines = [
+        "| arm | long: offered | long: refused | long: TTFT p50 / p99 s "
+        "| short: offered | short: refused | short: TTFT p50 / p99 s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in arms:
+        cells = [a.arm]
+        for long in (True, False):
+            cells += _by_length_cells([r for r in a.requests if r["long"] is long])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def targets_table(best: ArmResult | None, checks: Sequence[Check]) -> str:
     if best is None:
         return "No kvtax arm ran at this load."

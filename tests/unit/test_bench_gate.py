@@ -27,6 +27,7 @@ from bench.gate_stats import (
     against_targets,
     arm_table,
     best_kvtax,
+    by_length_table,
     censored_quantile,
     meets_slo,
     summarize,
@@ -558,3 +559,40 @@ def test_render_writes_the_report_from_saved_json(tmp_path: Path) -> None:
     assert "| kvtax-adaptive |" in text
     saved = json.loads(out.with_suffix(".json").read_text())
     assert [ArmResult.from_json(a) for a in saved["arms"]] == arms
+
+
+def _row(long: bool, sent: float, first: float | None, refused: bool = False) -> dict[str, object]:
+    return {
+        "long": long,
+        "sent": sent,
+        "first": first,
+        "refusals": [[429, 0.003, "5"]] if refused else [],
+    }
+
+
+def test_long_and_short_requests_are_shown_apart_when_the_mix_has_both() -> None:
+    fifo = _arm("kvtax-adaptive")
+    fifo.requests = [
+        _row(True, 0.0, 2.0),
+        _row(True, 1.0, None, refused=True),
+        _row(False, 0.0, 1.0),
+        _row(False, 1.0, 4.0),
+    ]
+    shortest = _arm("kvtax-adaptive-shortest")
+    shortest.requests = [
+        _row(True, 0.0, 8.0),
+        _row(True, 1.0, None, refused=True),
+        _row(True, 2.0, None, refused=True),
+        _row(False, 0.0, 0.5),
+    ]
+    table = by_length_table([fifo, shortest])
+    assert table is not None
+    rows = table.splitlines()
+    # Long: offered, refused share, TTFT p50 / p99; then the same of the short ones.
+    assert rows[2] == "| kvtax-adaptive | 2 | 50 % | 2.00 / 2.00 | 2 | 0 % | 1.00 / 3.00 |"
+    assert rows[3] == (
+        "| kvtax-adaptive-shortest | 3 | 67 % | 8.00 / 8.00 | 1 | 0 % | 0.50 / 0.50 |"
+    )
+    # One kind only (the long workload): no table.
+    fifo.requests = [r for r in fifo.requests if r["long"]]
+    assert by_length_table([fifo]) is None
