@@ -47,6 +47,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -959,8 +960,16 @@ def dry_run(plans: Sequence[ArmPlan], args: argparse.Namespace, workload: Worklo
     return "\n".join(lines)
 
 
+def _exit_on_sigterm() -> None:
+    """``kill`` ends a run as Ctrl-C does, through the ``with`` blocks that stop what it started.
+    Each engine runs in a process group of its own, which a signal to this process misses: a
+    killed run left its engine serving (seen: two prefill-heavy engines on two cores)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    _exit_on_sigterm()
     workload = WORKLOADS[args.workload]
     orders = (args.orders or ("fifo,shortest" if args.workload == "mixed" else "fifo")).split(",")
     plans = plan_arms([a for a in args.arms.split(",") if a], orders)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -234,3 +238,28 @@ async def test_warm_up_sends_its_requests_one_at_a_time_in_the_workloads_sizes()
     for prompt, max_tokens in sizes:
         assert workload.long_prompt[0] <= prompt <= workload.long_prompt[1]
         assert workload.output[0] <= max_tokens <= workload.output[1]
+
+
+def test_a_killed_run_leaves_through_its_with_blocks() -> None:
+    # Protection: _exit_on_sigterm. Without it SIGTERM ends Python at once, no `finally` or
+    # `with` runs, and the engine (in a process group of its own) keeps serving.
+    code = (
+        "from bench import gate\n"
+        "import time\n"
+        "gate._exit_on_sigterm()\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(120)\n"
+        "finally:\n"
+        "    print('stopped what it started', flush=True)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGTERM)
+    out, _ = child.communicate(timeout=60)
+    assert "stopped what it started" in out
+    assert child.returncode == 128 + signal.SIGTERM
