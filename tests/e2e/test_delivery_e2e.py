@@ -22,6 +22,8 @@ from kvtax_dev.testbed.sidecar import KvtaxProcess, parse_metrics, series_key
 
 M = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps on running"
+# Tries of the disconnect test, of which the first whose client left in time is judged.
+ATTEMPTS = 3
 
 
 @pytest.fixture
@@ -187,7 +189,10 @@ def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: Kv
     proxy_url = kvtax.proxy_url
     # Below max_model_len (1024) minus the prompt, so the request can run to its end.
     max_tokens = 900
-    before = _vllm(vllm_engine)
+    disconnected = series_key(
+        "kvtax_requests_total", {"model_name": M, "outcome": "client_disconnected"}
+    )
+    left_before = kvtax.metrics().get(disconnected, 0.0)
 
     def small_socket(addr_info: Any) -> socket.socket:
         family, kind, proto, _, _ = addr_info
@@ -208,15 +213,25 @@ def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: Kv
             await asyncio.sleep(0.2)
             resp.close()
 
-    asyncio.run(read_a_little_stall_then_leave())
-    left = time.monotonic()
-    # Wait (bounded only against hangs) for vLLM to drop the request from its batch.
-    deadline = left + 60
-    while _vllm(vllm_engine).get("vllm:num_requests_running", 1.0) > 0:
-        assert time.monotonic() < deadline, "vLLM kept running the abandoned request"
-        time.sleep(0.02)
-    abort_latency = time.monotonic() - left
-    settled = _vllm(vllm_engine)
+    # A client that leaves after vLLM finished the request tests nothing: beside CI's other
+    # lanes this process once stalled long enough for all 900 tokens to be generated first
+    # (about 3.5 s of the engine's). Such a try ends by length; the test tries again, at most
+    # ATTEMPTS times, and judges the first try whose client left while vLLM still generated.
+    finished = "vllm:request_success_total/length"
+    for attempt in range(1, ATTEMPTS + 1):
+        before = _vllm(vllm_engine)
+        asyncio.run(read_a_little_stall_then_leave())
+        left = time.monotonic()
+        # Wait (bounded only against hangs) for vLLM to drop the request from its batch.
+        deadline = left + 60
+        while _vllm(vllm_engine).get("vllm:num_requests_running", 1.0) > 0:
+            assert time.monotonic() < deadline, "vLLM kept running the abandoned request"
+            time.sleep(0.02)
+        abort_latency = time.monotonic() - left
+        settled = _vllm(vllm_engine)
+        if settled.get(finished, 0.0) == before.get(finished, 0.0):
+            break
+        print(f"try {attempt}: vLLM finished the request before its client left")
     time.sleep(1.5)
     later = _vllm(vllm_engine)
     generated = settled["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
@@ -225,7 +240,6 @@ def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: Kv
     assert 0 < generated < max_tokens
     # The request did not finish by length (shared/vllm-facts.md: 0.32 may count an abort
     # under no finished_reason at all, or, when aborted with output queued, as "abort").
-    finished = "vllm:request_success_total/length"
     assert settled.get(finished, 0.0) == before.get(finished, 0.0)
     aborts = settled.get("vllm:request_success_total/abort", 0.0) - before.get(
         "vllm:request_success_total/abort", 0.0
@@ -235,11 +249,11 @@ def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: Kv
         f"{generated:.0f} of {max_tokens} tokens generated; finished_reason=abort +{aborts:.0f}"
     )
 
-    disconnected = series_key(
-        "kvtax_requests_total", {"model_name": M, "outcome": "client_disconnected"}
-    )
     undelivered = series_key("kvtax_undelivered_tokens_total", {"model_name": M, "source": "proxy"})
-    page = kvtax.wait_for(lambda m: m.get(disconnected) == 1.0, what="disconnect settled")
+    # Every try's client read 3 of the 900 tokens' events and left: each one is a disconnect.
+    page = kvtax.wait_for(
+        lambda m: m.get(disconnected) == left_before + attempt, what="disconnect settled"
+    )
     assert page[undelivered] > 0
     # The join sees them: the window's waste exceeds its tax by U / (Pc + G + R).
     page = kvtax.wait_for(
