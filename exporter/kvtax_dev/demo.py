@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -262,7 +263,22 @@ async def _run_phase(
     return phase_result(phase.name, seconds, before, after), after
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and ``kill`` both end the demo through the ``with`` block that stops its engine,
+    kvtax and Prometheus. Without this, a demo started in a script's background ignores Ctrl-C
+    (bash hands background jobs an ignored SIGINT, and Python then installs no handler), and
+    SIGTERM ends Python without any cleanup: either way the engine, in a process group of its
+    own, kept serving."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    _stop_on_signals()
     phases = SHORT_PHASES if args.short else PHASES
     live = _Live()
     began = time.time()
