@@ -45,9 +45,9 @@ SEED = 25
 # Scrapes (1 s apart when the machine keeps up; up to 4 s each with the engine busy on both
 # cores) after the direct wave ends within which preemptions must stop, and the scrapes of gated
 # load after that which must show none. Preemptions stopped by the first scrape in every run
-# seen; 6 quiet scrapes hold the gate's cap through a few of its raise decisions.
+# seen; 10 quiet scrapes hold the gate's cap through 5 of its raise decisions.
 SETTLE_SCRAPES = 6
-QUIET_SCRAPES = 6
+QUIET_SCRAPES = 10
 SHED_REASONS = ("queue_full", "wait_predicted", "wait_expired")
 
 
