@@ -175,7 +175,7 @@ def estimate_seconds(plans: Sequence[ArmPlan], args: argparse.Namespace) -> floa
     if args.rate is None:
         kinds.add(SHARED)  # the rate is measured on the shared engine
     rate = 0.0 if args.rate is not None else float(args.rate_duration) + ARM_OVERHEAD_S
-    warm = WARMUP_REQUEST_S * getattr(args, "warmup", 0)
+    warm = WARMUP_REQUEST_S * args.warmup
     per_arm = float(args.duration) + float(args.drain) / 2 + ARM_OVERHEAD_S + warm
     return len(kinds) * ENGINE_START_S + rate + len(plans) * len(args.loads) * per_arm
 
@@ -532,20 +532,22 @@ def run_arm(
         kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
         assert kvtax.proxy_url is not None
         workload = WORKLOADS[args.workload]
+
+        def warmed(url: str) -> tuple[str, float, float]:
+            """Warm ``url`` up, wait for the engine to idle, then read the counters the arm
+            starts from: kvtax's page, vLLM's preemptions and prefix-cache hits."""
+            asyncio.run(warm_up(url, workload, salt, args.warmup))
+            engine.wait_idle(timeout=300)
+            return (kvtax.metrics_text(), *_engine_counters(engine))
+
         extra: dict[str, Any] = {}
         if plan.gie:
             with gie_proxy(kvtax.proxy_url, engine, args) as url:
-                asyncio.run(warm_up(url, workload, salt, args.warmup))
-                engine.wait_idle(timeout=300)
-                text0 = kvtax.metrics_text()
-                pre0, hits0 = _engine_counters(engine)
+                text0, pre0, hits0 = warmed(url)
                 records, cutoff = drive(url, load, salt, args)
                 extra = gie_stats(url)
         else:
-            asyncio.run(warm_up(kvtax.proxy_url, workload, salt, args.warmup))
-            engine.wait_idle(timeout=300)
-            text0 = kvtax.metrics_text()
-            pre0, hits0 = _engine_counters(engine)
+            text0, pre0, hits0 = warmed(kvtax.proxy_url)
             records, cutoff = drive(kvtax.proxy_url, load, salt, args)
         time.sleep(2.5)  # two more scrapes, so kvtax's counters hold the whole arm
         text1 = kvtax.metrics_text()
