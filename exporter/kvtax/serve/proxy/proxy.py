@@ -30,7 +30,7 @@ ever logged.
 Example::
 
     proxy = Proxy(ProxySettings(upstream="http://127.0.0.1:8000"), ledger)
-    await proxy.start("127.0.0.1", 8001)
+    port = await proxy.start("127.0.0.1", 8001)   # 0: any free port, the one bound returned
     ...
     await proxy.stop()
 """
@@ -161,12 +161,15 @@ class Proxy:
         return sum(1 for ex, _ in self._open.values() if ex.rewriter is not None)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listen on ``host``:``port``; the port bound (the kernel's choice for port 0)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: ClientConnection(self), host or None, port, backlog=4096
         )
-        log.info("proxy on %s:%d relays to %s", host, port, self.settings.upstream)
+        bound = int(self._server.sockets[0].getsockname()[1])
+        log.info("proxy on %s:%d relays to %s", host, bound, self.settings.upstream)
+        return bound
 
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
