@@ -82,7 +82,7 @@ async def test_a_client_that_pipelines_without_reading_is_stopped_being_read(
         await asyncio.sleep(0.005)
     [conn] = list(rig.proxy._clients)
     assert conn.read_paused
-    assert len(conn.queue) <= client_module.MAX_PIPELINED + 1
+    assert len(conn.pipeline) <= client_module.MAX_PIPELINED + 1
     rig.vllm.hang = 0.0
     replies = [await read_reply(reader) for _ in range(40)]  # reading resumes as they drain
     assert {r.status for r in replies} == {200}

@@ -215,12 +215,21 @@ async def test_a_request_arriving_while_draining_is_not_sent(
             await running.content.readline()  # keeps the proxy draining
             stopping = asyncio.create_task(proxy.stop(grace=600.0))
             await _until(lambda: proxy.state == "draining")
-            status, body = await _post(client, url, QUICK)
-            assert _is_shutdown_answer(status, body)
+            # The drain closed the idle kept-alive connection at once, as uvicorn and nginx
+            # do, and accepts no new one: the request fails to be sent, or (had it raced the
+            # close) gets the shutdown 503. It never reaches vLLM.
+            try:
+                status, body = await _post(client, url, QUICK)
+            except aiohttp.ClientConnectionError:
+                pass
+            else:
+                assert _is_shutdown_answer(status, body)
             fake.finish.set()
             await running.read()
             running.close()
         async with asyncio.timeout(HANG_GUARD):
             await stopping
     assert fake.prompts == ["quick", "long"]
-    assert await _settled(proxy, 3) == {"completed": 2, "shutdown": 1}
+    outcomes = await _settled(proxy, 2)
+    assert outcomes.pop("completed") == 2
+    assert outcomes in ({}, {"shutdown": 1})

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 
-from kvtax.delivery.sse import HoldBudget, UsageWish
-from kvtax.serve.proxy.exchange import Exchange, outcome_of
+from kvtax.delivery.sse import Fingerprint, HoldBudget, UsageWish
+from kvtax.serve.proxy.exchange import Exchange
+from kvtax.serve.proxy.head import RequestHead
+from kvtax.serve.proxy.outcome import Facts, outcome_of
 from kvtax.serve.proxy.relay import BodySink, RelaySettings, StreamSink
 from kvtax.serve.proxy.upstream import UpstreamBroke
 
@@ -32,11 +34,11 @@ class _Client:
     """The client's side of a relay: what was written, and whether it left."""
 
     transport = None
+    draining = False
 
     def __init__(self) -> None:
         self.written: list[bytes] = []
         self.closed = False
-        self.answered = False
 
     def write(self, data: bytes) -> None:
         if not self.closed:
@@ -46,6 +48,14 @@ class _Client:
         self.closed = True
 
 
+def _exchange(client: _Client, facts: Facts) -> Exchange:
+    head = RequestHead.of(b"POST", b"/v1/completions", b"1.1", [(b"Host", b"x")], keep_alive=True)
+    assert head is not None
+    exchange = Exchange(client, head, accounted=True, limit=None)  # type: ignore[arg-type]
+    exchange.facts = facts
+    return exchange
+
+
 def _settings() -> RelaySettings:
     return RelaySettings(
         held=HoldBudget(64 * 1024),
@@ -53,16 +63,17 @@ def _settings() -> RelaySettings:
         stall_factor=5.0,
         stall_min=0.05,
         phase=lambda: "serving",
+        fingerprints=Fingerprint(),
     )
 
 
-def _stream(client: _Client, ex: Exchange) -> StreamSink:
+def _stream(client: _Client, ex: Facts) -> StreamSink:
     wish = UsageWish(include_usage=False, continuous=False)
-    return StreamSink(client, "chunked", b"", ex, wish=wish, relay=_settings())  # type: ignore[arg-type]
+    return StreamSink(_exchange(client, ex), "chunked", b"", wish=wish, relay=_settings())
 
 
 async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
-    ex = Exchange(started=0.0, model="m", status=200)
+    ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
     sink = _stream(client, ex)
     for i in range(3):
@@ -75,9 +86,9 @@ async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
 
 
 async def test_a_client_that_hung_up_mid_body_is_not_blamed_on_vllm() -> None:
-    ex = Exchange(started=0.0, model="m", status=200)
+    ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
-    sink = BodySink(client, "length", b"", ex, lambda: 0.0)  # type: ignore[arg-type]
+    sink = BodySink(_exchange(client, ex), "length", b"", lambda: 0.0)
     sink.feed(b'{"id":"c","choices":[')
     client.closed = True
     ex.client_gone = True
@@ -86,7 +97,7 @@ async def test_a_client_that_hung_up_mid_body_is_not_blamed_on_vllm() -> None:
 
 
 async def test_vllm_breaking_off_mid_stream_is_vllm_s_doing_and_ends_the_stream_cleanly() -> None:
-    ex = Exchange(started=0.0, model="m", status=200)
+    ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
     sink = _stream(client, ex)
     for i in range(3):
@@ -102,7 +113,7 @@ async def test_vllm_breaking_off_mid_stream_is_vllm_s_doing_and_ends_the_stream_
 
 
 async def test_a_stream_that_timed_out_says_so() -> None:
-    ex = Exchange(started=0.0, model="m", status=200)
+    ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
     sink = _stream(client, ex)
     sink.feed(_event(0))
@@ -112,9 +123,9 @@ async def test_a_stream_that_timed_out_says_so() -> None:
 
 async def test_vllm_breaking_off_mid_body_breaks_the_client_connection() -> None:
     # A body cut short must never look complete: the client's connection is closed mid-body.
-    ex = Exchange(started=0.0, model="m", status=200)
+    ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
-    sink = BodySink(client, "length", b"", ex, lambda: 0.0)  # type: ignore[arg-type]
+    sink = BodySink(_exchange(client, ex), "length", b"", lambda: 0.0)
     sink.feed(b'{"id":"c","choices":[')
     sink.broke(UpstreamBroke("vLLM went away"))
     assert client.closed

@@ -15,6 +15,17 @@ with single newlines is still read; a data line is read with or without the spac
 ``stream_options`` as vLLM does (pydantic's lax bool, :mod:`kvtax.delivery.lax`), once per
 request: nothing per event calls pydantic.
 
+Lines end with LF, CRLF or a bare CR, as the SSE spec allows; each line goes out with the end
+it came with. A bare CR is looked for only in a read that has one (vLLM writes LF), and a CR
+that ends a read waits for the next byte, which may make it a CRLF.
+
+``system_fingerprint``: vLLM computes it once at start and stamps it on the usage chunk that
+kvtax asked for, so a client that asked for no usage must find it on each choice's terminal
+chunk instead. A :class:`Fingerprint` shared by all streams learns it from every usage chunk;
+once known, a terminal chunk is stamped as it passes, held by nothing. Until then a terminal
+chunk is held for the usage chunk that names it, but never at the cost of another choice's
+tokens (a line of another choice lets it go unstamped) and never past :data:`MAX_HELD` bytes.
+
 The usage object is located on the bytes and then verified with a real JSON parse; a data line
 whose usage cannot be parsed passes untouched and is counted (``unparsed``). A line longer than
 the hold limit, or one that would push every stream's held bytes over a shared
@@ -40,7 +51,15 @@ import orjson
 from kvtax.delivery.lax import REFUSED, lax_bool
 from kvtax.delivery.usage import usage_tokens
 
-__all__ = ["HoldBudget", "Relayed", "StreamRewriter", "UsageWish", "with_usage"]
+__all__ = [
+    "MAX_HELD",
+    "Fingerprint",
+    "HoldBudget",
+    "Relayed",
+    "StreamRewriter",
+    "UsageWish",
+    "with_usage",
+]
 
 _USAGE_KEY = b',"usage":{'
 _USAGE_ANY = b'"usage"'
@@ -64,6 +83,18 @@ _EVENT_END = b"\n\n"
 
 # A data line of vLLM's is a few hundred bytes; one this long is not worth holding to trim.
 MAX_LINE = 256 * 1024
+# Bytes of whole lines one stream may hold back waiting for the fingerprint (see the module doc).
+MAX_HELD = 64 * 1024
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class Fingerprint:
+    """vLLM's ``system_fingerprint`` as its last usage chunk named it (None: not seen yet)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes | None = None) -> None:
+        self.value = value
 
 
 class HoldBudget:
@@ -162,6 +193,11 @@ def _parse_usage(line: bytes, span: tuple[int, int] | None) -> tuple[int, int] |
     return usage_tokens(event.get("usage")) if isinstance(event, dict) else None
 
 
+def _stamped(line: bytes, cut: int, fingerprint: bytes) -> bytes:
+    """``line`` with ``system_fingerprint`` where its usage was cut, as vLLM would have put it."""
+    return line[:cut] + b',"system_fingerprint":' + fingerprint + line[cut:]
+
+
 def _spaced_data(line: bytes) -> bool:
     """A data line whose JSON follows more whitespace than one space (the spec strips one
     space; JSON allows the rest). Only lines that are not ``data: {`` or ``data:{`` get here."""
@@ -177,11 +213,17 @@ class StreamRewriter:
     """
 
     def __init__(
-        self, wish: UsageWish, *, max_line: int = MAX_LINE, budget: HoldBudget | None = None
+        self,
+        wish: UsageWish,
+        *,
+        max_line: int = MAX_LINE,
+        budget: HoldBudget | None = None,
+        fingerprints: Fingerprint | None = None,
     ) -> None:
         self.wish = wish
         self.max_line = max_line
         self.budget = budget
+        self.fingerprints = fingerprints if fingerprints is not None else Fingerprint()
         self.prompt_tokens = 0
         self.final_completion_tokens: int | None = None
         self.completion_tokens = 0
@@ -197,12 +239,17 @@ class StreamRewriter:
         self._emitted: dict[int, int] = {}
         # Held lines: bytes, cut position, choice, tokens, terminal (choice None: not data).
         self._held: list[tuple[bytes, int, int | None, int, bool]] = []
+        self._held_bytes = 0
+        # A hold was let go unstamped (another choice's line came, or MAX_HELD): hold no more.
+        self._no_hold = False
 
     @property
     def upstream_completion_tokens(self) -> int:
         return max(sum(self._seen.values()), self.final_completion_tokens or 0)
 
     def feed(self, data: bytes) -> Relayed:
+        if b"\r" in data or (self._buffer and self._buffer.endswith(b"\r")):
+            return self._feed_any_ends(data)
         whole = self._whole_events(data)
         if whole is not None:
             return whole
@@ -222,6 +269,25 @@ class StreamRewriter:
                 self._line(line, out)
             if end + 1 < len(data):
                 self._hold(data[end + 1 :], out)
+        return Relayed(b"".join(out), self.completion_tokens)
+
+    def _feed_any_ends(self, data: bytes) -> Relayed:
+        """A read with a CR in it: lines split at LF, CRLF or a bare CR, each sent on with its
+        own end. A CR that ends the read is held, to see whether an LF follows."""
+        out: list[bytes] = []
+        if self._raw:
+            data = self._pass_raw(data, out, any_end=True)
+        if self._buffer:
+            data = bytes(self._buffer) + data
+            self._release()
+        pos = 0
+        for match in _LINE_END.finditer(data):
+            if match.group() == b"\r" and match.end() == len(data):
+                break  # perhaps the first half of a CRLF
+            self._line(data[pos : match.start()], out, match.group())
+            pos = match.end()
+        if pos < len(data):
+            self._hold(data[pos:], out)
         return Relayed(b"".join(out), self.completion_tokens)
 
     def _whole_events(self, data: bytes) -> Relayed | None:
@@ -283,9 +349,15 @@ class StreamRewriter:
         self._release()
 
     # -- holding partial lines, within bounds --------------------------------------------------
-    def _pass_raw(self, data: bytes, out: list[bytes]) -> bytes:
-        """Inside an oversized line: pass bytes through up to and including its newline."""
+    def _pass_raw(self, data: bytes, out: list[bytes], *, any_end: bool = False) -> bytes:
+        """Inside an oversized line: pass bytes through up to and including its end (an LF, or
+        with ``any_end`` a CR too)."""
         end = data.find(_NL)
+        if any_end:
+            cr = data.find(b"\r")
+            if cr >= 0 and (end < 0 or cr < end):
+                # A CRLF's LF goes with it; a CR that ends the read ends the line.
+                end = cr + 1 if data[cr + 1 : cr + 2] == _NL else cr
         if end < 0:
             out.append(data)
             return b""
@@ -328,11 +400,24 @@ class StreamRewriter:
         for held, cut, choice, tokens, terminal in self._held:
             line = held
             if fingerprint is not None and terminal:
-                line = held[:cut] + b',"system_fingerprint":' + fingerprint + held[cut:]
+                line = _stamped(held, cut, fingerprint)
             self._emit(line, choice, tokens, out)
         self._held.clear()
+        self._held_bytes = 0
 
-    def _line(self, line: bytes, out: list[bytes]) -> None:
+    def _hold_line(self, item: tuple[bytes, int, int | None, int, bool], out: list[bytes]) -> None:
+        """Hold a line for the fingerprint, within MAX_HELD; past it, let everything go."""
+        self._held.append(item)
+        self._held_bytes += len(item[0])
+        if self._held_bytes > MAX_HELD:
+            self._let_go(out)
+
+    def _let_go(self, out: list[bytes]) -> None:
+        """Release what is held unstamped, and hold nothing more in this stream."""
+        self._no_hold = True
+        self._flush(None, out)
+
+    def _line(self, line: bytes, out: list[bytes], end: bytes = _NL) -> None:
         if self._skip_blank:
             self._skip_blank = False
             if not line.rstrip(b"\r"):
@@ -344,32 +429,42 @@ class StreamRewriter:
                 exact = _VLLM_USAGE.match(line, start)
                 if exact is not None:
                     span = (start, exact.end())
-                    self._counted(line, span, int(exact.group(2)), int(exact.group(1)), out)
+                    tokens, prompt = int(exact.group(2)), int(exact.group(1))
+                    self._counted(line, span, tokens, prompt, out, end=end)
                 else:
-                    self._usage_line(line, _usage_span(line, start), out)
+                    self._usage_line(line, _usage_span(line, start), out, end)
                 return
             if _USAGE_ANY in line:
-                self._usage_line(line, None, out)
+                self._usage_line(line, None, out, end)
                 return
         elif line.rstrip(b"\r") in _DONE:
             self._flush(None, out)
             self.done = True
         if self._held:  # keep the order: what follows a held line waits with it
-            self._held.append((line + _NL, 0, None, 0, False))
+            self._hold_line((line + end, 0, None, 0, False), out)
         else:
-            out.append(line + _NL)
+            out.append(line + end)
 
-    def _usage_line(self, line: bytes, span: tuple[int, int] | None, out: list[bytes]) -> None:
+    def _usage_line(
+        self, line: bytes, span: tuple[int, int] | None, out: list[bytes], end: bytes
+    ) -> None:
         parsed = _parse_usage(line, span)
         if parsed is None:
             self.unparsed += 1
             self._flush(None, out)
-            out.append(line + _NL)
+            out.append(line + end)
             return
-        self._counted(line, span, parsed[0], parsed[1], out)
+        self._counted(line, span, parsed[0], parsed[1], out, end=end)
 
     def _counted(
-        self, line: bytes, span: tuple[int, int] | None, tokens: int, prompt: int, out: list[bytes]
+        self,
+        line: bytes,
+        span: tuple[int, int] | None,
+        tokens: int,
+        prompt: int,
+        out: list[bytes],
+        *,
+        end: bytes,
     ) -> None:
         """A data line whose usage was read: ``tokens`` completion, ``prompt`` prompt tokens."""
         self.usage_lines += 1
@@ -378,19 +473,21 @@ class StreamRewriter:
         # chunk is the usage-only one ("choices":[]).
         choices = _CHOICES.search(line, 0, span[0] if span is not None else len(line))
         if choices is not None and choices.group(1):
-            self._final(line, tokens, out)
+            self._final(line, tokens, out, end)
         else:
-            self._chunk(line, span, tokens, choices, out)
+            self._chunk(line, span, tokens, choices, out, end=end)
 
-    def _final(self, line: bytes, tokens: int, out: list[bytes]) -> None:
+    def _final(self, line: bytes, tokens: int, out: list[bytes], end: bytes) -> None:
         """The trailing usage-only chunk: the exact total over all choices."""
         self.final_completion_tokens = tokens
+        fp = _FINGERPRINT.search(line)
+        if fp is not None:
+            self.fingerprints.value = fp.group(1)
         if self.wish.include_usage:
             self._flush(None, out)
-            out.append(line + _NL)
+            out.append(line + end)
             self.completion_tokens = max(self.completion_tokens, tokens)
             return
-        fp = _FINGERPRINT.search(line)
         self._flush(fp.group(1) if fp else None, out)
         # The blank line that ends the dropped chunk goes with it.
         self._skip_blank = True
@@ -402,6 +499,8 @@ class StreamRewriter:
         tokens: int,
         choices: re.Match[bytes] | None,
         out: list[bytes],
+        *,
+        end: bytes,
     ) -> None:
         """An ordinary chunk; ``choices`` is where its choices list opened, if found."""
         index = choices.group(2) if choices is not None else None
@@ -409,17 +508,26 @@ class StreamRewriter:
         self._seen[choice] = tokens
         if self.wish.continuous or span is None:
             # Continuous usage was asked for, or the usage is in a form we cannot cut cleanly.
-            self._emit(line + _NL, choice, tokens, out)
+            self._emit(line + end, choice, tokens, out)
             return
-        start, end = span
-        trimmed = line[:start] + line[end:] + _NL
-        if not self.wish.include_usage:
-            after = choices.end() if choices is not None else 0
-            terminal = line.find(_TERMINAL, after, start) >= 0
-            if terminal or self._held:
-                # vLLM stamps system_fingerprint on terminal chunks only when no usage chunk
-                # follows; hold them (and, to keep the order, what comes after) until the
-                # usage chunk tells us the fingerprint.
-                self._held.append((trimmed, start, choice, tokens, terminal))
-                return
-        self._emit(trimmed, choice, tokens, out)
+        start, stop = span
+        trimmed = line[:start] + line[stop:] + end
+        if self.wish.include_usage:
+            self._emit(trimmed, choice, tokens, out)
+            return
+        after = choices.end() if choices is not None else 0
+        terminal = line.find(_TERMINAL, after, start) >= 0
+        if self._held and any(held[2] not in (None, choice) for held in self._held):
+            # Another choice's tokens never wait for a fingerprint (n >= 2).
+            self._let_go(out)
+        known = self.fingerprints.value
+        if terminal and known is not None and not self._held:
+            # vLLM stamps system_fingerprint on terminal chunks only when no usage chunk
+            # follows: known, it goes on now.
+            self._emit(_stamped(trimmed, start, known), choice, tokens, out)
+        elif (terminal and not self._no_hold) or self._held:
+            # Not known yet: hold the terminal chunk (and, to keep the order, what comes
+            # after) until the usage chunk tells it.
+            self._hold_line((trimmed, start, choice, tokens, terminal), out)
+        else:
+            self._emit(trimmed, choice, tokens, out)

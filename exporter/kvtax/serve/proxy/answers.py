@@ -19,12 +19,14 @@ from kvtax.serve.proxy.wire import Answer
 __all__ = [
     "SHUTTING_DOWN",
     "bad_request",
+    "not_implemented",
     "over_budget",
     "shed",
     "shutting_down",
     "too_large",
     "undecodable",
     "upstream_failure",
+    "version_not_supported",
 ]
 
 # The message of the shutdown 503, as an answer (shutting_down) or a stream's last event.
@@ -45,6 +47,18 @@ def too_large(limit: int) -> Answer:
 def bad_request(status: int, message: str) -> Answer:
     """A request the HTTP parser refused (malformed, or a head over the limit)."""
     return Answer.error(status, message, "invalid_request_error", close=True)
+
+
+def not_implemented(message: str) -> Answer:
+    """The 501 for a framing kvtax does not implement (a transfer coding other than chunked)."""
+    return Answer.error(501, message, "invalid_request_error", close=True)
+
+
+def version_not_supported() -> Answer:
+    """The 505 for a request line of an HTTP version other than 1.0 and 1.1."""
+    return Answer.error(
+        505, "only HTTP/1.0 and HTTP/1.1 are served here", "invalid_request_error", close=True
+    )
 
 
 def upstream_failure(timed_out: bool, timeout: float) -> Answer:

@@ -1,26 +1,40 @@
-"""One client connection to the proxy: an asyncio Protocol with an httptools (llhttp) parser.
+"""One client connection to the proxy: an asyncio Protocol that parses bytes into exchanges.
 
-:class:`ClientConnection` parses requests as their bytes arrive; its parser callbacks fill one
-small :class:`Incoming` per request, whose body is held within ``--proxy.max-body``. A complete
-request joins the connection's queue, and one task per busy connection hands the queue's head
-to the proxy (:class:`Handler`), so that pipelined requests are answered in order. Responses
-are written straight to the transport; nothing is awaited per write.
+:class:`ClientConnection` feeds the client's bytes to an httptools (llhttp) parser and makes an
+:class:`~kvtax.serve.proxy.exchange.Exchange` of each request as soon as its head is complete;
+the exchange owns the rest (its body, the 100-continue wait, keep-alive, the answer). Exchanges
+queue in arrival order, and one task per busy connection hands the queue's head to the proxy
+(:class:`Handler`), so that pipelined requests are answered in order.
 
-Flow control runs both ways without an await. When the client's socket is full
-(``pause_writing``) the connection pauses reading vLLM's side of the exchange it is relaying
-(:attr:`ClientConnection.source`), and resumes it on ``resume_writing``. Pipelined requests past
-:data:`MAX_PIPELINED` pause reading from the client until the queue shortens.
+The parser is fed in pieces that end where a message can end (after a blank line, or at a
+Content-Length body's last byte), so the connection always knows where the next request line
+starts. That gives three things llhttp alone does not:
 
-The HTTP behaviours: HTTP/1.0 and keep-alive (``should_keep_alive``); ``Expect: 100-continue``
-answered once the request is next in line and its declared body fits; a body declared or grown
-past the limit answered 413 at once and the connection closed; a head over :data:`MAX_HEAD`
-answered 431; a request the parser refuses answered 400, its bytes never logged. A client's
-FIN, a half-close included, counts as the client leaving, as nginx counts it (its 499): the
-request it was waiting for is cancelled, which closes vLLM's side so that vLLM aborts it.
+- the request line is checked before the parser sees it (:func:`~kvtax.serve.proxy.head.
+  request_line_problem`: one space between its parts, a version of 1.0 or 1.1);
+- parsing stops at a message boundary once :data:`MAX_PIPELINED` requests wait behind the one
+  being answered: the bytes after it wait unparsed (at most one read of them, since reading
+  pauses too), so a read carrying thousands of pipelined requests costs their bytes, not
+  thousands of parsed requests;
+- trailer fields of a chunked body are never taken for headers.
+
+What one connection may hold is bounded: :data:`MAX_HEAD` of head, :data:`MAX_PIPELINED`
+parsed requests waiting, :data:`~kvtax.serve.proxy.exchange.BODY_BUFFER` of a streamed body
+not yet sent on, and the answer bytes the client has not read: the next request is not
+answered while the client's socket is full (``pause_writing``), and vLLM's side of the one
+being answered is paused until it drains. A client that leaves its socket full for
+``send_timeout`` seconds (nginx's ``send_timeout``) has gone away.
+
+Reading pauses while any reason holds it (:meth:`hold`, :meth:`release`): the pipeline bound, a
+streamed body waiting for vLLM, vLLM's socket full. A request the parser refuses is answered 400
+in its turn, its bytes never logged, and the connection closes. A client's FIN, a half-close
+included, counts as the client leaving, as nginx counts it (its 499): the exchange being
+answered is cancelled, which closes vLLM's side so that vLLM aborts it. :meth:`shutdown` closes
+an idle connection at once and lets a busy one finish its answer with ``Connection: close``.
 
 Example::
 
-    server = await loop.create_server(lambda: ClientConnection(proxy, max_body), host, port)
+    server = await loop.create_server(lambda: ClientConnection(proxy), host, port)
 """
 
 from __future__ import annotations
@@ -33,9 +47,11 @@ from typing import Protocol, cast
 import httptools
 
 from kvtax.serve.proxy.answers import bad_request
-from kvtax.serve.proxy.wire import CONTINUE, Answer, Headers, content_length, header
+from kvtax.serve.proxy.exchange import Exchange
+from kvtax.serve.proxy.head import RequestHead, head_problem, request_line_problem
+from kvtax.serve.proxy.wire import Answer, Headers
 
-__all__ = ["KEEPALIVE", "MAX_HEAD", "MAX_PIPELINED", "ClientConnection", "Handler", "Incoming"]
+__all__ = ["KEEPALIVE", "MAX_HEAD", "MAX_PIPELINED", "ClientConnection", "Handler"]
 
 log = logging.getLogger("kvtax.serve.proxy")
 
@@ -43,59 +59,27 @@ log = logging.getLogger("kvtax.serve.proxy")
 # and nginx's 8 KiB buffers).
 MAX_HEAD = 64 * 1024
 MAX_LINE = 8190
-# Complete requests queued behind the one being answered before reading pauses.
+# Requests parsed and waiting behind the one being answered before parsing stops.
 MAX_PIPELINED = 8
-# Seconds a connection may sit without a complete request before it is closed: an idle
-# keep-alive connection, or a client sending its request too slowly (aiohttp's default).
+# Seconds a connection may wait on its client (an idle keep-alive connection, a request head or
+# body arriving too slowly) before it is closed (aiohttp's default).
 KEEPALIVE = 75.0
-
-
-class Incoming:
-    """One request as the parser saw it. ``body`` is complete once the request is queued."""
-
-    __slots__ = (
-        "body",
-        "expect",
-        "headers",
-        "keep_alive",
-        "method",
-        "path",
-        "refusal",
-        "size",
-        "target",
-        "too_large",
-        "version",
-    )
-
-    def __init__(self) -> None:
-        self.target = b""
-        self.path = b""
-        self.method = b""
-        self.version = b"1.1"
-        self.headers: Headers = []
-        self.body: list[bytes] = []
-        self.size = 0
-        self.keep_alive = True
-        self.expect = False
-        self.too_large = False
-        # The parser refused this request: answered with this in its turn, then the connection
-        # closes.
-        self.refusal: Answer | None = None
-
-    def body_bytes(self) -> bytes:
-        return self.body[0] if len(self.body) == 1 else b"".join(self.body)
+_END_OF_HEAD = b"\r\n\r\n"
 
 
 class Handler(Protocol):
     """What answers a request: the proxy."""
 
-    max_body: int
+    def exchange_for(self, conn: ClientConnection, head: RequestHead) -> Exchange: ...
 
-    async def handle(self, conn: ClientConnection, request: Incoming) -> None: ...
+    async def handle(self, exchange: Exchange) -> None: ...
 
     def connected(self, conn: ClientConnection) -> None: ...
 
     def disconnected(self, conn: ClientConnection) -> None: ...
+
+    @property
+    def send_timeout(self) -> float: ...
 
 
 class ClientConnection(asyncio.Protocol):
@@ -105,19 +89,43 @@ class ClientConnection(asyncio.Protocol):
         self.handler = handler
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self.queue: deque[Incoming] = deque()
-        self.current: Incoming | None = None
-        self.head_bytes = 0
-        self.limit_hit: str | None = None
-        self.task: asyncio.Task[None] | None = None
+        # Exchanges in arrival order; the first is the one being answered.
+        self.pipeline: deque[Exchange] = deque()
         self.closed = False
-        # The exchange being answered wrote its last byte: a FIN now costs it nothing.
-        self.answered = False
-        # vLLM's side of the exchange being relayed: paused while this client is full.
-        self.source: asyncio.Transport | None = None
+        self.draining = False
         self.write_paused = False
-        self.read_paused = False
+        self.task: asyncio.Task[None] | None = None
+        self._holds: set[str] = set()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        # The message being parsed: its head as it comes, then the exchange reading its body.
+        self._target = b""
+        self._headers: Headers = []
+        self._head_bytes = 0
+        self._limit_hit: str | None = None
+        self._receiving: Exchange | None = None
+        self._in_body = False
+        # Feeding the parser: whether the next byte starts a request line, the partial line,
+        # bytes left unparsed at a boundary, a Content-Length body's bytes still to feed, the
+        # last bytes fed (an end of head can straddle two reads), and a message just ended.
+        self._at_line = True
+        self._line = bytearray()
+        self._unparsed = b""
+        self._body_left: int | None = None
+        self._tail = b""
+        self._ended = False
+        self._refused = False
         self._idle: asyncio.TimerHandle | None = None
+        self._stalled: asyncio.TimerHandle | None = None
+
+    @property
+    def current(self) -> Exchange | None:
+        return self.pipeline[0] if self.pipeline else None
+
+    @property
+    def read_paused(self) -> bool:
+        """Reading the client is paused (some reason holds it)."""
+        return bool(self._holds)
 
     # -- transport events -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -127,91 +135,210 @@ class ClientConnection(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # The upgrading request carries its refusal (on_headers_complete); read no more.
-            self._refuse(bad_request(400, "protocol upgrades are not relayed"))
-        except httptools.HttpParserError:
-            # The parser's message quotes the client's bytes (a header value, a token): it is
-            # never logged.
-            self._refuse(bad_request(400, "malformed HTTP request"))
+        if self._refused:
+            return
+        if self._unparsed:  # a read that came just as reading paused
+            self._unparsed += data
+            return
+        self._feed(data)
+        self._arm_idle()
 
     def eof_received(self) -> bool | None:
         return None  # a FIN is the client leaving: the transport closes (see module doc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._idle is not None:
-            self._idle.cancel()
-        self.resume_writing()
-        task = self.task
-        if task is not None and not self.answered:
-            task.cancel()
+        for timer in (self._idle, self._stalled):
+            if timer is not None:
+                timer.cancel()
+        self._writable.set()
+        current = self.current
+        if self.task is not None and current is not None and not current.complete:
+            self.task.cancel()
         self.handler.disconnected(self)
 
     def pause_writing(self) -> None:
         self.write_paused = True
-        if self.source is not None:
-            self.source.pause_reading()
+        self._writable.clear()
+        current = self.current
+        if current is not None and current.source is not None:
+            current.source.pause_reading()
+        if self._stalled is None:
+            timeout = self.handler.send_timeout
+            self._stalled = asyncio.get_running_loop().call_later(timeout, self._stall)
 
     def resume_writing(self) -> None:
-        if self.write_paused:
-            self.write_paused = False
-            if self.source is not None and not self.source.is_closing():
-                self.source.resume_reading()
+        if not self.write_paused:
+            return
+        self.write_paused = False
+        self._writable.set()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+        current = self.current
+        if current is not None and current.source is not None:
+            current.source.resume_reading()
+
+    # -- reading: holds ---------------------------------------------------------------------
+    def hold(self, reason: str) -> None:
+        """Pause reading the client while ``reason`` holds."""
+        if not self._holds and self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+        self._holds.add(reason)
+
+    def release(self, reason: str) -> None:
+        """``reason`` no longer holds; reading resumes when nothing else does."""
+        if reason not in self._holds:
+            return
+        self._holds.discard(reason)
+        if not self._holds and not self._refused:
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+            if self._unparsed and self._at_line and not self._pipeline_full() and not self.draining:
+                data, self._unparsed = self._unparsed, b""
+                self._feed(data)
+
+    def stop_reading(self) -> None:
+        """Read no more of this client: what it sent last is refused or past a limit."""
+        self._refused = True
+        self._unparsed = b""
+        self.hold("refused")
+
+    # -- feeding the parser -----------------------------------------------------------------
+    def _pipeline_full(self) -> bool:
+        return len(self.pipeline) > MAX_PIPELINED
+
+    def _feed(self, data: bytes) -> None:
+        pos, size = 0, len(data)
+        while pos < size and not self._refused:
+            if self._at_line:
+                if self._pipeline_full() or self.draining:
+                    # Parse no further: the rest waits, unparsed, until the queue shortens.
+                    self._unparsed = data[pos:]
+                    self.hold("pipeline")
+                    return
+                pos = self._request_line(data, pos)
+                continue
+            end = self._segment_end(data, pos)
+            piece = data[pos:end]
+            self._tail = (self._tail + piece)[-3:]
+            pos = end
+            if not self._parse(piece):
+                return
+            if self._ended:
+                self._ended = False
+                self._at_line = True
+                self._tail = b""
+
+    def _request_line(self, data: bytes, pos: int) -> int:
+        """Take a request line starting at ``pos``; where the parser goes on from."""
+        newline = data.find(b"\n", pos)
+        if newline < 0:
+            self._line += data[pos:]
+            if len(self._line) > MAX_LINE:
+                self._refuse(bad_request(400, f"a request line exceeds {MAX_LINE} bytes"))
+            return len(data)
+        line = bytes(self._line) + data[pos:newline]
+        self._line.clear()
+        if line in (b"", b"\r"):
+            return newline + 1  # an empty line before a request is ignored (RFC 9112 2.2)
+        if len(line) > MAX_LINE:
+            self._refuse(bad_request(400, f"a request line exceeds {MAX_LINE} bytes"))
+            return len(data)
+        problem = request_line_problem(line)
+        if problem is not None:
+            self._refuse(problem, version=b"1.1")
+            return len(data)
+        self._at_line = False
+        self._parse(line + b"\n")
+        return newline + 1
+
+    def _segment_end(self, data: bytes, pos: int) -> int:
+        """Where the piece to parse from ``pos`` ends: a Content-Length body's last byte, or just
+        after the next blank line (where a head, a bodiless request and a chunked body end)."""
+        left = self._body_left
+        if left is not None:
+            end = min(len(data), pos + left)
+            self._body_left = left - (end - pos) or None
+            return end
+        tail = self._tail
+        if tail:
+            joined = (tail + data[pos : pos + 3]).find(_END_OF_HEAD)
+            if joined >= 0:
+                return pos + joined + 4 - len(tail)
+        found = data.find(_END_OF_HEAD, pos)
+        return len(data) if found < 0 else found + 4
+
+    def _parse(self, piece: bytes) -> bool:
+        """Feed ``piece``; False when the parser refused it (answered in turn, reading over)."""
+        try:
+            self.parser.feed_data(piece)
+        except httptools.HttpParserUpgrade:
+            # The upgrading request carries its refusal (on_headers_complete); read no more.
+            self._refuse(bad_request(400, "protocol upgrades are not relayed"))
+            return False
+        except httptools.HttpParserError:
+            # The parser's message quotes the client's bytes (a header value, a token): it is
+            # never logged.
+            self._refuse(bad_request(400, self._limit_hit or "malformed HTTP request"))
+            return False
+        return not self._refused
 
     # -- parser callbacks -------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self.current = Incoming()
-        self.head_bytes = 0
+        self._target = b""
+        self._headers = []
+        self._head_bytes = 0
+        self._in_body = False
 
     def on_url(self, url: bytes) -> None:
-        current = self.current
-        assert current is not None
-        current.target += url
-        self._count_head(len(url), len(current.target), "request line")
+        self._target += url
+        self._count_head(len(url), len(self._target), "request line")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        current = self.current
-        assert current is not None
-        current.headers.append((name, value))
         self._count_head(len(name) + len(value) + 4, len(name) + len(value) + 2, "header")
+        if not self._in_body:  # a trailer field after a chunked body is dropped, never a header
+            self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        request = self.current
-        assert request is not None
+        self._in_body = True
         parser = self.parser
-        request.method = parser.get_method()
-        request.version = parser.get_http_version().encode()
-        request.keep_alive = parser.should_keep_alive()
-        request.path = request.target.split(b"?", 1)[0]
-        if parser.should_upgrade():
-            request.refusal = bad_request(400, "protocol upgrades are not relayed")
-        declared = content_length(request.headers)
-        expect = header(request.headers, b"expect")
-        request.expect = expect is not None and expect.lower() == b"100-continue"
-        if declared is not None and declared > self.handler.max_body:
-            self._too_large(request)
-        elif request.expect and not self.queue and self.task is None:
-            self.write(CONTINUE)  # next in line: ask for the body now
-            request.expect = False
+        version = parser.get_http_version().encode()
+        problem = head_problem(version, self._headers)
+        head = RequestHead.of(
+            parser.get_method(),
+            self._target,
+            version,
+            self._headers,
+            keep_alive=parser.should_keep_alive(),
+        )
+        if problem is None and head is None:
+            problem = bad_request(400, "the request target is not a URL")
+        if problem is None and parser.should_upgrade():
+            problem = bad_request(400, "protocol upgrades are not relayed")
+        if head is None or problem is not None:
+            self._refuse(problem or bad_request(400, "malformed HTTP request"))
+            raise httptools.HttpParserError("refused")  # stop parsing this message
+        exchange = self.handler.exchange_for(self, head)
+        self._receiving = exchange
+        self.pipeline.append(exchange)
+        if head.length and not head.chunked:
+            self._body_left = head.length
+        if exchange.too_large:
+            self.stop_reading()  # its body is never read: 413 in its turn, then close
+        self._start()
 
     def on_body(self, body: bytes) -> None:
-        request = self.current
-        if request is None or request.too_large:
-            return
-        request.size += len(body)
-        if request.size > self.handler.max_body:
-            request.body.clear()
-            self._too_large(request)
-        else:
-            request.body.append(body)
+        exchange = self._receiving
+        if exchange is not None:
+            exchange.body_part(body)
 
     def on_message_complete(self) -> None:
-        request, self.current = self.current, None
-        if request is not None and not request.too_large:
-            self._enqueue(request)
+        exchange, self._receiving = self._receiving, None
+        self._ended = True
+        self._body_left = None
+        if exchange is not None:
+            exchange.body_done()
 
     # -- writing ----------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
@@ -220,109 +347,108 @@ class ClientConnection(asyncio.Protocol):
         if transport is not None and not transport.is_closing():
             transport.write(data)
 
-    def answer(self, answer: Answer, request: Incoming) -> None:
-        """Write one of kvtax's own responses; close the connection after it if it must."""
-        close = answer.close or not request.keep_alive
-        self.write(answer.encode(request.version, close=close))
-        if close:
-            self.close()
-
     def close(self) -> None:
         """Close once what was written is sent (asyncio flushes the buffer first)."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    def shutdown(self) -> None:
+        """kvtax is stopping: an idle connection closes now, a busy one after its answer (which
+        says ``Connection: close``); nothing more is read or answered on it."""
+        self.draining = True
+        self.hold("draining")
+        if not self.pipeline:
+            self.close()
+
     # -- the queue and its task -------------------------------------------------------------
-    def _enqueue(self, request: Incoming) -> None:
+    def _start(self) -> None:
+        """Run the queue's task, unless it runs already."""
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
-        self.queue.append(request)
-        if len(self.queue) > MAX_PIPELINED and not self.read_paused:
-            self.read_paused = True
-            assert self.transport is not None
-            self.transport.pause_reading()
-        self._start()
-
-    def _start(self) -> None:
-        """Run the queue's task, unless it runs already."""
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
-        """Answer the queued requests in order, one at a time."""
+        """Answer the queued exchanges in order, one at a time."""
         try:
-            while self.queue and not self.closed:
-                request = self.queue[0]
-                self.answered = False
-                if request.expect:  # a pipelined request that waited its turn
-                    self.write(CONTINUE)
-                await self.handler.handle(self, request)
-                if request.too_large:
-                    return  # answered 413 and closed: the rest of its body is never read
-                self.queue.popleft()
-                if self.read_paused and len(self.queue) <= MAX_PIPELINED // 2:
-                    self.read_paused = False
-                    if self.transport is not None:
-                        self.transport.resume_reading()
-                if not request.keep_alive:
+            while self.pipeline and not self.closed:
+                exchange = self.pipeline[0]
+                if self.write_paused:  # the last answer is not read yet: no new one on top
+                    await self._writable.wait()
+                    if self.closed:
+                        return
+                await self.handler.handle(exchange)
+                if not exchange.complete:  # the handler wrote nothing: never leave it hanging
+                    exchange.break_off()
+                self.pipeline.popleft()
+                if not exchange.keep_alive or self.draining:
                     self.close()
                     return
+                if not self._pipeline_full():
+                    self.release("pipeline")
         except asyncio.CancelledError:
             pass  # the client left: the handler settled what it had
         finally:
             self.task = None
-            self.answered = False
-            if not self.closed and not self.queue:
+            if not self.closed and not self.pipeline:
                 self._arm_idle()
 
-    def _too_large(self, request: Incoming) -> None:
-        """A body past the limit: answered at once (in turn), the rest of it never read."""
-        request.too_large = True
-        request.keep_alive = False
-        request.expect = False  # refused: its body is not wanted
-        if self.current is request:
-            self.current = None
-        self.queue.append(request)
-        self._start()
-        self._stop_reading()
-
-    def _count_head(self, nbytes: int, line: int, what: str) -> None:
-        self.head_bytes += nbytes
-        if line > MAX_LINE:
-            self.limit_hit = f"a {what} exceeds {MAX_LINE} bytes"
-        elif self.head_bytes > MAX_HEAD:
-            self.limit_hit = f"the request head exceeds {MAX_HEAD} bytes"
-        else:
-            return
-        raise httptools.HttpParserError(self.limit_hit)  # ends the parse; answered below
-
-    def _refuse(self, answer: Answer) -> None:
-        """The parser refused the bytes: answered in turn, after the requests before them; the
+    def _refuse(self, answer: Answer, *, version: bytes | None = None) -> None:
+        """The bytes are refused: answered in turn, after the requests before them; the
         connection is read no more and closes after the answer."""
-        if self.limit_hit is not None:
-            answer = bad_request(400, self.limit_hit)
+        if self._refused:
+            return
         # The parser's own message quotes the client's bytes; only the peer is logged.
         log.debug("bad request from %s: %s", self._peer(), answer.status)
-        request, self.current = self.current or Incoming(), None
-        if request.refusal is None:
-            request.refusal = answer
-        request.keep_alive = False
-        if request not in self.queue:
-            self.queue.append(request)
-        self._stop_reading()
+        exchange, self._receiving = self._receiving, None
+        if exchange is not None:
+            exchange.fail_body(answer)  # its body broke off: the exchange answers the refusal
+        else:
+            head = RequestHead.refused(version or self._version())
+            exchange = self.handler.exchange_for(self, head)
+            exchange.refusal = answer
+            self.pipeline.append(exchange)
+        self.stop_reading()
         self._start()
 
-    def _stop_reading(self) -> None:
-        if self.transport is not None and not self.read_paused:
-            self.read_paused = True
-            self.transport.pause_reading()
+    def _version(self) -> bytes:
+        try:
+            version = self.parser.get_http_version().encode()
+        except Exception:
+            return b"1.1"
+        return version if version in (b"1.0", b"1.1") else b"1.1"
+
+    def _count_head(self, nbytes: int, line: int, what: str) -> None:
+        self._head_bytes += nbytes
+        if line > MAX_LINE:
+            self._limit_hit = f"a {what} exceeds {MAX_LINE} bytes"
+        elif self._head_bytes > MAX_HEAD:
+            self._limit_hit = f"the request head exceeds {MAX_HEAD} bytes"
+        else:
+            return
+        raise httptools.HttpParserError(self._limit_hit)  # ends the parse; answered below
 
     def _peer(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport else None
         return str(peer[0]) if isinstance(peer, tuple) and peer else "an unknown peer"
 
     def _arm_idle(self) -> None:
+        """Wait on the client at most KEEPALIVE seconds from now while something is wanted of
+        it: a request (idle, or its head under way) or the body being read; each read re-arms
+        it. While an answer is under way with its request read, nothing is wanted."""
         if self._idle is not None:
             self._idle.cancel()
+            self._idle = None
+        if self.closed or (self.pipeline and self._receiving is None):
+            return
         self._idle = asyncio.get_running_loop().call_later(KEEPALIVE, self.close)
+
+    def _stall(self) -> None:
+        """The client left its socket full for send_timeout: it has gone away."""
+        self._stalled = None
+        log.debug(
+            "client %s read nothing for %gs; closing", self._peer(), self.handler.send_timeout
+        )
+        if self.transport is not None:
+            self.transport.abort()

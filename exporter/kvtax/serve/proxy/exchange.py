@@ -1,165 +1,241 @@
-"""One accounted request through the proxy: its facts, its outcome, and its ledger record.
+"""One request and its answer on a client connection: the object that owns the exchange.
 
-The proxy gathers facts in an :class:`Exchange` as a request runs: what vLLM answered, what was
-written to the client, who went away early. When the request ends, however it ends,
-:func:`outcome_of` decides its outcome from those facts and the proxy's shutdown :data:`Phase`.
-It is the one place an outcome is decided; nothing else sets or guesses one.
-:func:`record_of` then turns the exchange into the one :class:`RequestRecord` the ledger settles.
-Both are pure: the caller takes the last reading of the client's acknowledgements first.
+An :class:`Exchange` is made when a request's head is complete (uvicorn's request-response
+cycle is the model) and lives until the last byte of its answer went out. The connection only
+parses bytes into exchanges and queues them; everything one request decides is decided here:
 
-The outcomes (the ledger's ``OUTCOMES``): ``too_large`` is the proxy's own 413; ``shed`` is the
-gate's 429 or 400 (the request never reached vLLM);
-``upstream_4xx`` and ``upstream_error`` are vLLM's 4xx and 5xx, or a vLLM that never answered
-or broke off; ``completed`` means every byte reached the client; ``shutdown`` that kvtax's
-shutdown ended the request first (its grace period ran out, or kvtax answered its own 503);
-``client_disconnected`` that the client left, whether vLLM had answered yet or not.
+- **its body**: held whole, within its limit, for an accounted request (:meth:`whole_body`;
+  past the limit it is ``too_large`` and the rest is never read), or streamed on to vLLM as it
+  arrives for any other (:meth:`stream_body`), with at most :data:`BODY_BUFFER` bytes held
+  before reading pauses;
+- **the 100-continue wait**: the 100 goes out when the exchange first wants its body (never to
+  an HTTP/1.0 client, never for a body that will be refused);
+- **keep-alive**: whether the connection carries another request after this one, decided when
+  the answer's head is written (:meth:`response_head`, :meth:`answer`): not when the client
+  asked to close, nor during shutdown's drain, nor when the request's body was not read to its
+  end;
+- **"response complete"**: :meth:`finish` after the last byte, :meth:`break_off` for a body cut
+  short, which closes the connection so that it can never look complete;
+- **flow control**: :attr:`source` is what is paused while the client's socket is full (vLLM's
+  side of the exchange being relayed).
+
+An accounted request also carries its :class:`~kvtax.serve.proxy.outcome.Facts`, from which
+its outcome is decided when it ends.
 
 Example::
 
-    ex = Exchange(started=clock())
-    ...  # the relay records facts on ex
-    record = record_of(ex, outcome_of(ex, "serving"), ended=clock(), slo=SloTargets(2.0, 0.2))
+    body = await exchange.whole_body()         # None: over the limit (answer the 413)
+    exchange.source = upstream_connection      # paused while the client is full
+    head = exchange.response_head(200, b"OK", headers, "chunked")
+    exchange.write(head + payload)
+    exchange.finish()
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import asyncio
+from typing import TYPE_CHECKING, Protocol
 
-from kvtax.delivery.ledger import RequestRecord
-from kvtax.delivery.sse import StreamRewriter
-from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
-from kvtax.serve.proxy.acks import AckTracker
+from kvtax.serve.proxy.head import RequestHead
+from kvtax.serve.proxy.outcome import Facts
+from kvtax.serve.proxy.wire import CONTINUE, Answer, Framing, Headers, response_head
 
-__all__ = ["Exchange", "Phase", "outcome_of", "record_of"]
+if TYPE_CHECKING:
+    from kvtax.serve.proxy.client import ClientConnection
 
-# The proxy's one shutdown state, and it only moves forward: "draining" lets requests in flight
-# finish; "cutting" is after the grace period, when what still runs is ended by kvtax.
-Phase = Literal["serving", "draining", "cutting"]
+__all__ = ["BODY_BUFFER", "BodyWriter", "Exchange", "Source"]
+
+# Bytes of a streamed body held while nothing takes them yet (vLLM's connection is being
+# made, or the request waits its turn behind a pipelined one) before reading pauses.
+BODY_BUFFER = 256 * 1024
 
 
-@dataclass(slots=True)
+class BodyWriter(Protocol):
+    """Where a streamed request body goes: vLLM's connection."""
+
+    def send_body(self, data: bytes) -> None: ...
+
+    def end_body(self) -> None: ...
+
+    def abort_body(self) -> None: ...
+
+
+class Source(Protocol):
+    """What the exchange pauses while its client's socket is full."""
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
 class Exchange:
-    """The facts of one accounted request, gathered as it runs; :func:`outcome_of` reads them.
+    """One request's exchange; see the module docstring. ``limit`` is the body an accounted
+    request may have held whole (None: streamed, no limit of kvtax's own)."""
 
-    ``status`` is vLLM's (None: it never answered). ``wrote_all`` means every byte of the
-    response, ``[DONE]`` included, was handed to the client's socket; ``eof`` that the response
-    was also ended cleanly. ``client_gone`` and ``upstream_broke`` say who left early.
-    """
+    def __init__(
+        self,
+        conn: ClientConnection,
+        head: RequestHead,
+        *,
+        accounted: bool,
+        limit: int | None,
+    ) -> None:
+        self.conn = conn
+        self.head = head
+        self.accounted = accounted
+        self.limit = limit
+        # Set when the request is refused whatever it says (a bad head): answered in its turn.
+        self.refusal: Answer | None = None
+        self.size = 0  # body bytes received
+        self.body_complete = not head.has_body
+        self.too_large = limit is not None and head.length is not None and head.length > limit
+        self._parts: list[bytes] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._writer: BodyWriter | None = None
+        self._asked = False
+        self.head_sent = False
+        self.complete = False
+        self.keep_alive = head.keep_alive
+        self.source: Source | None = None
+        self.facts: Facts | None = None
 
-    started: float
-    model: str | None = None
-    too_large: bool = False
-    status: int | None = None
-    wrote_all: bool = False
-    eof: bool = False
-    client_gone: bool = False
-    upstream_broke: bool = False
-    acks: AckTracker | None = None
-    rewriter: StreamRewriter | None = None
-    timing: StreamTiming | None = None
-    usage: tuple[int, int] | None = None  # non-streamed: (completion, prompt)
-    credited: int = 0  # delivered tokens the ledger already counted mid-stream
-    finished_at: float | None = None
-    sent: bool = False  # vLLM got the request even if it never answered
-    shed: str | None = None  # the gate answered instead of vLLM, and why
-    turned_away: bool = False  # kvtax answered its shutdown 503 before vLLM answered
-    prompt_bytes: int = 0  # the gate's measure of the prompt, corrected from vLLM's usage
+    # -- the request's body -------------------------------------------------------------------
+    def body_part(self, data: bytes) -> None:
+        """Body bytes the parser read (the connection calls this)."""
+        if self.too_large:
+            return
+        self.size += len(data)
+        writer = self._writer
+        if writer is not None:
+            writer.send_body(data)
+            return
+        if self.limit is not None and self.size > self.limit:
+            self._overflow()
+            return
+        self._parts.append(data)
+        if self.limit is None and self.size > BODY_BUFFER:
+            self.conn.hold("body")  # until stream_body takes it
 
+    def body_done(self) -> None:
+        """The body's last byte was read (the connection calls this)."""
+        self.body_complete = True
+        if self._writer is not None:
+            self._writer.end_body()
+        self._wake()
+
+    def want_body(self) -> None:
+        """The exchange is ready for its body: the client waiting on a 100 gets it now."""
+        if self._asked or self.body_complete or self.too_large:
+            return
+        self._asked = True
+        if self.head.expect and self.size == 0 and not self.conn.draining:
+            self.conn.write(CONTINUE)
+
+    def fail_body(self, refusal: Answer) -> None:
+        """The body's framing broke (a bad chunk): the request is refused, and a body being
+        streamed to vLLM is cut off there, so vLLM never takes it for whole."""
+        self.refusal = refusal
+        self.keep_alive = False
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.abort_body()
+        self._wake()
+
+    async def whole_body(self) -> bytes | None:
+        """The whole body, once read; None when it is over ``limit`` (``too_large``) or its
+        framing broke (``refusal``)."""
+        self.want_body()
+        if not self.body_complete and not self.too_large and self.refusal is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        if self.too_large or self.refusal is not None:
+            return None
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def buffered(self) -> bytes:
+        """What arrived of a streamed body and is not sent yet (taken: sent from here on)."""
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def stream_body(self, writer: BodyWriter) -> None:
+        """Hand the rest of the body to ``writer`` as it arrives (what is buffered goes first:
+        call :meth:`buffered` before, to send it with the head)."""
+        self.want_body()
+        rest = self.buffered()
+        if rest:
+            writer.send_body(rest)
+        self.conn.release("body")
+        if self.body_complete:
+            writer.end_body()
+        else:
+            self._writer = writer
+
+    def detach_body(self) -> None:
+        """vLLM answered before the body's end: what the client still sends goes nowhere, and
+        the connection cannot carry another request (the rest of the body is never read)."""
+        self._writer = None
+        if not self.body_complete:
+            self.keep_alive = False
+
+    def _overflow(self) -> None:
+        self.too_large = True
+        self._parts.clear()
+        self.conn.stop_reading()  # the rest of the body is never read
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- the answer ---------------------------------------------------------------------------
     @property
-    def reached_client(self) -> bool:
-        """Every byte reached the client: ended cleanly, or its acknowledgements cover it all."""
-        if not self.wrote_all:
-            return False
-        if self.eof and not self.client_gone:
-            return True
-        return self.acks is None or self.acks.all_acknowledged
+    def reusable(self) -> bool:
+        """The connection may carry another request after this answer."""
+        return (
+            self.keep_alive
+            and self.head.keep_alive
+            and self.body_complete
+            and not self.too_large
+            and not self.conn.draining
+        )
 
+    def response_head(
+        self,
+        status: int,
+        reason: bytes,
+        headers: Headers,
+        framing: Framing,
+        *,
+        length: int | None = None,
+    ) -> bytes:
+        """The answer's head for this client; decides keep-alive (``Connection: close``)."""
+        close = framing == "close" or not self.reusable
+        self.keep_alive = not close
+        self.head_sent = True
+        return response_head(
+            self.head.version, status, reason, headers, framing, close=close, length=length
+        )
 
-def outcome_of(ex: Exchange, phase: Phase) -> str:
-    """The one place a request's outcome is decided, from its facts and the proxy's phase."""
-    if ex.too_large:
-        return "too_large"
-    if ex.shed is not None:
-        return "shed"
-    if ex.turned_away:
-        return "shutdown"
-    if ex.status is None:
-        # No answer. Unless its client left first (cancelled while queued in the gate or while
-        # vLLM generated), vLLM was unreachable, timed out or closed without answering.
-        if not ex.client_gone:
-            return "upstream_error"
-    elif ex.status >= 500:
-        return "upstream_error"
-    elif ex.status >= 400:
-        return "upstream_4xx"
-    if ex.reached_client:
-        return "completed"
-    # Past the grace period the proxy closes vLLM's side and cancels what still runs, so a
-    # broken stream or a cancelled handler is kvtax's doing, not vLLM's or the client's.
-    if phase == "cutting":
-        return "shutdown"
-    if ex.upstream_broke:
-        return "upstream_error"
-    return "client_disconnected"
+    def answer(self, answer: Answer) -> None:
+        """Write one of kvtax's own answers whole, and finish."""
+        if answer.close:
+            self.keep_alive = False
+        close = not self.reusable
+        self.keep_alive = not close
+        self.head_sent = True
+        self.conn.write(answer.encode(self.head.version, close=close))
+        self.finish()
 
+    def write(self, data: bytes) -> None:
+        self.conn.write(data)
 
-def record_of(ex: Exchange, outcome: str, *, ended: float, slo: SloTargets) -> RequestRecord:
-    """The ledger's record of a finished exchange whose outcome is ``outcome``."""
-    delivered, upstream_tokens, prompt = _tokens(ex, outcome)
-    timing = ex.timing
-    completed = outcome == "completed"
-    return RequestRecord(
-        model=ex.model,
-        outcome=outcome,
-        delivered_tokens=delivered,
-        credited_tokens=ex.credited,
-        prompt_tokens=prompt,
-        undelivered_tokens=max(0, upstream_tokens - delivered),
-        forwarded=ex.status is not None or ex.sent,
-        duration=ended - ex.started,
-        ttft=timing.ttft if timing else None,
-        gaps=tuple(timing.gaps) if timing else (),
-        stalls=tuple(timing.stalls) if timing else (),
-        slo_met=completed and _slo_met(ex, delivered, slo),
-        usage_missing=completed and _usage_missing(ex),
-    )
+    def finish(self) -> None:
+        """The answer's last byte was written."""
+        self.complete = True
 
-
-def _tokens(ex: Exchange, outcome: str) -> tuple[int, int, int]:
-    """(delivered, sent by vLLM, prompt) tokens, by outcome."""
-    rw = ex.rewriter
-    if rw is not None:
-        upstream = rw.upstream_completion_tokens
-        if outcome == "completed":
-            # Every byte reached the client, so every token did.
-            delivered = rw.final_completion_tokens or rw.completion_tokens
-            return delivered, max(upstream, delivered), rw.prompt_tokens
-        acks = ex.acks
-        if acks is None:
-            return 0, upstream, rw.prompt_tokens
-        # Ended cleanly with the client still there (an error event, say): what was written
-        # will reach it, as for a completed stream. A client that left has what it acked.
-        reached = acks.written_tokens if ex.eof and not ex.client_gone else acks.confirmed
-        return reached, upstream, rw.prompt_tokens
-    if ex.usage is None or ex.status is None or ex.status >= 300:
-        return 0, 0, 0
-    completion, prompt = ex.usage
-    # A non-streamed answer is useful only whole: all of it reached the client, or none.
-    return (completion if outcome == "completed" else 0), completion, prompt
-
-
-def _slo_met(ex: Exchange, delivered: int, slo: SloTargets) -> bool:
-    if ex.timing is not None:
-        return ex.timing.meets(slo)
-    if ex.status is not None and ex.status < 300 and ex.finished_at is not None:
-        return meets_slo_unstreamed(ex.finished_at - ex.started, delivered, slo)
-    return False
-
-
-def _usage_missing(ex: Exchange) -> bool:
-    if ex.status is None or ex.status >= 300:
-        return False
-    if ex.rewriter is not None:
-        return ex.rewriter.usage_lines == 0
-    return ex.usage is None
+    def break_off(self) -> None:
+        """End the answer mid-body: the connection closes, so it can never look complete."""
+        self.complete = True
+        self.keep_alive = False
+        self.conn.close()

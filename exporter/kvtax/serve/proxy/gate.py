@@ -26,13 +26,21 @@ When kvtax shuts down, :meth:`Gate.close` turns every queued request away at onc
 With ``--gate.mode=off`` the proxy holds no gate; this object still steps the controller
 so that ``/metrics`` publishes the cap ``auto`` would set (the advice).
 
+The proxy asks the gate one thing per request, :meth:`Gate.admit`: the request's body as
+:func:`~kvtax.serve.proxy.prepare.prepare` read it, and the path vLLM will route it by. The
+answer is :class:`Admitted` (the body to send, its ``max_tokens`` perhaps clamped by the token
+budget, and the one :meth:`Admitted.release` that frees the slot, however often it is called)
+or :class:`Refused` (the answer to give, and the reason, which is the request's outcome).
+
 Example::
 
     gate = Gate(GateSettings(CapSettings(mode="adaptive")))
-    ticket = gate.ticket(gate.estimator.estimate(shape.prompt_bytes), shape.max_tokens)
-    reason = await gate.enter(ticket)   # None: admitted
-    ...
-    gate.leave(ticket)
+    verdict = await gate.admit(prepared, "/v1/completions")
+    if isinstance(verdict, Refused):
+        exchange.answer(verdict.answer)
+    else:
+        ...  # send verdict.body to vLLM
+        verdict.release()
 """
 
 from __future__ import annotations
@@ -56,7 +64,10 @@ from kvtax.gate.footprint import (
     OverBudget,
     TokenEstimator,
     blocks_of,
+    check_budget,
     footprint_of,
+    shape_of,
+    with_max_tokens,
 )
 from kvtax.gate.order import (
     CompletionRate,
@@ -67,13 +78,18 @@ from kvtax.gate.order import (
     retry_after,
 )
 from kvtax.gate.signals import signals_of
+from kvtax.serve.proxy.answers import over_budget, shed, shutting_down
+from kvtax.serve.proxy.prepare import Prepared
+from kvtax.serve.proxy.wire import Answer
 
 __all__ = [
     "CLOSED",
     "REASONS",
     "WAIT_BUCKETS",
+    "Admitted",
     "Gate",
     "GateSettings",
+    "Refused",
     "Ticket",
 ]
 
@@ -118,6 +134,31 @@ class Ticket:
     queued: bool = False  # in the queue's heap and not gone (a leaver's entry stays, unmarked)
 
 
+@dataclass(slots=True, eq=False)
+class Admitted:
+    """A request the gate let through: ``body`` goes to vLLM. ``prompt_bytes`` is the prompt's
+    measure that vLLM's count of it corrects (0: it has media, which teach nothing)."""
+
+    gate: Gate
+    ticket: Ticket
+    body: bytes
+    prompt_bytes: int
+
+    def release(self) -> None:
+        """The request is over for vLLM: its slot and blocks go to the next in line. Only the
+        first call frees them."""
+        self.gate.leave(self.ticket)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request the gate answered itself: ``reason`` is a :data:`REASONS` entry, or
+    :data:`CLOSED` (shutdown began while it waited)."""
+
+    answer: Answer
+    reason: str
+
+
 class Gate:
     def __init__(self, settings: GateSettings, *, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
@@ -142,6 +183,48 @@ class Gate:
         self._service = ServiceTime()
         self._footprints: deque[int] = deque(maxlen=256)
         self._totals: Mapping[str, tuple[float, float]] = {}
+
+    # -- the one call --------------------------------------------------------------------------
+    async def admit(self, prepared: Prepared, path: str) -> Admitted | Refused:
+        """Let ``prepared`` (a request to ``path``) through, perhaps after a wait in the queue,
+        or refuse it: 400 over the token budget, 429 shed, 503 when shutdown began. The gate
+        reads the JSON :func:`~kvtax.serve.proxy.prepare.prepare` read: the body is parsed
+        once, and both see the same request."""
+        shape = shape_of(prepared.payload, path, whole=len(prepared.body))
+        prompt = self.estimator.estimate(shape.prompt_bytes)
+        budgeted = self._budgeted(prepared, shape.max_tokens, prompt, shape.prompts, shape.n)
+        if isinstance(budgeted, str):
+            self.rejections["over_budget"] += 1
+            return Refused(over_budget(budgeted), "over_budget")
+        body, limit = budgeted
+        ticket = self.ticket(prompt, limit, prompts=shape.prompts, n=shape.n)
+        reason = await self.enter(ticket)
+        if reason == CLOSED:
+            return Refused(shutting_down(), CLOSED)
+        if reason is not None:
+            return Refused(shed(reason, self.retry_after()), reason)
+        # Only a text prompt teaches the estimator: vLLM's count of a prompt with images
+        # includes theirs, which no byte of it shows.
+        return Admitted(self, ticket, body, 0 if shape.media else shape.prompt_bytes)
+
+    def _budgeted(
+        self, prepared: Prepared, max_tokens: int | None, prompt: int, prompts: int, n: int
+    ) -> tuple[bytes, int | None] | str:
+        """The body to send and its completion limit under the token budget, or why it is
+        refused. A body that is not a JSON object has no limit to check or set: vLLM refuses
+        it with its own 400."""
+        payload = prepared.payload
+        budget = self.settings.token_budget if isinstance(payload, dict) else None
+        over = self.settings.over_budget
+        verdict = check_budget(prompt, max_tokens, budget, over, prompts=prompts, n=n)
+        if verdict.action == "reject":
+            return verdict.message
+        if verdict.action == "ok" or verdict.max_tokens is None:
+            return prepared.body, max_tokens
+        clamped = prepared.rewritten(with_max_tokens(payload, verdict.max_tokens))
+        if clamped is None:  # too deep to write back: refused as `reject` would
+            return check_budget(prompt, max_tokens, budget, "reject", prompts=prompts, n=n).message
+        return clamped, verdict.max_tokens
 
     # -- sizing ------------------------------------------------------------------------------
     def ticket(

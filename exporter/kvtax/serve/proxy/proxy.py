@@ -1,26 +1,30 @@
 """The OpenAI-compatible reverse proxy in front of vLLM: relays every byte, counts what arrived.
 
-:class:`Proxy` listens with asyncio Protocols (:mod:`~kvtax.serve.proxy.client`) and sends to
-vLLM on a keep-alive pool (:mod:`~kvtax.serve.proxy.upstream`), both parsing HTTP/1.1 with
-httptools (llhttp). ``/v1/completions`` and ``/v1/chat/completions`` are relayed with
-accounting; every other path passes through untouched. Responses are relayed as their bytes
-arrive, one client write per read of vLLM's, never held whole (:mod:`~kvtax.serve.proxy.relay`).
-The proxy asks vLLM for usage on every chunk and trims it back to what the client asked for
+:class:`Proxy` listens with asyncio Protocols (:mod:`~kvtax.serve.proxy.client`), each request
+an :class:`~kvtax.serve.proxy.exchange.Exchange` from its head to its answer's last byte, and
+sends to vLLM on a keep-alive pool (:mod:`~kvtax.serve.proxy.upstream`), both parsing HTTP/1.1
+with httptools (llhttp). A ``POST`` that vLLM will route to ``/v1/completions`` or
+``/v1/chat/completions`` (whatever form its target takes: :func:`~kvtax.serve.proxy.head.
+route_of`) is relayed with accounting; every other request passes through untouched, its body
+streamed to vLLM as it arrives. Responses are relayed as their bytes arrive, one client write
+per read of vLLM's, never held whole (:mod:`~kvtax.serve.proxy.relay`). The proxy asks vLLM for
+usage on every chunk and trims it back to what the client asked for
 (:mod:`kvtax.delivery.sse`); a non-streamed body's usage is read as it passes
 (:mod:`kvtax.delivery.usage`). Tokens count as delivered once the client's TCP stack
 acknowledged the bytes carrying them (:mod:`~kvtax.serve.proxy.acks`). A client that goes away
 cancels its request, which closes the upstream connection at once, so vLLM aborts the request
 and frees its KV.
 
-Each request gathers facts in an :class:`~kvtax.serve.proxy.exchange.Exchange` as it goes; when
-it ends, however it ends, :func:`~kvtax.serve.proxy.exchange.outcome_of` decides its outcome
-from those facts and the proxy's one shutdown state (:attr:`Proxy.state`), and the ledger
-settles one record.
+Each accounted request gathers facts in a :class:`~kvtax.serve.proxy.outcome.Facts` as it
+goes; when it ends, however it ends, :func:`~kvtax.serve.proxy.outcome.outcome_of` decides its
+outcome from those facts and the proxy's one shutdown state (:attr:`Proxy.state`), and the
+ledger settles one record.
 
 With the gate (:mod:`kvtax.serve.proxy.gate`, ``--gate.mode`` other than ``off``) an
-accounted request passes the gate after its body is read and before vLLM sees it: it may wait
-in the gate's queue, be shed with a 429 and ``Retry-After``, or be refused (400) or clamped by
-the per-request token budget. Without one, nothing of this runs.
+accounted request passes the gate's one call, :meth:`~kvtax.serve.proxy.gate.Gate.admit`, after
+its body is read and before vLLM sees it: it may wait in the gate's queue, be shed with a 429
+and ``Retry-After``, or be refused (400) or clamped by the per-request token budget. Without
+one, nothing of this runs.
 
 Errors the proxy itself produces (vLLM unreachable, timed out, body too large, kvtax shutting
 down) are OpenAI-style JSON (:mod:`~kvtax.serve.proxy.answers`); vLLM's own statuses, headers
@@ -45,21 +49,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtax.delivery.ledger import DeliveryLedger
-from kvtax.delivery.sse import HoldBudget, UsageWish
+from kvtax.delivery.sse import Fingerprint, HoldBudget, UsageWish
 from kvtax.delivery.timing import SloTargets
-from kvtax.gate.footprint import Shape, check_budget, shape_of, with_max_tokens
 from kvtax.serve.proxy.answers import (
-    over_budget,
-    shed,
     shutting_down,
     too_large,
     undecodable,
     upstream_failure,
 )
-from kvtax.serve.proxy.client import ClientConnection, Incoming
-from kvtax.serve.proxy.exchange import Exchange, Phase, outcome_of, record_of
-from kvtax.serve.proxy.gate import CLOSED, Gate, Ticket
-from kvtax.serve.proxy.prepare import UNNAMED, Prepared, prepare
+from kvtax.serve.proxy.client import ClientConnection
+from kvtax.serve.proxy.exchange import Exchange
+from kvtax.serve.proxy.gate import CLOSED, Gate, Refused
+from kvtax.serve.proxy.head import RequestHead
+from kvtax.serve.proxy.outcome import Facts, Phase, outcome_of, record_of
+from kvtax.serve.proxy.prepare import UNNAMED, prepare
 from kvtax.serve.proxy.relay import (
     INFLATABLE,
     BodySink,
@@ -77,13 +80,11 @@ from kvtax.serve.proxy.upstream import (
     UpstreamConnection,
 )
 from kvtax.serve.proxy.wire import (
-    Answer,
     Framing,
     content_length,
     forwarded,
     header,
     request_head,
-    response_head,
 )
 
 __all__ = ["ACCOUNTED_PATHS", "UPSTREAM_IDLE", "Proxy", "ProxySettings"]
@@ -91,16 +92,22 @@ __all__ = ["ACCOUNTED_PATHS", "UPSTREAM_IDLE", "Proxy", "ProxySettings"]
 log = logging.getLogger("kvtax.serve.proxy")
 
 ACCOUNTED_PATHS = ("/v1/completions", "/v1/chat/completions")
-_ACCOUNTED = frozenset(p.encode() for p in ACCOUNTED_PATHS)
+_ACCOUNTED = frozenset(ACCOUNTED_PATHS)
 # Seconds the cut leaves handlers to write their last event before connections are closed.
 _CUT_GRACE = 2.0
+_STATUS_WITHOUT_LENGTH = frozenset({204}) | frozenset(range(100, 200))
 
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     upstream: str
-    max_body: int = 4 * 1024**2
+    # The largest body of an accounted request, held whole to read it (images in base64 are
+    # tens of MiB); other paths' bodies are streamed to vLLM with no limit of kvtax's own.
+    max_body: int = 64 * 1024**2
     timeout: float = 300.0
+    # Seconds a client may leave its socket full before it counts as gone (nginx's
+    # send_timeout).
+    send_timeout: float = 60.0
     stall_factor: float = 5.0
     stall_min: float = 0.05
     slo_ttft: float = 2.0
@@ -125,7 +132,6 @@ class Proxy:
         gate: Gate | None = None,
     ) -> None:
         self.settings = settings
-        self.max_body = settings.max_body
         # None: no gate, the plain relay.
         self.gate = gate
         self.ledger = ledger
@@ -142,13 +148,14 @@ class Proxy:
         self._settled = asyncio.Event()  # set when in_flight falls to 0
         # Accounted requests vLLM is answering, so that shutdown can end what its grace period
         # does not cover, and a scrape can credit running streams.
-        self._open: dict[int, tuple[Exchange, UpstreamConnection]] = {}
+        self._open: dict[int, tuple[Facts, UpstreamConnection]] = {}
         self.relay = RelaySettings(
             held=self.held,
             clock=clock,
             stall_factor=settings.stall_factor,
             stall_min=settings.stall_min,
             phase=lambda: self.state,
+            fingerprints=Fingerprint(),
         )
 
     @property
@@ -158,7 +165,11 @@ class Proxy:
 
     @property
     def streams_open(self) -> int:
-        return sum(1 for ex, _ in self._open.values() if ex.rewriter is not None)
+        return sum(1 for facts, _ in self._open.values() if facts.rewriter is not None)
+
+    @property
+    def send_timeout(self) -> float:
+        return self.settings.send_timeout
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, host: str, port: int = 0) -> int:
@@ -174,12 +185,14 @@ class Proxy:
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, let requests in flight finish for ``grace`` seconds, end the rest.
 
-        From the start nothing new goes to vLLM: a request queued in the gate or not
-        yet sent gets the shutdown 503 at once. Every accounted request vLLM still has when the
-        grace period ends, answering or not yet answered, has its upstream closed, so vLLM
-        frees its KV, and settles with the outcome ``shutdown``. A stream gets an OpenAI-style
-        error event and a clean end of stream; a non-streamed answer cut short breaks the
-        client's connection, so it never looks complete; one not answered yet gets the 503.
+        From the start nothing new goes to vLLM, on any path: an idle keep-alive connection is
+        closed at once, a busy one carries no request after the one it is answering (that
+        answer says ``Connection: close``), and a request queued in the gate or not yet sent
+        gets the shutdown 503. Every accounted request vLLM still has when the grace period
+        ends, answering or not yet answered, has its upstream closed, so vLLM frees its KV, and
+        settles with the outcome ``shutdown``. A stream gets an OpenAI-style error event and a
+        clean end of stream; a non-streamed answer cut short breaks the client's connection, so
+        it never looks complete; one not answered yet gets the 503.
         """
         server, self._server = self._server, None
         if server is not None:
@@ -187,6 +200,8 @@ class Proxy:
             if self.gate is not None:
                 self.gate.close()
             server.close()  # no new connections from here on
+            for conn in list(self._clients):
+                conn.shutdown()
             await self._until_settled(grace)
             if self.in_flight:
                 log.info("grace period over: ending %d request(s) still in flight", self.in_flight)
@@ -219,6 +234,8 @@ class Proxy:
 
     def connected(self, conn: ClientConnection) -> None:
         self._clients.add(conn)
+        if self.state != "serving":
+            conn.shutdown()  # accepted just as the drain began: it carries nothing
 
     def disconnected(self, conn: ClientConnection) -> None:
         self._clients.discard(conn)
@@ -229,147 +246,149 @@ class Proxy:
         Crediting at scrape time rather than per chunk keeps the relay's hot path free of
         ledger work, and still keeps windowed goodput in step with the engine.
         """
-        for ex, _ in self._open.values():
-            if ex.acks is None or ex.rewriter is None:
+        for facts, _ in self._open.values():
+            if facts.acks is None or facts.rewriter is None:
                 continue
-            delivered = ex.acks.refresh()
-            if delivered > ex.credited:
-                self.ledger.credit(ex.model, delivered - ex.credited)
-                ex.credited = delivered
+            delivered = facts.acks.refresh()
+            if delivered > facts.credited:
+                self.ledger.credit(facts.model, delivered - facts.credited)
+                facts.credited = delivered
 
     # -- one request -------------------------------------------------------------------------
-    async def handle(self, client: ClientConnection, request: Incoming) -> None:
-        """Answer ``request``; the client connection calls this for each, in order."""
-        if request.refusal is not None:
-            client.answer(request.refusal, request)
-        elif request.too_large:
-            if request.method == b"POST" and request.path in _ACCOUNTED:
-                # Settled unread: its model is unknown (not vLLM's default: vLLM never saw it).
-                ex = Exchange(started=self.clock(), model=UNNAMED, too_large=True)
-                self.ledger.settle(
-                    record_of(
-                        ex, outcome_of(ex, self.state), ended=ex.started, slo=self.settings.slo
-                    )
-                )
-            client.answer(too_large(self.max_body), request)
-        elif request.method == b"POST" and request.path in _ACCOUNTED:
-            await self._accounted(client, request)
-        else:
-            await self._passthrough(client, request)
+    def exchange_for(self, conn: ClientConnection, head: RequestHead) -> Exchange:
+        """The exchange of a request whose head just arrived: accounted or passed through."""
+        accounted = head.method == b"POST" and head.route in _ACCOUNTED
+        limit = self.settings.max_body if accounted else None
+        return Exchange(conn, head, accounted=accounted, limit=limit)
 
-    async def _passthrough(self, client: ClientConnection, request: Incoming) -> None:
-        body = request.body_bytes()
-        has_body = bool(body) or request.method in (b"POST", b"PUT", b"PATCH")
-        head = self._head(request, len(body) if has_body else None, identity=False)
+    async def handle(self, exchange: Exchange) -> None:
+        """Answer ``exchange``; the client connection calls this for each, in order."""
+        if exchange.refusal is not None:
+            exchange.answer(exchange.refusal)
+        elif exchange.accounted:
+            await self._accounted(exchange)
+        elif self.state != "serving":
+            exchange.answer(shutting_down())  # nothing new goes to vLLM
+        else:
+            await self._passthrough(exchange)
+
+    async def _passthrough(self, exchange: Exchange) -> None:
+        request = exchange.head
+        no_body = request.method == b"HEAD"
         try:
-            conn = await self.upstream.send(head + body, no_body=request.method == b"HEAD")
+            if exchange.body_complete:
+                body = exchange.buffered()
+                has_body = bool(body) or request.method in (b"POST", b"PUT", b"PATCH")
+                head = self._head(exchange, len(body) if has_body else None, identity=False)
+                conn = await self.upstream.send(head + body, no_body=no_body)
+            else:
+                # Sent on as it arrives, framed as it came: its length, or chunks.
+                chunked = request.chunked
+                length = None if chunked else request.length
+                head = self._head(exchange, length, identity=False, chunked=chunked)
+                conn = await self.upstream.send(
+                    head + self._body_start(exchange),
+                    no_body=no_body,
+                    streamed=exchange.stream_body,
+                    chunked=chunked,
+                    holder=exchange.conn,
+                )
         except (Unreachable, UpstreamBroke, TimeoutError) as exc:
-            client.answer(
-                upstream_failure(isinstance(exc, TimeoutError), self.settings.timeout), request
-            )
+            self._failed(exchange, exc)
             return
         except Cut:
-            client.answer(shutting_down(), request)
+            exchange.answer(shutting_down())
             return
-        framing, head = self._respond_head(request, conn, rewritten=False)
-        sink = PlainSink(client, framing, head)
-        await self._relay(client, conn, sink)
+        framing, head = self._respond_head(exchange, conn, rewritten=False)
+        await self._relay(exchange, conn, PlainSink(exchange, framing, head))
 
-    async def _accounted(self, client: ClientConnection, request: Incoming) -> None:
-        ex = Exchange(started=self.clock())
+    @staticmethod
+    def _body_start(exchange: Exchange) -> bytes:
+        """What arrived of a streamed body, framed as it goes to vLLM."""
+        first = exchange.buffered()
+        if not first:
+            return b""
+        return b"%x\r\n%b\r\n" % (len(first), first) if exchange.head.chunked else first
+
+    def _failed(self, exchange: Exchange, exc: BaseException) -> None:
+        """vLLM could not be reached or did not answer: 502 or 504, or the refusal of a body
+        that broke off while it was being streamed (its framing was bad)."""
+        if exchange.refusal is not None:
+            exchange.answer(exchange.refusal)
+            return
+        timed_out = isinstance(exc, TimeoutError)
+        exchange.answer(upstream_failure(timed_out, self.settings.timeout))
+
+    async def _accounted(self, exchange: Exchange) -> None:
+        facts = exchange.facts = Facts(started=self.clock())
         self.in_flight += 1
         try:
-            await self._handle(client, request, ex)
+            await self._handle(exchange, facts)
         except asyncio.CancelledError:
-            ex.client_gone = True  # the client left (its connection cancels the request)
+            facts.client_gone = True  # the client left (its connection cancels the request)
             raise
         finally:
             self.in_flight -= 1
-            self._settle(ex)
+            self._settle(facts)
             if not self.in_flight:
                 self._settled.set()
 
-    def _settle(self, ex: Exchange) -> None:
-        acks = ex.acks
+    def _settle(self, facts: Facts) -> None:
+        acks = facts.acks
         if acks is not None:
             acks.refresh()  # a last reading: the client may have acknowledged since
             acks.close()
-        outcome = outcome_of(ex, self.state)
-        record = record_of(ex, outcome, ended=self.clock(), slo=self.settings.slo)
+        outcome = outcome_of(facts, self.state)
+        record = record_of(facts, outcome, ended=self.clock(), slo=self.settings.slo)
         self.ledger.settle(record)
-        if self.gate is not None and ex.prompt_bytes and record.prompt_tokens:
-            self.gate.learn(ex.prompt_bytes, record.prompt_tokens)
+        if self.gate is not None and facts.prompt_bytes and record.prompt_tokens:
+            self.gate.learn(facts.prompt_bytes, record.prompt_tokens)
 
-    async def _handle(self, client: ClientConnection, request: Incoming, ex: Exchange) -> None:
-        prepared = prepare(request.body_bytes())
-        ex.model, wish = prepared.model, prepared.wish
-        if self.gate is None:
-            await self._forward(client, request, ex, wish, prepared.body)
+    async def _handle(self, exchange: Exchange, facts: Facts) -> None:
+        if exchange.too_large:
+            facts.model, facts.too_large = UNNAMED, True  # vLLM never saw it: not its default
+            exchange.answer(too_large(self.settings.max_body))
             return
+        if self.state != "serving":
+            facts.model, facts.turned_away = UNNAMED, True
+            exchange.answer(shutting_down())
+            return
+        body = await exchange.whole_body()
+        if body is None:
+            facts.model = UNNAMED
+            if exchange.refusal is not None:  # its chunked framing broke: never vLLM's
+                facts.turned_away = True
+                exchange.answer(exchange.refusal)
+            else:
+                facts.too_large = True
+                exchange.answer(too_large(self.settings.max_body))
+            return
+        facts.started = self.clock()  # the request is whole: vLLM's part starts now
+        prepared = prepare(body)
+        facts.model, wish = prepared.model, prepared.wish
         gate = self.gate
-        entry = await self._admit(gate, request.path.decode("latin-1"), prepared, ex)
-        if isinstance(entry, Answer):
-            client.answer(entry, request)
+        if gate is None:
+            await self._forward(exchange, facts, wish, prepared.body)
             return
-        ticket, body = entry
+        verdict = await gate.admit(prepared, exchange.head.route)
+        if isinstance(verdict, Refused):
+            if verdict.reason == CLOSED:
+                facts.turned_away = True  # shutdown began while it waited in the queue
+            else:
+                facts.shed = verdict.reason
+            exchange.answer(verdict.answer)
+            return
+        facts.prompt_bytes = verdict.prompt_bytes
         try:
             # A stream frees its slot once its end went out, though vLLM's connection may not.
-            await self._forward(client, request, ex, wish, body, release=lambda: gate.leave(ticket))
+            await self._forward(exchange, facts, wish, verdict.body, release=verdict.release)
         finally:
-            gate.leave(ticket)
-
-    async def _admit(
-        self, gate: Gate, path: str, prepared: Prepared, ex: Exchange
-    ) -> tuple[Ticket, bytes] | Answer:
-        """Pass ``gate``: the ticket and the body to send (its max_tokens perhaps clamped), or
-        the gate's own answer (400 over the token budget, 429 shed). The gate reads the JSON
-        :func:`prepare` read: the body is parsed once, and both see the same request."""
-        shape = shape_of(prepared.payload, path, whole=len(prepared.body))
-        # Only a text prompt teaches the estimator: vLLM's count of a prompt with images
-        # includes theirs, which no byte of it shows.
-        ex.prompt_bytes = 0 if shape.media else shape.prompt_bytes
-        prompt = gate.estimator.estimate(shape.prompt_bytes)
-        checked = self._budget(gate, prepared, shape, prompt)
-        if isinstance(checked, str):
-            ex.shed = "over_budget"
-            gate.rejections["over_budget"] += 1
-            return over_budget(checked)
-        body, limit = checked
-        ticket = gate.ticket(prompt, limit, prompts=shape.prompts, n=shape.n)
-        reason = await gate.enter(ticket)
-        if reason == CLOSED:
-            ex.turned_away = True  # shutdown began while it waited in the queue
-            return shutting_down()
-        if reason is not None:
-            ex.shed = reason
-            return shed(reason, gate.retry_after())
-        return ticket, body
-
-    @staticmethod
-    def _budget(
-        gate: Gate, prepared: Prepared, shape: Shape, prompt: int
-    ) -> tuple[bytes, int | None] | str:
-        """The body to send and its completion limit under the token budget, or why it is
-        refused. A body that is not a JSON object has no limit to check or set: vLLM refuses
-        it with its own 400."""
-        payload = prepared.payload
-        budget = gate.settings.token_budget if isinstance(payload, dict) else None
-        max_tokens, copies = shape.max_tokens, {"prompts": shape.prompts, "n": shape.n}
-        verdict = check_budget(prompt, max_tokens, budget, gate.settings.over_budget, **copies)
-        if verdict.action == "reject":
-            return verdict.message
-        if verdict.action == "ok" or verdict.max_tokens is None:
-            return prepared.body, max_tokens
-        clamped = prepared.rewritten(with_max_tokens(payload, verdict.max_tokens))
-        if clamped is None:  # too deep to write back: refused as `reject` would
-            return check_budget(prompt, max_tokens, budget, "reject", **copies).message
-        return clamped, verdict.max_tokens
+            verdict.release()
 
     async def _forward(
         self,
-        client: ClientConnection,
-        request: Incoming,
-        ex: Exchange,
+        exchange: Exchange,
+        facts: Facts,
         wish: UsageWish | None,
         body: bytes,
         *,
@@ -378,37 +397,37 @@ class Proxy:
         """Send the request to vLLM and relay its answer; ``release`` is called once a stream's
         end (``[DONE]`` or the final usage event) went to the client."""
         if self.state != "serving":
-            ex.turned_away = True  # shutdown began: nothing new goes to vLLM
-            client.answer(shutting_down(), request)
+            facts.turned_away = True  # shutdown began: nothing new goes to vLLM
+            exchange.answer(shutting_down())
             return
-        head = self._head(request, len(body), identity=True)
+        head = self._head(exchange, len(body), identity=True)
         try:
             conn = await self.upstream.send(head + body)
         except Unreachable:
-            client.answer(upstream_failure(False, self.settings.timeout), request)
+            exchange.answer(upstream_failure(False, self.settings.timeout))
             return
         except (UpstreamBroke, TimeoutError) as exc:
-            ex.sent = True  # vLLM had the request: its HTTP counter counts it
+            facts.sent = True  # vLLM had the request: its HTTP counter counts it
             timed_out = isinstance(exc, TimeoutError)
-            client.answer(upstream_failure(timed_out, self.settings.timeout), request)
+            exchange.answer(upstream_failure(timed_out, self.settings.timeout))
             return
         except Cut:
             # The cut came before vLLM's status line; the connection is closed, so vLLM, which
             # had the request, aborts it.
-            ex.sent = ex.turned_away = True
-            client.answer(shutting_down(), request)
+            facts.sent = facts.turned_away = True
+            exchange.answer(shutting_down())
             return
-        ex.status = conn.status
-        sink = self._sink(client, request, conn, ex, wish, release=release)
+        facts.status = conn.status
+        sink = self._sink(exchange, conn, facts, wish, release=release)
         if sink is None:
             conn.close()  # vLLM sees the disconnect and aborts the request
             return
-        self._open[id(ex)] = (ex, conn)
+        self._open[id(facts)] = (facts, conn)
         try:
-            await self._relay(client, conn, sink, settle=False)
+            await self._relay(exchange, conn, sink, settle=False)
         finally:
-            del self._open[id(ex)]
-            if outcome_of(ex, self.state) == "completed" and ex.eof:
+            del self._open[id(facts)]
+            if outcome_of(facts, self.state) == "completed" and facts.eof:
                 self.upstream.release(conn)
             else:
                 # Closing (not releasing) drops the connection: vLLM sees the disconnect and
@@ -417,10 +436,9 @@ class Proxy:
 
     def _sink(
         self,
-        client: ClientConnection,
-        request: Incoming,
+        exchange: Exchange,
         conn: UpstreamConnection,
-        ex: Exchange,
+        facts: Facts,
         wish: UsageWish | None,
         *,
         release: Callable[[], None] | None,
@@ -430,28 +448,33 @@ class Proxy:
         the client was answered instead: a stream in a coding kvtax cannot read would hand the
         client usage it did not ask for."""
         ok = conn.status < 300
-        if ok and ex.model is not None:
-            self.ledger.names.learn(ex.model)
+        if ok and facts.model is not None:
+            self.ledger.names.learn(facts.model)
         stream = wish is not None and ok and _is_sse(conn)
         coding = _coding(conn) if ok else None
         if stream and coding is not None and coding not in INFLATABLE:
             assert wish is not None
             self.encoded_streams += 1
             if not (wish.include_usage and wish.continuous):
-                client.answer(undecodable(coding.decode("latin-1")), request)
+                exchange.answer(undecodable(coding.decode("latin-1")))
                 return None
             stream = False  # the client asked for all kvtax did: it passes unread
         decoded = stream and coding is not None
-        framing, head = self._respond_head(request, conn, rewritten=stream, decoded=decoded)
+        framing, head = self._respond_head(exchange, conn, rewritten=stream, decoded=decoded)
         if not stream:
-            return BodySink(client, framing, head, ex, self.clock)
+            return BodySink(exchange, framing, head, self.clock)
         assert wish is not None
-        kind = InflatingStreamSink if decoded else StreamSink
-        return kind(client, framing, head, ex, wish=wish, relay=self.relay, on_done=release)
+        if decoded:
+            sink = InflatingStreamSink(
+                exchange, framing, head, wish=wish, relay=self.relay, upstream=conn, on_done=release
+            )
+            exchange.source = sink  # a full client stops the inflating, not only vLLM
+            return sink
+        return StreamSink(exchange, framing, head, wish=wish, relay=self.relay, on_done=release)
 
     async def _relay(
         self,
-        client: ClientConnection,
+        exchange: Exchange,
         conn: UpstreamConnection,
         sink: PlainSink | BodySink | StreamSink,
         *,
@@ -459,38 +482,43 @@ class Proxy:
     ) -> None:
         """Relay ``conn``'s body into ``sink`` until it ends, pausing vLLM while the client is
         full; ``settle`` gives the connection back (pass-through) when the body ended."""
-        client.source = conn.transport
-        if client.write_paused and conn.transport is not None:
-            conn.transport.pause_reading()
+        if exchange.source is None:
+            exchange.source = conn
+        if exchange.conn.write_paused:
+            exchange.source.pause_reading()
         try:
             conn.attach(sink)
             await sink.done
         finally:
-            client.source = None
-            if conn.transport is not None and not conn.closed:
-                conn.transport.resume_reading()
+            exchange.source = None
+            exchange.detach_body()
+            if not conn.closed:
+                conn.resume_reading()
             if settle:
-                if conn.complete and not client.closed:
+                if conn.complete and not exchange.conn.closed:
                     self.upstream.release(conn)
                 else:
                     conn.close()
 
-    def _head(self, request: Incoming, length: int | None, *, identity: bool) -> bytes:
+    def _head(
+        self, exchange: Exchange, length: int | None, *, identity: bool, chunked: bool = False
+    ) -> bytes:
         upstream = self.upstream
+        request = exchange.head
+        headers = forwarded(request.headers, identity=identity)
+        if chunked:
+            headers.append((b"Transfer-Encoding", b"chunked"))
         return request_head(
-            request.method,
-            upstream.prefix + request.target,
-            upstream.netloc,
-            forwarded(request.headers, identity=identity),
-            length,
+            request.method, upstream.prefix + request.origin, upstream.netloc, headers, length
         )
 
     @staticmethod
     def _respond_head(
-        request: Incoming, conn: UpstreamConnection, *, rewritten: bool, decoded: bool = False
+        exchange: Exchange, conn: UpstreamConnection, *, rewritten: bool, decoded: bool = False
     ) -> tuple[Framing, bytes]:
         """The body's framing for the client, and vLLM's status and headers for it (written
         with the first bytes of the body that are in by then)."""
+        request = exchange.head
         status = conn.status
         length = None if rewritten else _length(conn)
         framing: Framing
@@ -502,20 +530,16 @@ class Proxy:
             framing = "close"
         else:
             framing = "chunked"
-        close = framing == "close" or not request.keep_alive
-        if close:
-            request.keep_alive = False
         headers = forwarded(conn.headers)
         if decoded:  # inflated for the client: it gets the stream plain
             headers = [(k, v) for k, v in headers if k.lower() != b"content-encoding"]
-        if framing == "none":
+        if framing == "none" and status not in _STATUS_WITHOUT_LENGTH:
             # Keep the length vLLM gave (the body a GET would have); there is no body to frame.
+            # A 204 never has one (RFC 9110 8.6).
             given = header(conn.headers, b"content-length")
             if given is not None:
                 headers.append((b"Content-Length", given))
-        head = response_head(
-            request.version, status, conn.reason, headers, framing, close=close, length=length
-        )
+        head = exchange.response_head(status, conn.reason, headers, framing, length=length)
         return framing, head
 
 

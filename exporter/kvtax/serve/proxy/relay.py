@@ -14,18 +14,22 @@ close the body and resolve :attr:`done`, which the request's handler awaits.
   ends, which an upstream that keeps it open would put off for good.
 - :class:`InflatingStreamSink`: the same for a stream vLLM gzipped although kvtax asked for
   identity; inflated as it comes, so the usage the client did not ask for is still cut, and the
-  client gets it plain.
+  client gets it plain. It inflates one piece of at most 256 KiB per turn of the event loop,
+  holds vLLM paused while a read's bytes are still being inflated, and stops while the client
+  is full, so a bomb of a few KiB that inflates to gigabytes costs one piece of memory at a
+  time, and never holds the loop for more than a piece.
 - :class:`BodySink`: an accounted answer that is not a stream, its usage read as it passes
   (:class:`~kvtax.delivery.usage.UsageScanner`).
 - :class:`PlainSink`: any other path's answer, as it is.
 
 A body that breaks off and is not a stream breaks the client's connection, so it can never look
-complete. The sinks only note facts on the :class:`~kvtax.serve.proxy.exchange.Exchange`; the
-proxy decides the outcome.
+complete. The sinks write through the request's :class:`~kvtax.serve.proxy.exchange.Exchange`
+(which decides keep-alive and when the answer is complete) and only note facts on its
+:class:`~kvtax.serve.proxy.outcome.Facts`; the proxy decides the outcome.
 
 Example::
 
-    sink = StreamSink(client, "chunked", head, ex, wish=wish, relay=settings)
+    sink = StreamSink(exchange, "chunked", head, wish=wish, relay=settings)
     conn.attach(sink)           # feed() and end() per read, each read's bytes in one flush()
     await sink.done
 """
@@ -33,19 +37,18 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtax.delivery.openai import sse_error_event
-from kvtax.delivery.sse import HoldBudget, StreamRewriter, UsageWish
+from kvtax.delivery.sse import Fingerprint, HoldBudget, StreamRewriter, UsageWish
 from kvtax.delivery.timing import StreamTiming
 from kvtax.delivery.usage import UsageScanner
 from kvtax.serve.proxy.acks import AckTracker
 from kvtax.serve.proxy.answers import SHUTTING_DOWN
-from kvtax.serve.proxy.client import ClientConnection
-from kvtax.serve.proxy.exchange import Exchange, Phase
+from kvtax.serve.proxy.exchange import Exchange, Source
+from kvtax.serve.proxy.outcome import Facts, Phase
 from kvtax.serve.proxy.wire import LAST_CHUNK, Framing, chunk
 
 __all__ = [
@@ -65,14 +68,17 @@ _INFLATE_PIECE = 256 * 1024
 
 @dataclass(frozen=True, slots=True)
 class RelaySettings:
-    """What every accounted stream shares: the hold budget, the clock, the stall rule and the
-    proxy's shutdown phase."""
+    """What every accounted stream shares: the hold budget, the clock, the stall rule, the
+    proxy's shutdown phase and vLLM's fingerprint."""
 
     held: HoldBudget
     clock: Callable[[], float]
     stall_factor: float
     stall_min: float
     phase: Callable[[], Phase]
+    # vLLM's system_fingerprint, learnt from its answers, for streams whose client asked for no
+    # usage (StreamRewriter).
+    fingerprints: Fingerprint
 
 
 class _Sink:
@@ -83,8 +89,8 @@ class _Sink:
     which the upstream connection calls once per read.
     """
 
-    def __init__(self, client: ClientConnection, framing: Framing, head: bytes) -> None:
-        self.client = client
+    def __init__(self, exchange: Exchange, framing: Framing, head: bytes) -> None:
+        self.exchange = exchange
         self.chunked = framing == "chunked"
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._out: list[bytes] = [head]
@@ -92,7 +98,7 @@ class _Sink:
     def flush(self) -> None:
         out = self._out
         if out:
-            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            self.exchange.write(out[0] if len(out) == 1 else b"".join(out))
             out.clear()
 
     def _send(self, payload: bytes) -> int:
@@ -106,14 +112,13 @@ class _Sink:
         if self.chunked:
             self._out.append(LAST_CHUNK)
         self.flush()
-        self.client.answered = True
+        self.exchange.finish()
         self._resolve()
 
     def _break_client(self) -> None:
         """End the client's connection mid-body, so a body cut short never looks complete."""
         self.flush()
-        self.client.answered = True
-        self.client.close()
+        self.exchange.break_off()
         self._resolve()
 
     def _resolve(self) -> None:
@@ -135,23 +140,28 @@ class PlainSink(_Sink):
         self._break_client()
 
 
+def _facts(exchange: Exchange) -> Facts:
+    facts = exchange.facts
+    assert facts is not None, "an accounted sink needs the request's facts"
+    return facts
+
+
 class BodySink(_Sink):
     """An accounted answer that is not a stream: relayed as it arrives, its usage read."""
 
     def __init__(
         self,
-        client: ClientConnection,
+        exchange: Exchange,
         framing: Framing,
         head: bytes,
-        ex: Exchange,
         clock: Callable[[], float],
     ) -> None:
-        super().__init__(client, framing, head)
-        self.ex = ex
+        super().__init__(exchange, framing, head)
+        self.ex = ex = _facts(exchange)
         self.clock = clock
         status = ex.status or 0
         self.scanner = UsageScanner() if status < 300 else None
-        ex.acks = AckTracker(client.transport, unsent=len(head))
+        ex.acks = AckTracker(exchange.conn.transport, unsent=len(head))
 
     def feed(self, data: bytes) -> None:
         if not data:
@@ -169,7 +179,7 @@ class BodySink(_Sink):
         ex.wrote_all = True
         ex.finished_at = self.clock()
         self._close_body()
-        ex.eof = not self.client.closed
+        ex.eof = not self.exchange.conn.closed
 
     def broke(self, cause: BaseException) -> None:
         self.ex.upstream_broke = True
@@ -181,23 +191,24 @@ class StreamSink(_Sink):
 
     def __init__(
         self,
-        client: ClientConnection,
+        exchange: Exchange,
         framing: Framing,
         head: bytes,
-        ex: Exchange,
         *,
         wish: UsageWish,
         relay: RelaySettings,
         on_done: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(client, framing, head)
-        self.ex = ex
+        super().__init__(exchange, framing, head)
+        self.ex = ex = _facts(exchange)
         self.on_done = on_done
         self.relay = relay
         self.clock = relay.clock
-        self.rewriter = ex.rewriter = StreamRewriter(wish, budget=relay.held)
+        self.rewriter = ex.rewriter = StreamRewriter(
+            wish, budget=relay.held, fingerprints=relay.fingerprints
+        )
         self.timing = ex.timing = StreamTiming(ex.started, relay.stall_factor, relay.stall_min)
-        self.acks = ex.acks = AckTracker(client.transport, unsent=len(head))
+        self.acks = ex.acks = AckTracker(exchange.conn.transport, unsent=len(head))
 
     def feed(self, data: bytes) -> None:
         rewriter = self.rewriter
@@ -235,7 +246,7 @@ class StreamSink(_Sink):
     def _finish(self) -> None:
         self.rewriter.close()
         self._close_body()
-        self.ex.eof = not self.client.closed
+        self.ex.eof = not self.exchange.conn.closed
 
     def _error(self, cause: BaseException | None) -> None:
         """The error event that ends a stream vLLM did not finish (headers are long gone)."""
@@ -258,43 +269,111 @@ class StreamSink(_Sink):
 
 class InflatingStreamSink(StreamSink):
     """An accounted SSE stream that vLLM compressed (gzip or deflate, :data:`INFLATABLE`) though
-    kvtax asked for identity: each read is inflated, in bounded pieces, and rewritten like any
-    stream. Bytes zlib cannot read end the stream as a break does."""
+    kvtax asked for identity: inflated and rewritten like any stream, one piece of at most
+    :data:`_INFLATE_PIECE` bytes per turn of the event loop. While a read's bytes are still being
+    inflated, vLLM's side is paused (``upstream``), and inflating stops while the client is full
+    (this sink is the exchange's :class:`~kvtax.serve.proxy.exchange.Source`). Gzip members
+    back to back (RFC 1952 2.2) are read one after another. Bytes zlib cannot read end the
+    stream as a break does."""
 
-    failed = False
-
-    @functools.cached_property
-    def inflater(self) -> zlib._Decompress:
+    def __init__(
+        self,
+        exchange: Exchange,
+        framing: Framing,
+        head: bytes,
+        *,
+        wish: UsageWish,
+        relay: RelaySettings,
+        upstream: Source,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(exchange, framing, head, wish=wish, relay=relay, on_done=on_done)
+        self.upstream = upstream
+        self.failed = False
         # 32 + MAX_WBITS: a gzip or a zlib header, whichever comes.
-        return zlib.decompressobj(32 + zlib.MAX_WBITS)
+        self._inflater = zlib.decompressobj(32 + zlib.MAX_WBITS)
+        self._pending = b""  # compressed bytes of the last read, still to inflate
+        self._ending = False  # vLLM's body ended; end once the pending bytes are inflated
+        self._client_full = False
+        self._scheduled = False
 
+    # -- the upstream connection's calls -----------------------------------------------------
     def feed(self, data: bytes) -> None:
-        if self.failed:
+        if self.failed or not data:
             return
-        try:
-            plain = self.inflater.decompress(data, _INFLATE_PIECE)
-            while plain:
-                super().feed(plain)
-                tail = self.inflater.unconsumed_tail
-                plain = self.inflater.decompress(tail, _INFLATE_PIECE) if tail else b""
-        except zlib.error as exc:
-            self.failed = True
-            super().broke(exc)
+        self._pending += data
+        self._step()
 
     def end(self) -> None:
         if self.failed:
             return
-        try:
-            rest = self.inflater.flush()
-        except zlib.error as exc:
-            self.failed = True
-            super().broke(exc)
-            return
-        if rest:
-            super().feed(rest)
-        super().end()
+        self._ending = True
+        self._step()
 
     def broke(self, cause: BaseException) -> None:
         if not self.failed:
             self.failed = True
+            self._pending = b""
             super().broke(cause)
+
+    # -- the client's flow control (Source) ---------------------------------------------------
+    def pause_reading(self) -> None:
+        self._client_full = True
+        self.upstream.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._client_full = False
+        self._schedule()
+
+    # -- inflating, a piece at a time ---------------------------------------------------------
+    def _step(self) -> None:
+        """Inflate one piece of what is pending, write it, and plan the next."""
+        self._scheduled = False
+        if self.failed or self.done.done():
+            return
+        try:
+            plain = self._inflate()
+        except zlib.error as exc:
+            self.failed = True
+            self._pending = b""
+            super().broke(exc)
+            self.flush()
+            return
+        if plain:
+            super().feed(plain)
+            self.flush()
+        inflater = self._inflater
+        if self._pending or inflater.unconsumed_tail or (inflater.eof and inflater.unused_data):
+            self.upstream.pause_reading()  # vLLM waits until this read is inflated
+            self._schedule()
+        elif self._ending:
+            try:
+                rest = self._inflater.flush()
+            except zlib.error as exc:
+                self.failed = True
+                super().broke(exc)
+                return
+            if rest:
+                super().feed(rest)
+            super().end()
+        elif not self._client_full:
+            self.upstream.resume_reading()
+
+    def _inflate(self) -> bytes:
+        inflater = self._inflater
+        tail = inflater.unconsumed_tail
+        if tail:
+            return inflater.decompress(tail, _INFLATE_PIECE)
+        if inflater.eof and (inflater.unused_data or self._pending):
+            # The next gzip member: what followed the last one's end starts it.
+            rest = inflater.unused_data + self._pending
+            self._pending = b""
+            self._inflater = inflater = zlib.decompressobj(32 + zlib.MAX_WBITS)
+            return inflater.decompress(rest, _INFLATE_PIECE)
+        data, self._pending = self._pending, b""
+        return inflater.decompress(data, _INFLATE_PIECE) if data else b""
+
+    def _schedule(self) -> None:
+        if not self._scheduled and not self._client_full and not self.done.done():
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._step)

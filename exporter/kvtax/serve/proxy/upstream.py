@@ -1,10 +1,12 @@
 """The proxy's connections to vLLM: a keep-alive pool of asyncio Protocols with httptools parsers.
 
-:meth:`Upstream.send` writes one request (head and body in one write) on a pooled connection or
-a new one, and returns once vLLM's status line and headers arrived. From then on the response's
-body goes, read by read, to the :class:`Sink` the relay attaches: the parser's ``on_body``
-pieces of one read are handed over together, so one read of vLLM's makes one write to the
-client. Nothing is awaited per read.
+:meth:`Upstream.send` writes one request on a pooled connection or a new one, and returns once
+vLLM's status line and headers arrived. A request whose body is still arriving from the client
+goes on a new connection, its body streamed on as it comes (``streamed``: the connection is the
+body's :class:`~kvtax.serve.proxy.exchange.BodyWriter`, and a full socket to vLLM pauses
+reading the client). From then on the response's body goes, read by read, to the :class:`Sink`
+the relay attaches: the parser's ``on_body`` pieces of one read are handed over together, so
+one read of vLLM's makes one write to the client. Nothing is awaited per read.
 
 What the pool keeps from the aiohttp client it replaces:
 
@@ -14,16 +16,26 @@ What the pool keeps from the aiohttp client it replaces:
   load); the request then fails before vLLM read it. nginx gives a cached connection's failure
   a second try for this reason, and so does :meth:`Upstream.send`, once, when the break came
   within :data:`STALE_WITHIN` of sending and before any byte of an answer. A refused connect,
-  a later break or any answer at all is never sent twice (``retries`` counts the second tries).
-- ``timeout`` bounds connecting and the wait between two reads (a whole stream is unbounded).
+  a later break, a streamed body or any answer at all is never sent twice (``retries`` counts
+  the second tries).
+- ``timeout`` bounds connecting and vLLM's silence: the wait for its next byte while kvtax is
+  reading it, and for it to take the next bytes of a body kvtax is sending. Time during which
+  kvtax itself holds vLLM paused (its client's socket full) or waits for the client's own
+  body bytes is not vLLM's silence, and does not count. A whole stream is unbounded.
 - Shutdown's cut (:meth:`Upstream.cut`): vLLM sends a non-streamed answer's status line only
   when the generation ends, so every request still waiting for one when the grace period is
   over has its connection closed, which makes vLLM abort it; ``send`` raises :class:`Cut`.
 
+And what a front door must not take from an upstream: a head over :data:`MAX_HEAD` (502, and
+the connection dropped unread), a ``101`` (no upgrades are relayed), and any byte after the
+answer's end (a second, unrequested answer, leftovers): the answer already complete goes out
+as it was, and the connection is closed, never pooled, so nothing of it reaches this client or
+the next request.
+
 Example::
 
     upstream = Upstream("http://127.0.0.1:8000", timeout=300.0)
-    conn = await upstream.send(head, body)
+    conn = await upstream.send(head + body)
     conn.attach(sink)       # sink.feed(...) per read, then sink.end() or sink.broke(exc)
     ...
     upstream.release(conn)  # back to the pool, or conn.close()
@@ -45,6 +57,7 @@ from kvtax.errors import UpstreamError
 from kvtax.serve.proxy.wire import Headers, header
 
 __all__ = [
+    "MAX_HEAD",
     "STALE_WITHIN",
     "UPSTREAM_IDLE",
     "Cut",
@@ -64,6 +77,9 @@ UPSTREAM_IDLE = 2.0
 # later met a vLLM that had the request and ran it (for a non-streamed request the status line
 # comes only when the generation ends): sending it again would run it twice.
 STALE_WITHIN = 0.5
+# Bytes of status line and headers an answer may have, interim answers included (the client
+# side's limit).
+MAX_HEAD = 64 * 1024
 
 
 class Unreachable(UpstreamError):
@@ -91,6 +107,14 @@ class Sink(Protocol):
     def broke(self, cause: BaseException) -> None: ...
 
 
+class Holder(Protocol):
+    """The client whose reading pauses while vLLM's socket is full of its body."""
+
+    def hold(self, reason: str) -> None: ...
+
+    def release(self, reason: str) -> None: ...
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One connection to vLLM, one exchange at a time. ``status``, ``reason`` and ``headers``
     are vLLM's once :meth:`Upstream.send` returned it; ``reusable`` once the body ended."""
@@ -111,22 +135,35 @@ class UpstreamConnection(asyncio.Protocol):
         self.no_body = False
         self.until_close = False
         self.last_read = 0.0
+        self.closed = False
+        # A request body still being sent (streamed), and how: chunked or as it comes.
+        self.sending = False
+        self.chunked = False
+        self.holder: Holder | None = None
+        self.write_paused = False
+        # kvtax paused reading (its client is full): vLLM's silence is not counted meanwhile.
+        self.read_paused = False
+        self._head_bytes = 0
         self._parts: list[bytes] = []
         self._failure: BaseException | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._idle: asyncio.TimerHandle | None = None
-        self.closed = False
 
     # -- one exchange -----------------------------------------------------------------------
-    def start(self, data: bytes, *, no_body: bool) -> asyncio.Future[None]:
-        """Send ``data`` (a whole request); the future resolves when vLLM's head is in."""
+    def start(
+        self, data: bytes, *, no_body: bool, streamed: bool = False, chunked: bool = False
+    ) -> asyncio.Future[None]:
+        """Send ``data`` (a whole request, or a head and the body so far when ``streamed``);
+        the future resolves when vLLM's head is in."""
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
         self.status, self.reason, self.headers = 0, b"", []
         self.reusable = self.complete = self.answered = self.until_close = False
         self.no_body = no_body
+        self.sending, self.chunked = streamed, chunked
         self.sink, self._parts, self._failure = None, [], None
+        self._head_bytes = 0
         self.head = asyncio.get_running_loop().create_future()
         self.last_read = self.clock()
         self._arm(self.upstream.timeout)
@@ -154,8 +191,60 @@ class UpstreamConnection(asyncio.Protocol):
         """Drop the connection: vLLM sees the disconnect and aborts what it was running."""
         self.closed = True
         self._disarm()
+        self._release_holder()
         if self.transport is not None:
             self.transport.close()
+
+    # -- the request's body, streamed (BodyWriter) ---------------------------------------------
+    def send_body(self, data: bytes) -> None:
+        if self.closed or not self.sending or self.transport is None:
+            return
+        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+
+    def end_body(self) -> None:
+        if self.closed or not self.sending or self.transport is None:
+            return
+        if self.chunked:
+            self.transport.write(b"0\r\n\r\n")
+        self.sending = False
+        self.last_read = self.clock()  # vLLM's silence counts from the body's end
+        self._release_holder()
+
+    def abort_body(self) -> None:
+        """The client's body broke off: vLLM must not take what it got for a whole request."""
+        if self.sending:
+            self.close()
+
+    # -- flow control ---------------------------------------------------------------------------
+    def pause_writing(self) -> None:
+        # vLLM's socket is full of the body: the client waits, and vLLM's silence counts.
+        self.write_paused = True
+        self.last_read = self.clock()
+        if self.sending and self.holder is not None:
+            self.holder.hold("upstream")
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.last_read = self.clock()
+        self._release_holder()
+
+    def pause_reading(self) -> None:
+        """kvtax's client is full: stop reading vLLM, and stop counting its silence."""
+        self.read_paused = True
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self.read_paused:
+            return
+        self.read_paused = False
+        self.last_read = self.clock()
+        if self.transport is not None and not self.closed and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _release_holder(self) -> None:
+        if self.holder is not None:
+            self.holder.release("upstream")
 
     # -- transport events -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -163,14 +252,26 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.complete or self.head is None:
+            # A byte after the answer's end, or on an idle pooled connection: nothing asked
+            # for it. The connection is never reused, and nothing of it goes anywhere.
+            self._unsolicited()
+            return
         self.last_read = self.clock()
         self.answered = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamBroke(f"vLLM's answer is not HTTP: {type(exc).__name__}"))
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamBroke("vLLM answered with a protocol upgrade (101)"))
             self.close()
-            return
+        except httptools.HttpParserError as exc:
+            if self.complete:
+                self._unsolicited()  # bytes after the end, in the same read as the end
+            else:
+                cause = exc.__context__ if isinstance(exc.__context__, _HeadTooLarge) else None
+                what = str(cause) if cause else f"vLLM's answer is not HTTP: {type(exc).__name__}"
+                self._fail(UpstreamBroke(what))
+                self.close()
         sink = self.sink
         if sink is not None:
             if self._parts:
@@ -186,8 +287,9 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._disarm()
+        self._release_holder()
         self.upstream.forget(self)
-        if not self.complete and self.until_close and exc is None:
+        if not self.complete and self.until_close and exc is None and self.status:
             self.complete = True  # the close ends such a body; the connection is not reused
             sink = self.sink
             if sink is not None:
@@ -196,15 +298,21 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(UpstreamBroke(str(exc) if exc else "vLLM closed the connection"))
 
     # -- parser callbacks -------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _Extra()  # a second answer: stop parsing (caught as a parser error)
+
     def on_status(self, reason: bytes) -> None:
+        self._count(len(reason))
         self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200:  # an interim answer (103 Early Hints): the real one follows
+        if 100 <= status < 200 and status != 101:  # an interim answer: the real one follows
             self.reason, self.headers = b"", []
             return
         self.status = status
@@ -219,6 +327,9 @@ class UpstreamConnection(asyncio.Protocol):
             # The answer to a HEAD has no body whatever its headers say; the parser cannot be
             # told so, so the connection is not reused.
             self.complete = True
+        if status == 101:
+            self._fail(UpstreamBroke("vLLM answered with a protocol upgrade (101)"))
+            raise _Refused()  # nothing of it is parsed further, nor relayed
         head = self.head
         if head is not None and not head.done():
             head.set_result(None)
@@ -228,11 +339,20 @@ class UpstreamConnection(asyncio.Protocol):
             self._parts.append(body)
 
     def on_message_complete(self) -> None:
-        if self.status:  # not the end of an interim answer
+        if self.status and not self.complete:  # not the end of an interim answer
             self.complete = True
-            self.reusable = not self.no_body and self.parser.should_keep_alive()
+            self.reusable = not self.sending and self.parser.should_keep_alive()
 
     # -- internals ----------------------------------------------------------------------------
+    def _count(self, nbytes: int) -> None:
+        self._head_bytes += nbytes
+        if self._head_bytes > MAX_HEAD:
+            raise _HeadTooLarge()
+
+    def _unsolicited(self) -> None:
+        self.reusable = False
+        self.close()
+
     def _flush(self, sink: Sink) -> None:
         parts, self._parts = self._parts, []
         sink.feed(parts[0] if len(parts) == 1 else b"".join(parts))
@@ -264,15 +384,32 @@ class UpstreamConnection(asyncio.Protocol):
             self._timer = None
 
     def _check(self) -> None:
-        """The read timeout: re-armed for what is left of it, so a read costs no timer."""
+        """The read timeout: re-armed for what is left of it, so a read costs no timer. While
+        kvtax holds vLLM paused, or waits for its client's body, vLLM is not the one silent."""
         self._timer = None
-        quiet = self.clock() - self.last_read
         timeout = self.upstream.timeout
+        now = self.clock()
+        if self.read_paused or (self.sending and not self.write_paused):
+            self.last_read = now
+        quiet = now - self.last_read
         if quiet < timeout:
             self._arm(timeout - quiet)
             return
         self._fail(TimeoutError(f"no byte from vLLM in {timeout:g}s"))
         self.close()
+
+
+class _HeadTooLarge(httptools.HttpParserError):
+    def __init__(self) -> None:
+        super().__init__(f"vLLM's answer head exceeds {MAX_HEAD} bytes")
+
+
+class _Extra(httptools.HttpParserError):
+    """A second answer after the first one's end."""
+
+
+class _Refused(httptools.HttpParserError):
+    """An answer that is not relayed (101): parsing stops."""
 
 
 class Upstream:
@@ -302,10 +439,26 @@ class Upstream:
         self._waiting: set[UpstreamConnection] = set()
         self._cut = False
 
-    async def send(self, data: bytes, *, no_body: bool = False) -> UpstreamConnection:
-        """Send a whole request; the connection once vLLM's head is in. Raises
-        :class:`Unreachable`, :class:`UpstreamBroke`, :class:`TimeoutError` or :class:`Cut`."""
+    async def send(
+        self,
+        data: bytes,
+        *,
+        no_body: bool = False,
+        streamed: Callable[[UpstreamConnection], None] | None = None,
+        chunked: bool = False,
+        holder: Holder | None = None,
+    ) -> UpstreamConnection:
+        """Send a request; the connection once vLLM's head is in. ``streamed``: ``data`` is the
+        head and the body so far, and ``streamed(conn)`` hands the connection the rest (sent
+        ``chunked`` or as it comes; ``holder`` pauses reading while vLLM's socket is full).
+        Raises :class:`Unreachable`, :class:`UpstreamBroke`, :class:`TimeoutError` or
+        :class:`Cut`."""
         loop = asyncio.get_running_loop()
+        if streamed is not None:
+            # A body still arriving cannot be sent twice: a new connection, which is not stale.
+            conn = await self._connect()
+            conn.holder = holder
+            return await self._exchange(conn, data, no_body, streamed, chunked)
         conn = self._pooled() or await self._connect()
         began = loop.time()
         try:
@@ -323,6 +476,8 @@ class Upstream:
             conn.close()
             return
         conn.sink = None
+        conn.head = None
+        conn.holder = None
         self._free.append(conn)
         conn.idle_for(self.idle)
 
@@ -343,11 +498,19 @@ class Upstream:
         self._free.clear()
 
     async def _exchange(
-        self, conn: UpstreamConnection, data: bytes, no_body: bool
+        self,
+        conn: UpstreamConnection,
+        data: bytes,
+        no_body: bool,
+        streamed: Callable[[UpstreamConnection], None] | None = None,
+        chunked: bool = False,
     ) -> UpstreamConnection:
         self._waiting.add(conn)
         try:
-            await conn.start(data, no_body=no_body)
+            head = conn.start(data, no_body=no_body, streamed=streamed is not None, chunked=chunked)
+            if streamed is not None:
+                streamed(conn)
+            await head
         except BaseException:
             conn.close()
             raise

@@ -15,16 +15,16 @@ from kvtax.delivery.ledger import OUTCOMES
 from kvtax.delivery.sse import StreamRewriter, UsageWish
 from kvtax.delivery.timing import SloTargets
 from kvtax.serve.proxy.acks import AckTracker
-from kvtax.serve.proxy.exchange import Exchange, Phase, outcome_of, record_of
+from kvtax.serve.proxy.outcome import Facts, Phase, outcome_of, record_of
 
 SERVE = Path(__file__).resolve().parents[2] / "exporter" / "kvtax" / "serve"
 PHASES: tuple[Phase, ...] = ("serving", "draining", "cutting")
 SLO = SloTargets(2.0, 0.2)
 
 
-def finished(**facts: object) -> Exchange:
+def finished(**facts: object) -> Facts:
     """A 200 whose every byte was written and ended cleanly, with ``facts`` changed."""
-    ex = Exchange(started=0.0, model="m", status=200, wrote_all=True, eof=True)
+    ex = Facts(started=0.0, model="m", status=200, wrote_all=True, eof=True)
     for name, value in facts.items():
         setattr(ex, name, value)
     return ex
@@ -162,4 +162,4 @@ def test_only_outcome_of_names_an_outcome_in_the_proxy() -> None:
                     and value.value in OUTCOMES
                 ):
                     decided_in.add(f"{path.stem}.{fn.name}")
-    assert decided_in == {"exchange.outcome_of"}
+    assert decided_in == {"outcome.outcome_of"}
