@@ -42,6 +42,7 @@ __all__ = [
     "blocks_of",
     "check_budget",
     "footprint_of",
+    "limit_fields",
     "shape_of",
     "with_max_tokens",
 ]
@@ -182,13 +183,17 @@ def _is_text(part: Any) -> bool:
     return isinstance(part, dict) and isinstance(part.get("text"), str)
 
 
-def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
-    """The body with its completion limit at most ``limit``: every limit key it has is lowered
-    (whichever one vLLM reads at its endpoint is then within the limit); one without any gets
-    ``max_tokens``, which every vLLM reads on both endpoints."""
+def limit_fields(payload: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The top-level fields that hold the body's completion limit to at most ``limit``: every
+    limit key it has, lowered (whichever one vLLM reads at its endpoint is then within the
+    limit); for one without any, ``max_tokens``, which every vLLM reads on both endpoints."""
     present = [key for key in LIMIT_KEYS if key in payload] or ["max_tokens"]
-    lowered = {key: _lowered(payload.get(key), limit) for key in present}
-    return {**payload, **lowered}
+    return {key: _lowered(payload.get(key), limit) for key in present}
+
+
+def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The body with its completion limit at most ``limit`` (:func:`limit_fields`)."""
+    return {**payload, **limit_fields(payload, limit)}
 
 
 def _lowered(value: Any, limit: int) -> Any:

@@ -158,6 +158,7 @@ def _proxy_settings(config: Config) -> ProxySettings:
         upstream=config.vllm_url,
         max_body=config.proxy_max_body,
         timeout=config.proxy_timeout,
+        send_timeout=config.proxy_send_timeout,
         stall_factor=config.proxy_stall_factor,
         stall_min=config.proxy_stall_min,
         slo_ttft=config.slo_ttft,

@@ -130,18 +130,30 @@ class Config:
     )
     proxy_max_body: int = option(
         "proxy.max_body",
-        "4MiB",
+        "64MiB",
         v.size,
-        "Largest request body the proxy accepts, with or without Content-Length; larger ones "
-        "get 413. Completion bodies are held whole (to read the model and ask for usage), so "
-        "this bounds memory per request: a 128k-token prompt is about 0.5 MiB.",
+        "Largest body of a completion or chat request, with or without Content-Length; larger "
+        "ones get 413. These bodies are held whole (to read the model and ask for usage), so "
+        "this bounds memory per request: a 128k-token prompt is about 0.5 MiB, a chat request "
+        "with base64 images tens of MiB. Other paths' bodies (audio uploads, say) are streamed "
+        "to vLLM as they arrive, with no limit of kvtax's own.",
         "BYTES",
     )
     proxy_timeout: float = option(
         "proxy.timeout",
         300.0,
         v.positive_duration,
-        "Longest wait for vLLM's response headers, or for the next chunk of a response.",
+        "Longest silence of vLLM's: the wait for its response headers, or for its next bytes "
+        "while kvtax reads them. Time kvtax holds vLLM paused because the client is slow to "
+        "read does not count.",
+        "DURATION",
+    )
+    proxy_send_timeout: float = option(
+        "proxy.send_timeout",
+        60.0,
+        v.positive_duration,
+        "Longest a client may leave its socket full (read nothing of its answer) before it "
+        "counts as gone: its request is aborted in vLLM (nginx's send_timeout).",
         "DURATION",
     )
     proxy_stall_factor: float = option(

@@ -19,6 +19,7 @@ from kvtax.serve.proxy.wire import Answer
 __all__ = [
     "SHUTTING_DOWN",
     "bad_request",
+    "internal_error",
     "not_implemented",
     "over_budget",
     "shed",
@@ -47,6 +48,11 @@ def too_large(limit: int) -> Answer:
 def bad_request(status: int, message: str) -> Answer:
     """A request the HTTP parser refused (malformed, or a head over the limit)."""
     return Answer.error(status, message, "invalid_request_error", close=True)
+
+
+def internal_error() -> Answer:
+    """The 500 for a fault of kvtax's own (logged with its traceback); never vLLM's."""
+    return Answer.error(500, "kvtax failed to relay the request", "internal_error", close=True)
 
 
 def not_implemented(message: str) -> Answer:

@@ -46,7 +46,7 @@ from typing import Protocol, cast
 
 import httptools
 
-from kvtax.serve.proxy.answers import bad_request
+from kvtax.serve.proxy.answers import bad_request, internal_error
 from kvtax.serve.proxy.exchange import Exchange
 from kvtax.serve.proxy.head import RequestHead, head_problem, request_line_problem
 from kvtax.serve.proxy.wire import Answer, Headers
@@ -378,7 +378,16 @@ class ClientConnection(asyncio.Protocol):
                     await self._writable.wait()
                     if self.closed:
                         return
-                await self.handler.handle(exchange)
+                try:
+                    await self.handler.handle(exchange)
+                except Exception:
+                    # The proxy port's one edge: a fault of kvtax's own answers 500 (or cuts an
+                    # answer already under way) and closes; the next request is not served.
+                    log.exception("the proxy failed answering a request; closing its connection")
+                    if not exchange.head_sent:
+                        exchange.answer(internal_error())
+                    exchange.break_off()
+                    return
                 if not exchange.complete:  # the handler wrote nothing: never leave it hanging
                     exchange.break_off()
                 self.pipeline.popleft()

@@ -66,8 +66,8 @@ from kvtax.gate.footprint import (
     blocks_of,
     check_budget,
     footprint_of,
+    limit_fields,
     shape_of,
-    with_max_tokens,
 )
 from kvtax.gate.order import (
     CompletionRate,
@@ -221,7 +221,7 @@ class Gate:
             return verdict.message
         if verdict.action == "ok" or verdict.max_tokens is None:
             return prepared.body, max_tokens
-        clamped = prepared.rewritten(with_max_tokens(payload, verdict.max_tokens))
+        clamped = prepared.with_fields(limit_fields(payload, verdict.max_tokens))
         if clamped is None:  # too deep to write back: refused as `reject` would
             return check_budget(prompt, max_tokens, budget, "reject", prompts=prompts, n=n).message
         return clamped, verdict.max_tokens

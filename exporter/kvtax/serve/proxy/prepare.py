@@ -1,9 +1,17 @@
 """An accounted request's body, read once: its model, its usage wish and the bytes for vLLM.
 
-:func:`prepare` reads the body's JSON once. It learns the model and, for a stream, asks vLLM for
-usage on every chunk (:func:`kvtax.delivery.sse.with_usage`); any other body goes to vLLM byte
-for byte. The JSON it read stays with it (:class:`Prepared`) for the gate, which sizes
-it and may clamp its completion limit without parsing it again. Pure: no I/O.
+:func:`prepare` reads the body's top level once, field by field (msgspec, into raw JSON
+values): each field kvtax acts on is parsed, and the chat messages' media parts (base64 images
+and audio, tens of MiB) are skipped unread, so a 12 MiB request costs a scan of its bytes, not
+their decoding. It learns the model and, for a stream, asks vLLM for usage on every chunk
+(:func:`kvtax.delivery.sse.with_usage`). A body to change (the usage options, the gate's
+clamp) is written anew at its top level only (:meth:`Prepared.with_fields`): every other value
+goes on as the client's own bytes. A body msgspec does not read (NaN, a top level that is not
+an object) is read whole by the standard parsers instead, as before; any body kvtax cannot
+read goes to vLLM byte for byte, and vLLM answers it.
+
+The JSON it read stays with it (:class:`Prepared`) for the gate, which sizes it and may clamp
+its completion limit without parsing it again. Pure: no I/O.
 
 Example::
 
@@ -16,26 +24,34 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
 from kvtax.delivery.lax import lax_bool
 from kvtax.delivery.ledger import OTHER
 from kvtax.delivery.sse import UsageWish, with_usage
+from kvtax.gate.footprint import LIMIT_KEYS
 
 __all__ = ["UNNAMED", "Prepared", "prepare"]
 
 # The model of a request vLLM refuses before it picks a model: counted as ``other``.
 UNNAMED = OTHER
+_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+# The fields kvtax reads: here, and the gate's (kvtax.gate.footprint.shape_of).
+_READ = frozenset({"model", "stream", "stream_options", "messages", "prompt", "n", *LIMIT_KEYS})
+_OBJECTS = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """An accounted request, its body read once: the model, the usage wish, the bytes for
-    vLLM and the JSON they hold (``payload``; None when the body is not JSON), which the
-    gate sizes without reading the body again."""
+    vLLM and the JSON they hold (``payload``; None when the body is not JSON; a chat message's
+    media parts are empty objects in it, their data unread), which the gate sizes without
+    reading the body again."""
 
     # None: the client named no model, and vLLM's default model serves it.
     model: str | None
@@ -44,17 +60,22 @@ class Prepared:
     payload: Any = None
     # Read by the standard parser: written back by it, so that vLLM reads the same values.
     lenient: bool = False
+    # The body's top level as raw JSON values, in order (None: read whole). ``payload`` then
+    # holds only the fields kvtax reads.
+    fields: Mapping[str, msgspec.Raw] | None = None
 
-    def rewritten(self, payload: Any) -> bytes | None:
-        """``payload`` (this request's, changed) as a body for vLLM; None if it cannot be
-        written."""
-        return _dumps(payload, lenient=self.lenient)
+    def with_fields(self, changed: Mapping[str, Any]) -> bytes | None:
+        """This request's body with the top-level ``changed`` fields set (added at the end when
+        new); None if it cannot be written."""
+        if self.fields is None:
+            return _dumps({**self.payload, **changed}, lenient=self.lenient)
+        return _rewritten(self.fields, changed)
 
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
-def _loads(body: bytes) -> tuple[Any, bool]:
+def _loads(body: bytes | msgspec.Raw) -> tuple[Any, bool]:
     """A request body as JSON, and whether it took the standard parser: orjson, or Python's
     for what orjson refuses but Python's (vLLM's) accepts (NaN, Infinity, lone surrogates), so
     such a body is still understood. ValueError when neither reads it.
@@ -63,13 +84,14 @@ def _loads(body: bytes) -> tuple[Any, bool]:
     an integer past 64 bits as a float, and writing the body back would hand vLLM ``1e+29``
     for the client's exact integer. Such runs are rare, and the search is one C-level scan.
     """
-    if _LONG_DIGITS.search(body) is None:
+    data = bytes(body) if isinstance(body, msgspec.Raw) else body
+    if _LONG_DIGITS.search(data) is None:
         try:
-            return orjson.loads(body), False
+            return orjson.loads(data), False
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(body), True
+        return json.loads(data), True
     except RecursionError as exc:  # nested past what either parser follows
         raise ValueError("nested too deeply") from exc
 
@@ -87,6 +109,78 @@ def _dumps(payload: Any, *, lenient: bool) -> bytes | None:
         return None
 
 
+def _rewritten(fields: Mapping[str, msgspec.Raw], changed: Mapping[str, Any]) -> bytes | None:
+    """The top level written anew from its raw values, ``changed`` ones replaced or added.
+    Only the changed values are encoded; the rest are the client's bytes. (A key the client
+    sent twice is written once, with the last value: the one vLLM's parser keeps.)"""
+    parts: list[bytes | memoryview] = []
+    try:
+        for key, raw in fields.items():
+            value = changed.get(key, raw) if key in changed else raw
+            encoded = memoryview(raw) if value is raw else _dumps(value, lenient=False)
+            if encoded is None:
+                return None
+            parts += (b"," if parts else b"", orjson.dumps(key), b":", encoded)
+        for key, value in changed.items():
+            if key not in fields:
+                encoded = _dumps(value, lenient=False)
+                if encoded is None:
+                    return None
+                parts += (b"," if parts else b"", orjson.dumps(key), b":", encoded)
+    except orjson.JSONEncodeError:  # a key with a lone surrogate
+        return None
+    return b"{" + b"".join(parts) + b"}"
+
+
+def _light_messages(raw: msgspec.Raw) -> Any:
+    """Chat messages as the gate reads them, with each media part an empty object: its data
+    (base64, tens of MiB) is never decoded. Messages of another shape are read whole."""
+    try:
+        messages = _OBJECTS.decode(raw)  # RecursionError cannot come: the top level read it
+        light: list[dict[str, Any]] = []
+        for message in messages:
+            kept: dict[str, Any] = {}
+            for key, value in message.items():
+                if key == "content" and bytes(memoryview(value)[:1]) == b"[":
+                    kept[key] = [_light_part(part) for part in _OBJECTS.decode(value)]
+                else:
+                    kept[key] = _loads(value)[0]
+            light.append(kept)
+    except (msgspec.DecodeError, ValueError):
+        return _loads(raw)[0]
+    return light
+
+
+def _light_part(part: Mapping[str, msgspec.Raw]) -> dict[str, Any]:
+    """A content part: its text if it has one (the gate counts text), else nothing of it."""
+    text = part.get("text")
+    if text is None:
+        return {}
+    return {"text": _loads(text)[0]}
+
+
+def _read(body: bytes) -> tuple[Any, bool, Mapping[str, msgspec.Raw] | None]:
+    """The body's JSON, whether the standard parser read it, and its raw top level (None when
+    read whole). ValueError when nothing reads it."""
+    try:
+        fields = _TOP.decode(body)
+    except (msgspec.DecodeError, RecursionError):  # not for msgspec (NaN, say), or too deep
+        payload, lenient = _loads(body)
+        return payload, lenient, None
+    try:
+        # Only the fields kvtax acts on are decoded: a body of a million other keys costs a
+        # scan, not a million decodes.
+        payload = {
+            key: _light_messages(raw) if key == "messages" else _loads(raw)[0]
+            for key, raw in fields.items()
+            if key in _READ
+        }
+    except ValueError:
+        payload, lenient = _loads(body)
+        return payload, lenient, None
+    return payload, False, fields
+
+
 def prepare(body: bytes) -> Prepared:
     """An accounted request as vLLM should get it.
 
@@ -98,24 +192,29 @@ def prepare(body: bytes) -> Prepared:
     request), or the body is not a JSON object.
     """
     try:
-        payload, lenient = _loads(body)
+        payload, lenient, fields = _read(body)
     except ValueError:
         return Prepared(UNNAMED, None, body)
     if not isinstance(payload, dict):
         return Prepared(UNNAMED, None, body, payload, lenient)
-    name = _model(payload.get("model"))
+    read = Prepared(_model(payload.get("model")), None, body, payload, lenient, fields)
     if lax_bool(payload.get("stream"), False) is not True:
-        return Prepared(name, None, body, payload, lenient)
+        return read
     asked = with_usage(payload)
     if asked is None:  # options vLLM refuses: it answers 400, kvtax adds nothing
-        return Prepared(name, None, body, payload, lenient)
+        return read
     wish, upstream_payload = asked
     if upstream_payload is payload:  # the client asked for all of it already
-        return Prepared(name, wish, body, payload, lenient)
-    rewritten = _dumps(upstream_payload, lenient=lenient)
+        return Prepared(read.model, wish, body, payload, lenient, fields)
+    options = {"stream_options": upstream_payload["stream_options"]}
+    rewritten = read.with_fields(options)
     if rewritten is None:  # too deep to write back: sent as it came, its usage not asked for
-        return Prepared(name, None, body, payload, lenient)
-    return Prepared(name, wish, rewritten, upstream_payload, lenient)
+        return read
+    # What the gate reads is what vLLM gets: a clamp starts from the body as it now is.
+    upstream = {**payload, **options}
+    if fields is not None:
+        fields = {**fields, "stream_options": msgspec.Raw(orjson.dumps(options["stream_options"]))}
+    return Prepared(read.model, wish, rewritten, upstream, lenient, fields)
 
 
 def _model(value: Any) -> str | None:
