@@ -363,7 +363,11 @@ def second_engine(
         engine = VllmEngine(
             log_path=tmp / "engine.log",
             # Its own core: the session's engine computes on core 0, as vLLM's "auto" binds it.
+            # Alone there: the other lanes' engines bound to core 1 (beside_cores) wait while it
+            # runs, and it waits for theirs to end (the calm pod was not calm beside them:
+            # KvtaxVllmScrapeFailing and KvtaxStreamStalls, true alarms, in a full run).
             cpus=CALM_CORES.strip("[]"),
+            own_cores=True,
             # PYTHONPATH is the folder alone, as in the pod: not the checkout's exporter/ that
             # the testbed puts there for its own child processes.
             extra_env={"PYTHONPATH": str(plugin_dir)},

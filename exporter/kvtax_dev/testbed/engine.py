@@ -14,6 +14,7 @@ sidecar's test suite, whose venv has neither torch nor vLLM. The process itself 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 import requests
 
@@ -63,6 +65,55 @@ def beside_cores() -> str | None:
     "auto" binds the worker of every engine to core 0 (two engines on it would each compute at
     half speed). None on one core: "auto" is all there is."""
     return "1" if (os.cpu_count() or 1) >= 2 else None
+
+
+class CoreLock:
+    """A lock on the cores an engine is bound to ("1", "0-1"), one file each in the temp dir:
+    shared while engines run side by side there, exclusive for one that must compute alone
+    (the fleet test's calm replica, which other lanes' engines on its core made not calm).
+
+    ``acquire`` waits up to ``wait`` seconds and then fails naming the core, rather than hang.
+    """
+
+    def __init__(self, cpus: str, *, exclusive: bool = False, wait: float = 900.0) -> None:
+        self.cores = _cores_of(cpus)
+        self.exclusive = exclusive
+        self.wait = wait
+        self._files: list[IO[str]] = []
+
+    def acquire(self) -> None:
+        mode = fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH
+        deadline = time.monotonic() + self.wait
+        for core in self.cores:
+            handle = (Path(tempfile.gettempdir()) / f"kvtax-core-{core}.lock").open("a")
+            while True:
+                try:
+                    fcntl.flock(handle, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        handle.close()
+                        self.release()
+                        raise EngineStartError(
+                            f"core {core} stayed busy with another test's engine for "
+                            f"{self.wait:g} s"
+                        ) from None
+                    time.sleep(0.5)
+            self._files.append(handle)
+
+    def release(self) -> None:
+        for handle in self._files:
+            handle.close()  # closing drops the lock
+        self._files.clear()
+
+
+def _cores_of(cpus: str) -> list[int]:
+    """VLLM_CPU_OMP_THREADS_BIND's cores: "1", "0-3", "0,2"."""
+    cores: list[int] = []
+    for part in cpus.split(","):
+        low, _, high = part.strip().partition("-")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return sorted(set(cores))
 
 
 def _progress(message: str) -> None:
@@ -178,6 +229,7 @@ class VllmEngine:
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         cpus: str | None = None,
+        own_cores: bool = False,
         eager: bool = True,
         log_path: Path | None = None,
         model_dir: Path | None = None,
@@ -205,6 +257,11 @@ class VllmEngine:
         # testbed measures scheduling, preemption and counters, which compiling does not change;
         # benchmarks of compute speed (bench/prefill_ratio.py) pass eager=False.
         self.eager = eager
+        # Engines bound to cores share them (a shared lock on each, held while the engine runs);
+        # ``own_cores`` takes them alone, waiting until no other engine of this machine's test
+        # runs computes there: a test that watches a calm engine for false alarms must not
+        # have another lane's overload on its core (CoreLock).
+        self.core_lock = CoreLock(cpus, exclusive=own_cores) if cpus is not None else None
         self.log_path: Path = (
             log_path
             if log_path is not None
@@ -270,12 +327,16 @@ class VllmEngine:
             startup_timeout=self.startup_timeout_s,
             error=EngineStartError,
         )
+        if self.core_lock is not None:
+            self.core_lock.acquire()
         _progress(f"starting vLLM on {self.url} (log: {self.log_path})...")
         began = time.monotonic()
         try:
             self._child.start()
         except BaseException:
             self._child = None
+            if self.core_lock is not None:
+                self.core_lock.release()
             raise
         self.startup_seconds = time.monotonic() - began
         _progress(f"engine healthy after {self.startup_seconds:.1f} s")
@@ -296,6 +357,8 @@ class VllmEngine:
         child, self._child = self._child, None
         if child is not None:
             child.stop(grace=self.stop_grace_s)
+            if self.core_lock is not None:
+                self.core_lock.release()
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines of the engine log, for error messages."""
