@@ -137,6 +137,8 @@ class Proxy:
         self.ledger = ledger
         self.clock = clock
         self.in_flight = 0
+        # Every exchange being answered, accounted or not: the drain waits for them all.
+        self._busy = 0
         # Streams vLLM answered in a coding kvtax cannot inflate (not gzip or deflate).
         self.encoded_streams = 0
         self.upstream = Upstream(settings.upstream, settings.timeout)
@@ -145,10 +147,11 @@ class Proxy:
         self.state: Phase = "serving"
         self._server: asyncio.Server | None = None
         self._clients: set[ClientConnection] = set()
-        self._settled = asyncio.Event()  # set when in_flight falls to 0
-        # Accounted requests vLLM is answering, so that shutdown can end what its grace period
-        # does not cover, and a scrape can credit running streams.
+        self._settled = asyncio.Event()  # set when no exchange is being answered
+        # Accounted requests vLLM is answering, so that a scrape can credit running streams.
         self._open: dict[int, tuple[Facts, UpstreamConnection]] = {}
+        # vLLM's connections being relayed, on any path: what shutdown's cut ends.
+        self._relaying: set[UpstreamConnection] = set()
         self.relay = RelaySettings(
             held=self.held,
             clock=clock,
@@ -203,8 +206,8 @@ class Proxy:
             for conn in list(self._clients):
                 conn.shutdown()
             await self._until_settled(grace)
-            if self.in_flight:
-                log.info("grace period over: ending %d request(s) still in flight", self.in_flight)
+            if self._busy:
+                log.info("grace period over: ending %d request(s) still in flight", self._busy)
             self._cut()
             await self._until_settled(_CUT_GRACE)
             for conn in list(self._clients):
@@ -215,7 +218,7 @@ class Proxy:
         await self.close()
 
     async def _until_settled(self, seconds: float) -> None:
-        if not self.in_flight:
+        if not self._busy:
             return
         self._settled.clear()
         with contextlib.suppress(TimeoutError):
@@ -226,7 +229,7 @@ class Proxy:
         """The grace period is over: end what vLLM still has, whether it answered yet or not."""
         self.state = "cutting"
         self.upstream.cut()
-        for _, conn in list(self._open.values()):
+        for conn in list(self._relaying):
             conn.close()
 
     async def close(self) -> None:
@@ -263,14 +266,20 @@ class Proxy:
 
     async def handle(self, exchange: Exchange) -> None:
         """Answer ``exchange``; the client connection calls this for each, in order."""
-        if exchange.refusal is not None:
-            exchange.answer(exchange.refusal)
-        elif exchange.accounted:
-            await self._accounted(exchange)
-        elif self.state != "serving":
-            exchange.answer(shutting_down())  # nothing new goes to vLLM
-        else:
-            await self._passthrough(exchange)
+        self._busy += 1
+        try:
+            if exchange.refusal is not None:
+                exchange.answer(exchange.refusal)
+            elif exchange.accounted:
+                await self._accounted(exchange)
+            elif self.state != "serving":
+                exchange.answer(shutting_down())  # nothing new goes to vLLM
+            else:
+                await self._passthrough(exchange)
+        finally:
+            self._busy -= 1
+            if not self._busy:
+                self._settled.set()
 
     async def _passthrough(self, exchange: Exchange) -> None:
         request = exchange.head
@@ -330,8 +339,6 @@ class Proxy:
         finally:
             self.in_flight -= 1
             self._settle(facts)
-            if not self.in_flight:
-                self._settled.set()
 
     def _settle(self, facts: Facts) -> None:
         acks = facts.acks
@@ -486,10 +493,12 @@ class Proxy:
             exchange.source = conn
         if exchange.conn.write_paused:
             exchange.source.pause_reading()
+        self._relaying.add(conn)
         try:
             conn.attach(sink)
             await sink.done
         finally:
+            self._relaying.discard(conn)
             exchange.source = None
             exchange.detach_body()
             if not conn.closed:

@@ -261,6 +261,10 @@ class UpstreamConnection(asyncio.Protocol):
         self.answered = True
         try:
             self.parser.feed_data(data)
+            if not self.status:
+                # Still no final head: a header value grows inside the parser and reaches
+                # on_header only whole, so the head is counted by the bytes that brought it.
+                self._count(len(data))
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamBroke("vLLM answered with a protocol upgrade (101)"))
             self.close()
@@ -268,7 +272,9 @@ class UpstreamConnection(asyncio.Protocol):
             if self.complete:
                 self._unsolicited()  # bytes after the end, in the same read as the end
             else:
-                cause = exc.__context__ if isinstance(exc.__context__, _HeadTooLarge) else None
+                cause = next(
+                    (e for e in (exc, exc.__context__) if isinstance(e, _HeadTooLarge)), None
+                )
                 what = str(cause) if cause else f"vLLM's answer is not HTTP: {type(exc).__name__}"
                 self._fail(UpstreamBroke(what))
                 self.close()
