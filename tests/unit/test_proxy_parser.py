@@ -99,6 +99,50 @@ async def test_a_connection_that_completes_no_request_is_closed(
     assert rig.seen == []
 
 
+async def test_a_head_sent_a_byte_at_a_time_cannot_hold_the_connection(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Protection: the reads of a head do not restart the wait for it (a slowloris client that
+    # sends one byte now and then would otherwise keep its connection for good).
+    monkeypatch.setattr(client_module, "KEEPALIVE", 0.3)
+    rig = await start()
+    reader, writer = await rig.connect()
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+
+    async def drip() -> None:
+        for byte in head:
+            writer.write(bytes([byte]))
+            await asyncio.sleep(0.02)
+
+    dripping = asyncio.ensure_future(drip())
+    try:
+        assert await closed(reader)  # well before the 200 bytes (4 s) were all sent
+        assert not dripping.done()
+    finally:
+        dripping.cancel()
+    assert rig.seen == []
+
+
+async def test_a_body_that_keeps_arriving_slowly_is_not_cut(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A body's reads each restart the wait (nginx's client_body_timeout): an upload slower than
+    # the wait as a whole, with no pause as long, reaches vLLM.
+    monkeypatch.setattr(client_module, "KEEPALIVE", 0.3)
+    rig = await start()
+    reader, writer = await rig.connect()
+    body = json.dumps(WHOLE).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    for i in range(0, len(body), 2):
+        writer.write(body[i : i + 2])
+        await asyncio.sleep(0.05)  # the whole body takes longer than 0.3 s
+    reply = await read_reply(reader)
+    assert reply.status == 200
+    assert len(rig.seen) == 1
+
+
 async def test_a_vllm_whose_answer_is_not_http_is_vllm_s_error(start: Start) -> None:
     rig = await start()
 

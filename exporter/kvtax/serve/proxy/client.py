@@ -141,7 +141,12 @@ class ClientConnection(asyncio.Protocol):
             self._unparsed += data
             return
         self._feed(data)
-        self._arm_idle()
+        if self._receiving is not None:
+            self._arm_idle()  # a body arriving: each read restarts the wait (client_body_timeout)
+        elif self.pipeline:
+            self._disarm_idle()  # answering: nothing is wanted of the client meanwhile
+        elif self._idle is None:
+            self._arm_idle()
 
     def eof_received(self) -> bool | None:
         return None  # a FIN is the client leaving: the transport closes (see module doc)
@@ -363,9 +368,7 @@ class ClientConnection(asyncio.Protocol):
     # -- the queue and its task -------------------------------------------------------------
     def _start(self) -> None:
         """Run the queue's task, unless it runs already."""
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        self._disarm_idle()
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._serve())
 
@@ -443,15 +446,19 @@ class ClientConnection(asyncio.Protocol):
         return str(peer[0]) if isinstance(peer, tuple) and peer else "an unknown peer"
 
     def _arm_idle(self) -> None:
-        """Wait on the client at most KEEPALIVE seconds from now while something is wanted of
-        it: a request (idle, or its head under way) or the body being read; each read re-arms
-        it. While an answer is under way with its request read, nothing is wanted."""
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        """Wait on the client at most KEEPALIVE seconds from now. A request must be complete
+        within that of the connection going idle (reads of its head do not restart the wait,
+        so a head sent a byte at a time cannot hold the connection); a body's reads each do.
+        While an answer is under way with its request read, nothing is wanted of the client."""
+        self._disarm_idle()
         if self.closed or (self.pipeline and self._receiving is None):
             return
         self._idle = asyncio.get_running_loop().call_later(KEEPALIVE, self.close)
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
 
     def _stall(self) -> None:
         """The client left its socket full for send_timeout: it has gone away."""
