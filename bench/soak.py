@@ -4,12 +4,12 @@ clients, and kvtax's memory and descriptors when it is idle again.
 A fake vLLM (:mod:`bench.soak_upstream`, its own process on loopback) answers a deterministic mix
 of requests (:mod:`bench.soak_client`): streams closed the instant ``[DONE]`` is read, streams
 read to the end, clients that hang up mid-stream, non-streamed bodies of 1 KB to 3 MB arriving in
-several writes, 500s, an upstream that breaks off, slow readers. 64 clients at a time, in five
-phases of 20 %. After each phase the soak waits until kvtax has settled every request so far and
+several writes, 500s, an upstream that breaks off, slow readers. 64 clients at a time, in ten
+phases of 10 %. After each phase the soak waits until kvtax has settled every request so far and
 samples its VmRSS and open descriptors from /proc, and the event-loop tasks and open streams if
 kvtax publishes them; then again once idle. Verdicts:
 
-- RSS grows less than 5 % between the 20 % and the 100 % marks;
+- RSS grows less than 2 % between the 50 % and the 100 % marks (a plateau);
 - descriptors (and tasks, and open streams) return to their level before the load once idle;
 - kvtax's ledger equals what the clients saw (:func:`bench.soak_compare.compare`);
 - every client got what the upstream sent (no cut body, no missing token).

@@ -20,9 +20,12 @@ from bench.soak_compare import Check, ClientRecord, LedgerView
 __all__ = ["IDLE_LIMIT_S", "MARKS", "Mark", "SoakResult", "header", "report"]
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKS = 5  # samples at 20 %, 40 %, ... 100 %
+MARKS = 10  # samples at 10 %, 20 %, ... 100 %
 IDLE_LIMIT_S = 30.0  # longest wait for descriptors to come back once idle
-RSS_GROWTH = 0.05
+# RSS may grow this much over the run's second half: a plateau, not a slow leak (issue 29's
+# bound; the first half covers the allocator and the caches filling).
+RSS_GROWTH = 0.02
+RSS_FROM = MARKS // 2  # the 50 % mark
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +42,7 @@ class Mark:
 
 @dataclass
 class SoakResult:
-    """Everything one soak saw. ``marks``: before the load, at each 20 %, then idle."""
+    """Everything one soak saw. ``marks``: before the load, at each 10 %, then idle."""
 
     requests: int
     records: list[ClientRecord] = field(default_factory=list)
@@ -57,14 +60,15 @@ class SoakResult:
     def verdicts(self) -> list[tuple[str, bool, str]]:
         """(verdict, passed, the figures it was judged on)."""
         by_pct = self.marks[1 : 1 + MARKS]
-        first, last = by_pct[0].rss_kib, by_pct[-1].rss_kib
+        first, last = by_pct[RSS_FROM - 1].rss_kib, by_pct[-1].rss_kib
         growth = (last - first) / first
         idle = self.marks[-1]
         problems = [r for r in self.records if r.problem]
         back = self.idle_seconds is not None
         return [
             (
-                f"RSS grows < {RSS_GROWTH:.0%} from the 20 % to the 100 % mark",
+                f"RSS grows < {RSS_GROWTH:.0%} from the {RSS_FROM * 100 // MARKS} % to the "
+                "100 % mark",
                 growth < RSS_GROWTH,
                 f"{first / 1024:.1f} -> {last / 1024:.1f} MiB ({growth:+.1%})",
             ),
