@@ -39,6 +39,8 @@ Flags:
 - ``--out FILE``: also write the report to FILE.
 - ``--kvtax-arg FLAG``: one extra flag for ``kvtax serve`` (repeat for several), e.g.
   ``--kvtax-arg=--scrape.interval=1h``.
+- ``--unpinned``: pin nothing, so the relays, the upstream and the load share both cores, as
+  in a pod where kvtax and vLLM's API server share a CPU limit (default: pinned as above).
 
 Run from the repository root (nginx from Debian's nginx-light), alone on the machine: take the
 end-to-end lock so no vLLM engine competes for the two cores::
@@ -119,11 +121,13 @@ def _more_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _spawn(args: list[str], core: int, log: Path) -> subprocess.Popen[bytes]:
-    # The open-files limit is inherited from this process (raised in main()).
+def _spawn(args: list[str], core: int | None, log: Path) -> subprocess.Popen[bytes]:
+    # The open-files limit is inherited from this process (raised in main()). core None: not
+    # pinned, the scheduler's to place (every process shares the machine's cores).
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-    os.sched_setaffinity(proc.pid, {core})
+    if core is not None:
+        os.sched_setaffinity(proc.pid, {core})
     return proc
 
 
@@ -174,13 +178,14 @@ class Relay:
 
 
 @contextlib.contextmanager
-def relays(kvtax_args: tuple[str, ...] = ()) -> Iterator[list[Relay]]:
-    """Start the upstream and the three relays; yield the four modes, in MODES' order."""
+def relays(kvtax_args: tuple[str, ...] = (), *, pinned: bool = True) -> Iterator[list[Relay]]:
+    """Start the upstream and the three relays; yield the four modes, in MODES' order.
+    ``pinned``: each relay on RELAY_CORE, the upstream on LOAD_CORE; else none pinned."""
     work = Path(tempfile.mkdtemp(prefix="kvtax-bench-relay-"))
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(name: str, args: list[str], port: int, core: int) -> subprocess.Popen[bytes]:
-        proc = _spawn(args, core, work / f"{name}.log")
+        proc = _spawn(args, core if pinned else None, work / f"{name}.log")
         procs.append(proc)
         _wait_port(port, proc, work / f"{name}.log")
         return proc
@@ -564,9 +569,11 @@ async def main_async(
     concurrency: tuple[int, ...] = CONCURRENCY,
     kvtax_args: tuple[str, ...] = (),
     rounds: int = ROUNDS,
+    *,
+    pinned: bool = True,
 ) -> str:
     turns: dict[tuple[str, int], list[Turn]] = {}
-    with relays(kvtax_args) as modes:
+    with relays(kvtax_args, pinned=pinned) as modes:
         for streams in sorted(concurrency):
             plan = Plan.of(streams, rounds, quick)
             for r in range(rounds):
@@ -589,7 +596,15 @@ async def main_async(
                         f"gap p99 {one.gap_p99 * 1000:.2f} ms",
                         file=sys.stderr,
                     )
-    return report({key: Figures.of(ts) for key, ts in turns.items()}, rounds)
+    placement = (
+        f"pinned: each relay on core {RELAY_CORE}, the upstream and the load on core {LOAD_CORE}"
+        if pinned
+        else "unpinned: every process on any core, as in a pod where the relay and vLLM's API "
+        "server share a CPU limit"
+    )
+    return f"Placement: {placement}.\n\n" + report(
+        {key: Figures.of(ts) for key, ts in turns.items()}, rounds
+    )
 
 
 def _concurrencies(value: str) -> tuple[int, ...]:
@@ -637,10 +652,25 @@ def main() -> None:
         metavar="FLAG",
         help="An extra flag for `kvtax serve`, e.g. --kvtax-arg=--scrape.interval=1h (repeat).",
     )
+    parser.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="Pin nothing: the relays, the upstream and the load share every core (default: "
+        f"each relay on core {RELAY_CORE}, the upstream and the load on core {LOAD_CORE}).",
+    )
     args = parser.parse_args()
     _more_files()
-    os.sched_setaffinity(0, {LOAD_CORE})
-    table = asyncio.run(main_async(args.quick, args.streams, tuple(args.kvtax_arg), args.rounds))
+    if not args.unpinned:
+        os.sched_setaffinity(0, {LOAD_CORE})
+    table = asyncio.run(
+        main_async(
+            args.quick,
+            args.streams,
+            tuple(args.kvtax_arg),
+            args.rounds,
+            pinned=not args.unpinned,
+        )
+    )
     print(table)
     if args.out:
         args.out.write_text(table + "\n")
