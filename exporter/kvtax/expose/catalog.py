@@ -226,6 +226,15 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         (M,),
     ),
     _S(
+        "kvtax_recompute_avoided_tokens_total",
+        "counter",
+        "Tokens of resumed (preempted) requests that were not computed again, by source: "
+        "prefix_cache (still in vLLM's own KV cache) or kv_connector (loaded back by a KV "
+        "connector: CPU offloading, LMCache; present only where vLLM runs with one). Measured by "
+        "kvtax's vLLM plugin; absent without it.",
+        (M, "source"),
+    ),
+    _S(
         "kvtax_preemption_tax_ratio",
         "gauge",
         "Share of engine token work that was recompute over the window: R / (Pc + G + R), one "

@@ -9,6 +9,9 @@ three recompute methods and their meaning (docs/tax.md, vllm-facts.md):
 - ``estimated``: preemptions x L-hat, the mean context at preemption from vLLM's histograms.
 - ``stall_estimated``: preemptions x the mean context at the stream stalls the proxy saw.
 
+Beside the recompute, :func:`recompute_avoided` splits what resumes did not compute again by
+where it came from: vLLM's own prefix cache, or a KV connector that loaded it back.
+
 Example::
 
     estimated_recompute(4.0, mean_context(histograms))  # 4 preemptions x L-hat
@@ -22,10 +25,12 @@ from kvtax.delivery.ledger import LedgerTotals
 from kvtax.engine.snapshot import Histogram, ModelMetrics
 
 __all__ = [
+    "AVOIDED_SOURCES",
     "METHODS",
     "computed_prompt_raw",
     "estimated_recompute",
     "mean_context",
+    "recompute_avoided",
     "stall_mean_context",
     "v0_recompute",
 ]
@@ -37,6 +42,25 @@ METHODS = (
     ("estimated", "recomputed_estimated"),
     ("stall_estimated", "recomputed_stall_estimated"),
 )
+
+
+# Where a resumed request's tokens came from when they were not computed again.
+AVOIDED_SOURCES = ("prefix_cache", "kv_connector")
+
+
+def recompute_avoided(totals: Mapping[str, float]) -> dict[str, float]:
+    """Tokens of resumed requests not computed again, by source, from the plugin's totals.
+
+    The plugin's hits hold both sources; the connector's part is its own counter, present only
+    where vLLM runs with a KV connector. Without the plugin there is nothing: no zero either.
+    """
+    hits = totals.get("preempted_hit_tokens")
+    if hits is None:
+        return {}
+    loaded = totals.get("preempted_connector_hit_tokens")
+    if loaded is None:
+        return {"prefix_cache": hits}
+    return {"prefix_cache": hits - loaded, "kv_connector": loaded}
 
 
 def computed_prompt_raw(m: ModelMetrics, *, v0: bool) -> float | None:
