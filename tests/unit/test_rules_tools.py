@@ -282,3 +282,66 @@ def test_tax_by_method_panel_and_the_tax_rule_agree_on_the_one_definition(tmp_pa
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_recompute_avoided_row_computes_its_shares_in_a_real_promtool(tmp_path: Path) -> None:
+    # Per second: Pc 10, G 20, recomputed 10, found in the prefix cache 20, loaded by the
+    # connector 30. Resumes needed 60: half of it loaded. The tax is 10 / 40; had the loaded
+    # tokens been computed again it would have been 40 / 70.
+    overview = dashboards()["kvtax-overview.json"]
+    titles = [p["title"] for p in overview["panels"]]
+    row = titles.index("Recompute avoided")
+    targets = [t for p in overview["panels"][row + 1 : row + 4] for t in p["targets"]]
+    # Rounded to 4 places: rate()'s extrapolation leaves a last-digit error in 30 / 60 tokens.
+    records = [
+        {
+            "record": f"panel:t{i}",
+            "expr": f"round(({expand(t['expr'], rate_interval='5m')}) * 10000) / 10000",
+        }
+        for i, t in enumerate(targets)
+    ]
+    (tmp_path / "panel.yaml").write_text(
+        yaml.safe_dump({"groups": [{"name": "p", "rules": records}]})
+    )
+    where = 'namespace="llm",pod="vllm-0",model_name="tiny-llama"'
+    inputs = {
+        "kvtax_engine_prompt_computed_tokens_total": ("", 600),
+        "kvtax_engine_generation_tokens_total": ("", 1200),
+        "kvtax_recomputed_tokens_measured_total": ("", 600),
+        "kvtax_recompute_avoided_tokens_total": (',source="prefix_cache"', 1200),
+        "kvtax_recompute_avoided_tokens_total ": (',source="kv_connector"', 1800),
+    }
+    series = [
+        {"series": f"{name.strip()}{{{where}{extra}}}", "values": f"0+{step}x20"}
+        for name, (extra, step) in inputs.items()
+    ]
+    expected = [10.0, 20.0, 30.0, 0.5, 0.25, 0.5714]
+    test = {
+        "rule_files": ["panel.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": f"panel:t{i}",
+                        "eval_time": "10m",
+                        "exp_samples": [
+                            {"labels": f'panel:t{i}{{model_name="tiny-llama"}}', "value": v}
+                        ],
+                    }
+                    for i, v in enumerate(expected)
+                ],
+            }
+        ],
+    }
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [_tool("promtool"), "test", "rules", "test.yaml"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
