@@ -215,7 +215,7 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "kvtax_recomputed_tokens_estimated_total",
         "counter",
         "Tokens prefilled again after preemption, estimated: new preemptions x mean context "
-        "(mean prompt + half the mean generation); an upper bound.",
+        "(mean prompt tokens computed + half the mean generation); an upper bound.",
         (M,),
     ),
     _S(
