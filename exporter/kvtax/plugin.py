@@ -107,15 +107,19 @@ class PreemptionDeltas(NamedTuple):
         return self.queried - self.hits
 
 
-def _count(value: object, what: str) -> int:
+def _signed_count(value: object, what: str) -> int:
     # Any integer type (numpy's too) is a count; a float is not, and neither is a bool, which
     # would mean the field now holds a flag: either way the shape changed.
     if isinstance(value, bool):
         raise TypeError(f"{what} is bool, expected an integer count")
     try:
-        count = operator.index(value)  # type: ignore[arg-type]
+        return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"{what} is {type(value).__name__}, expected an integer count") from None
+
+
+def _count(value: object, what: str) -> int:
+    count = _signed_count(value, what)
     if count < 0:
         raise ValueError(f"{what} is negative ({count})")
     return count
@@ -140,8 +144,15 @@ def read_deltas(scheduler_stats: Any) -> PreemptionDeltas:
     loaded = 0
     connector = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
     if connector is not None:
-        loaded = _count(connector.preempted_hits, "connector preempted_hits")
-        hits += loaded
+        # Negative where a connector asks vLLM to drop part of its own hit: vLLM 0.32's
+        # ExampleConnector answers its stored prompt length minus the local hit, below zero once
+        # a resumed request's local hit runs past it (seen: -128), and vLLM then computes those
+        # tokens again. So they join the recompute, and the connector loaded nothing.
+        change = _signed_count(connector.preempted_hits, "connector preempted_hits")
+        loaded = max(0, change)
+        hits += change
+    if hits < 0:
+        raise ValueError(f"preempted hits ({hits}) are negative")
     if hits > queried:
         raise ValueError(f"preempted hits ({hits}) exceed queries ({queried})")
     return PreemptionDeltas(queried, hits, resumes, loaded)

@@ -189,7 +189,8 @@ def check_accounting(arm: Arm) -> None:
     assert d["preemptions"] > 0, "the overload made no preemption to account for"
     assert d["steps"] > 0, f"the probe saw no step: vLLM ran without {FLAG}?"
     # The scheduler's two records agree: what resumes needed, less what they found or loaded,
-    # is what the steps show was computed again.
+    # is what the steps show was computed again (no connector here takes back a local hit).
+    assert d["dropped"] == 0
     assert d["queried"] - d["local_hits"] - d["loaded"] == arm.recomputed_by_steps > 0
     assert d["resumes"] == d["preemptions"]
     # kvtax's measurement is that count, exactly; so is its tax.

@@ -174,6 +174,20 @@ def test_connector_hits_of_resumed_requests_are_not_recompute() -> None:
     assert deltas.recomputed == 100
 
 
+def test_a_connector_that_takes_back_part_of_the_local_hit_adds_to_the_recompute() -> None:
+    # vLLM 0.32's ExampleConnector answers (its stored prompt blocks - the local hit), negative
+    # once a resumed request's local hit runs past the prompt: seen -128 on the real engine with
+    # 300-token prompts. vLLM then computes those 128 tokens again, and nothing was loaded.
+    deltas = plugin.read_deltas(loaded(queries=420, local_hits=384, connector_hits=-128))
+    assert deltas == plugin.PreemptionDeltas(420, 256, 1, connector_hits=0)
+    assert deltas.recomputed == 164
+
+
+def test_a_connector_cannot_take_back_more_than_the_local_hit() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        plugin.read_deltas(loaded(queries=420, local_hits=100, connector_hits=-128))
+
+
 def test_without_connector_stats_nothing_is_loaded() -> None:
     assert plugin.read_deltas(resumed(queries=500, hits=100)).connector_hits == 0
 

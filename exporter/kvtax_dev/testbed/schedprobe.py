@@ -8,8 +8,10 @@ in a folder :func:`probe_dir` writes, which publishes on vLLM's /metrics (``prob
   (``SchedulerStats.iteration_details``: context plus generation tokens of the step; vLLM fills
   it only with ``--enable-logging-iteration-details``), and ``probe_steps_total``;
 - ``probe_resumed_*``: what the scheduler recorded for resumed requests, read here on its own:
-  tokens queried, found in vLLM's prefix cache (``prefix_cache_stats``), and loaded by a KV
-  connector (``connector_prefix_cache_stats``), and the resumes.
+  tokens queried, found in vLLM's prefix cache (``prefix_cache_stats``), loaded by a KV
+  connector (``connector_prefix_cache_stats``), and the resumes. A connector's hit can be
+  negative (vLLM 0.32's ExampleConnector takes back part of vLLM's own hit); that part is
+  ``probe_resumed_dropped_local_tokens_total``, since a counter only grows.
 
 From the first, recompute follows by arithmetic alone (:func:`recomputed_by_steps`). It imports
 nothing from :mod:`kvtax`, on purpose.
@@ -39,6 +41,7 @@ SERIES = {
     "queried": "probe_resumed_queried_tokens_total",
     "local_hits": "probe_resumed_local_hit_tokens_total",
     "loaded": "probe_resumed_loaded_tokens_total",
+    "dropped": "probe_resumed_dropped_local_tokens_total",
     "resumes": "probe_resumes_total",
 }
 _LABELS = ("engine",)
@@ -119,7 +122,8 @@ def _build() -> type[Any]:
             add["resumes"](local.preempted_requests)
             connector = scheduler_stats.connector_prefix_cache_stats
             if connector is not None:
-                add["loaded"](connector.preempted_hits)
+                add["loaded"](max(0, connector.preempted_hits))
+                add["dropped"](max(0, -connector.preempted_hits))
 
         def log_engine_initialized(self) -> None:
             pass
