@@ -2,13 +2,15 @@
 
 vLLM counts, per scheduler step, how many tokens of *resumed* (previously preempted) requests it
 looked up in the prefix cache and how many it found (``PrefixCacheStats.preempted_queries`` and
-``preempted_hits``, 0.12+), but publishes neither. This module is loaded by vLLM's OpenAI server
-through the ``vllm.stat_logger_plugins`` entry point and turns them into four Prometheus counters,
-labelled ``model_name``/``engine`` exactly like vLLM's own series, in prometheus-client's default
-registry, which is the registry vLLM's /metrics serves. Their names come from
-:mod:`kvtax.engine.vocabulary`, so the sidecar that reads them and the plugin that writes them
-cannot
-disagree.
+``preempted_hits``, 0.12+), but publishes neither. With a KV connector (LMCache, CPU offloading)
+it also counts, apart, the tokens of resumed requests the connector loaded back
+(``connector_prefix_cache_stats.preempted_hits``): vLLM's ``external_prefix_cache_*`` counters
+leave resumed requests out. This module is loaded by vLLM's OpenAI server through the
+``vllm.stat_logger_plugins`` entry point and turns them into four Prometheus counters (five with
+a connector), labelled ``model_name``/``engine`` exactly like vLLM's own series, in
+prometheus-client's default registry, which is the registry vLLM's /metrics serves. Their names
+come from :mod:`kvtax.engine.vocabulary`, so the sidecar that reads them and the plugin that
+writes them cannot disagree.
 
 Nothing here imports vLLM at import time: vLLM resolves ``kvtax.plugin:KvtaxStatLogger``, and only
 that attribute access (the module ``__getattr__``) imports vLLM's ``StatLoggerBase`` and builds the
@@ -38,6 +40,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from kvtax.engine.vocabulary import CONCEPTS
 
 __all__ = [
+    "CONNECTOR_CONCEPT",
     "ENTRY_POINT_GROUP",
     "ENTRY_POINT_NAME",
     "LABELS",
@@ -65,6 +68,9 @@ PLUGIN_CONCEPTS = (
     "preempted_hit_tokens",
     "preempted_resumes",
 )
+# Published only where vLLM runs with a KV connector: without one, "nothing loaded" is not a
+# measurement but the absence of a tier.
+CONNECTOR_CONCEPT = "preempted_connector_hit_tokens"
 _PREEMPTION_FIELDS = ("preempted_requests", "preempted_queries", "preempted_hits")
 
 # A child of vLLM's logger, so the plugin's few lines land in the engine log with vLLM's format
@@ -84,11 +90,16 @@ def family_name(concept: str) -> str:
 
 
 class PreemptionDeltas(NamedTuple):
-    """One stats update's increments: tokens of resumed requests queried and hit, and resumes."""
+    """One stats update's increments: tokens of resumed requests queried and hit, and resumes.
+
+    ``hits`` counts every token the resume did not compute again; ``connector_hits`` is the part
+    of them a KV connector loaded back (the rest was still in vLLM's own prefix cache).
+    """
 
     queried: int
     hits: int
     resumes: int
+    connector_hits: int = 0
 
     @property
     def recomputed(self) -> int:
@@ -96,15 +107,19 @@ class PreemptionDeltas(NamedTuple):
         return self.queried - self.hits
 
 
-def _count(value: object, what: str) -> int:
+def _signed_count(value: object, what: str) -> int:
     # Any integer type (numpy's too) is a count; a float is not, and neither is a bool, which
     # would mean the field now holds a flag: either way the shape changed.
     if isinstance(value, bool):
         raise TypeError(f"{what} is bool, expected an integer count")
     try:
-        count = operator.index(value)  # type: ignore[arg-type]
+        return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"{what} is {type(value).__name__}, expected an integer count") from None
+
+
+def _count(value: object, what: str) -> int:
+    count = _signed_count(value, what)
     if count < 0:
         raise ValueError(f"{what} is negative ({count})")
     return count
@@ -115,18 +130,32 @@ def read_deltas(scheduler_stats: Any) -> PreemptionDeltas:
 
     Raises AttributeError, TypeError or ValueError when vLLM's stats do not have the 0.12+ shape.
     With a KV connector, tokens of a resumed request loaded from the external cache are hits too:
-    loading is not recomputing.
+    loading is not recomputing. vLLM's scheduler (``v1/core/sched/scheduler.py``, 0.32) looks a
+    resumed request up locally first and records all its tokens as queried and the local hit as
+    hit; it then asks the connector for the rest, and records that rest as the connector's query
+    and what the connector will load as the connector's hit. So the local queries already hold
+    the connector's, and the tokens computed again are local queries - local hits - connector
+    hits.
     """
     local = scheduler_stats.prefix_cache_stats
     queried = _count(local.preempted_queries, "preempted_queries")
     hits = _count(local.preempted_hits, "preempted_hits")
     resumes = _count(local.preempted_requests, "preempted_requests")
+    loaded = 0
     connector = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
     if connector is not None:
-        hits += _count(connector.preempted_hits, "connector preempted_hits")
+        # Negative where a connector asks vLLM to drop part of its own hit: vLLM 0.32's
+        # ExampleConnector answers its stored prompt length minus the local hit, below zero once
+        # a resumed request's local hit runs past it (seen: -128), and vLLM then computes those
+        # tokens again. So they join the recompute, and the connector loaded nothing.
+        change = _signed_count(connector.preempted_hits, "connector preempted_hits")
+        loaded = max(0, change)
+        hits += change
+    if hits < 0:
+        raise ValueError(f"preempted hits ({hits}) are negative")
     if hits > queried:
         raise ValueError(f"preempted hits ({hits}) exceed queries ({queried})")
-    return PreemptionDeltas(queried, hits, resumes)
+    return PreemptionDeltas(queried, hits, resumes, loaded)
 
 
 def has_preemption_fields(stats_class: type) -> bool:
@@ -136,7 +165,8 @@ def has_preemption_fields(stats_class: type) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PluginCounters:
-    """The plugin's four labelled counters in one registry.
+    """The plugin's labelled counters in one registry: the four of PLUGIN_CONCEPTS, and the
+    connector's (a family always registered, a series only for an engine with a connector).
 
     One set per registry per process (:meth:`shared`): vLLM creates one logger per engine, and a
     restarted ``AsyncLLM`` in the same process creates them again, so a second registration must
@@ -147,6 +177,7 @@ class PluginCounters:
     queried: Counter
     hits: Counter
     resumes: Counter
+    connector_hits: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> PluginCounters:
@@ -158,7 +189,7 @@ class PluginCounters:
                 registry=registry,
             )
 
-        return cls(*(counter(concept) for concept in PLUGIN_CONCEPTS))
+        return cls(*(counter(concept) for concept in (*PLUGIN_CONCEPTS, CONNECTOR_CONCEPT)))
 
     @classmethod
     def shared(cls, registry: CollectorRegistry = REGISTRY) -> PluginCounters:
@@ -169,7 +200,7 @@ class PluginCounters:
             return found[1]
 
     def families(self) -> tuple[Counter, ...]:
-        return (self.recomputed, self.queried, self.hits, self.resumes)
+        return (self.recomputed, self.queried, self.hits, self.resumes, self.connector_hits)
 
 
 _SHARED: dict[int, tuple[CollectorRegistry, PluginCounters]] = {}
@@ -189,21 +220,39 @@ class Recorder:
     ``counters=None`` makes a recorder that publishes nothing (the plugin found it cannot measure).
     The series are created at zero on construction, so ``rate()`` works before the first
     preemption; on a shape error they are removed again, so no stale zero suggests "no recompute".
+    ``connector`` (vLLM runs with a KV connector) adds the series of tokens the connector loaded.
     """
 
-    def __init__(self, model_name: str, engine: str, counters: PluginCounters | None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        engine: str,
+        counters: PluginCounters | None,
+        *,
+        connector: bool = False,
+    ) -> None:
         self.labels = (model_name, engine)
         self._counters = counters
         self._children: tuple[Any, Any, Any, Any] | None = None
+        self._loaded: Any = None
         if counters is not None:
-            recomputed, queried, hits, resumes = (
-                c.labels(*self.labels) for c in counters.families()
+            self._children = (
+                counters.recomputed.labels(*self.labels),
+                counters.queried.labels(*self.labels),
+                counters.hits.labels(*self.labels),
+                counters.resumes.labels(*self.labels),
             )
-            self._children = (recomputed, queried, hits, resumes)
+            if connector:
+                self._loaded = counters.connector_hits.labels(*self.labels)
 
     @property
     def active(self) -> bool:
         return self._children is not None
+
+    @property
+    def counts_connector(self) -> bool:
+        """Whether this engine's series include the tokens a KV connector loaded back."""
+        return self._loaded is not None
 
     def record(self, scheduler_stats: Any) -> None:
         children = self._children
@@ -221,6 +270,8 @@ class Recorder:
             queried.inc(deltas.queried)
             hits.inc(deltas.hits)
             resumes.inc(deltas.resumes)
+            if self._loaded is not None:
+                self._loaded.inc(deltas.connector_hits)
 
     def stop(self, reason: str) -> None:
         """Stop publishing this engine's series, logging the reason once per process."""
@@ -228,6 +279,7 @@ class Recorder:
             "stopped", "kvtax plugin: %s; recompute is no longer measured, only estimated", reason
         )
         counters, self._counters, self._children = self._counters, None, None
+        self._loaded = None
         if counters is not None:
             for family in counters.families():
                 with contextlib.suppress(KeyError):
@@ -237,6 +289,12 @@ class Recorder:
 def _model_name(vllm_config: Any) -> str:
     # vLLM's own PrometheusStatLogger labels with model_config.served_model_name.
     return str(vllm_config.model_config.served_model_name)
+
+
+def _kv_connector(vllm_config: Any) -> bool:
+    # vLLM's scheduler makes a connector (and keeps its lookup stats) exactly when
+    # kv_transfer_config is set: --kv-transfer-config, or --kv-offloading-backend which fills it.
+    return getattr(vllm_config, "kv_transfer_config", None) is not None
 
 
 def _prefix_caching(vllm_config: Any) -> bool | None:
@@ -270,7 +328,9 @@ def new_recorder(
             "tokens; publishing nothing, kvtax will estimate recompute instead",
         )
         return Recorder(model, engine, None)
-    return Recorder(model, engine, PluginCounters.shared(registry))
+    return Recorder(
+        model, engine, PluginCounters.shared(registry), connector=_kv_connector(vllm_config)
+    )
 
 
 def _vllm_has_preemption_fields() -> bool:
@@ -290,6 +350,12 @@ def _log_publishing(recorder: Recorder | None) -> None:
             family_name("recomputed_tokens"),
             *recorder.labels,
         )
+        if recorder.counts_connector:
+            log.info(
+                "kvtax plugin: vLLM runs with a KV connector; tokens it loads back for resumed "
+                "requests are counted apart (%s)",
+                family_name(CONNECTOR_CONCEPT),
+            )
 
 
 def build_stat_logger(registry: CollectorRegistry = REGISTRY) -> type[Any]:

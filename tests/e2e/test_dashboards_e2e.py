@@ -160,6 +160,25 @@ def _gate_off(overload: Overload, expr: str) -> bool:
     return not any(overload.api.query(name, overload.end) for name in gate)
 
 
+# The Overview's recompute-avoided row: its KV connector lines exist only where vLLM runs with a
+# connector, and the session engine runs without one; tests/e2e/test_offload_e2e.py checks that
+# row with data on an engine with LMCache.
+_LOADED = 'kvtax_recompute_avoided_tokens_total{source="kv_connector"}'
+
+
+def _no_connector(overload: Overload, expr: str) -> bool:
+    """True when ``expr`` reads the tokens a KV connector loaded and Prometheus holds none."""
+    reads = "kvtax_recompute_avoided_tokens_total" in series_names(expr)
+    loaded = 'source="kv_connector"' in expr
+    return reads and loaded and not overload.api.query(_LOADED, overload.end)
+
+
+# An estimate is drawn only where no measurement exists (the Overview's Tax by method): with
+# the session engine's plugin measuring, the whole query is rightly empty, and its left side is
+# what must have data.
+_UNLESS = " unless on (model_name) "
+
+
 def _cases() -> list[tuple[str, str, str, str]]:
     return [
         (doc["uid"], panel["title"], target["refId"], target["expr"])
@@ -179,6 +198,16 @@ def test_every_panel_query_returns_data(
     for values in ({}, {"model_name": overload.model}):
         filled = expand(expr, rate_interval=RATE_INTERVAL, values=values)
         series = overload.api.query(filled, overload.end)
+        if _UNLESS in filled:
+            shown, hidden_by = filled.split(_UNLESS)
+            masked = overload.api.query(hidden_by, overload.end)
+            assert not (series and masked), f"{uid} / {title} / {ref}: drawn beside its mask"
+            if masked:
+                # Hidden where the measurement is: what it would draw must still exist.
+                series = overload.api.query(shown, overload.end)
+                expr = shown
+        if not series and _no_connector(overload, expr):
+            continue
         if not series and _absent_method(overload, expr):
             # A method's line is absent exactly when kvtax publishes no counter for it.
             continue

@@ -254,8 +254,20 @@ def test_tax_by_method_computes_each_method_from_its_counter_and_says_why_they_d
     overview = dashboards()["kvtax-overview.json"]
     detail = next(p for p in panels(overview) if p["title"] == "Tax by method")
     assert detail["gridPos"]["y"] > _glance()[0]["gridPos"]["y"]
+    measured = "kvtax_recomputed_tokens_measured_total"
     per_target = [series_names(t["expr"]) & RECOMPUTE_COUNTERS for t in detail["targets"]]
-    assert per_target == [{f"kvtax_recomputed_tokens_{m}_total"} for m in METHODS]
+    # Each method from its own counter; an estimate also reads the measured one, to hide itself
+    # wherever a model has a measurement.
+    assert per_target == [{f"kvtax_recomputed_tokens_{m}_total", measured} for m in METHODS]
+    for target, method in zip(detail["targets"], METHODS, strict=True):
+        hidden = target["expr"].endswith(
+            f"unless on (model_name) sum by (model_name) (rate({measured}"
+            '{namespace=~"$namespace", pod=~"$pod", model_name=~"$model_name"}'
+            "[$__rate_interval]))"
+        )
+        assert hidden == (method != "measured"), target["expr"]
+    legends = [t["legendFormat"] for t in detail["targets"]]
+    assert legends[METHODS.index("estimated")].startswith("estimated, an upper bound")
     for target in detail["targets"]:
         # The one formula: R / (Pc + G + R), the same R twice.
         assert series_names(target["expr"]) - RECOMPUTE_COUNTERS == {
@@ -267,6 +279,36 @@ def test_tax_by_method_computes_each_method_from_its_counter_and_says_why_they_d
     assert "upper bound" in text
     assert "plugin" in text
     assert "stalls" in text
+
+
+def test_the_estimate_over_time_is_labelled_an_upper_bound() -> None:
+    overview = dashboards()["kvtax-overview.json"]
+    panel = next(p for p in panels(overview) if p["title"] == "Preemption tax and waste")
+    for target in panel["targets"]:
+        assert target["expr"].startswith("label_replace(")
+        assert '"method", "estimated, an upper bound", "method", "estimated")' in target["expr"]
+
+
+def test_the_recompute_avoided_row_draws_every_source_of_a_resumed_requests_kv() -> None:
+    overview = dashboards()["kvtax-overview.json"]
+    titles = [p["title"] for p in overview["panels"]]
+    row = titles.index("Recompute avoided")
+    assert titles.index("What it costs") < row < titles.index("KV pressure")
+    streams, share, beside = overview["panels"][row + 1 : row + 4]
+    assert streams["title"] == "Resumed requests' tokens by source"
+    sources = [t["expr"] for t in streams["targets"]]
+    assert "kvtax_recomputed_tokens_measured_total" in sources[0]
+    assert 'source="prefix_cache"' in sources[1]
+    assert 'source="kv_connector"' in sources[2]
+    # Stacked: the top of the stack is the context the resumes needed.
+    assert all(o["properties"] for o in streams["fieldConfig"]["overrides"])
+    assert share["title"] == "Recompute avoided by offload"
+    assert 'source="kv_connector"' in share["targets"][0]["expr"]
+    assert share["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    tax, without = (t["expr"] for t in beside["targets"])
+    assert 'source="kv_connector"' not in tax
+    assert 'source="kv_connector"' in without
+    assert "kvtax_engine_generation_tokens_total" in without
 
 
 def test_every_tax_panel_says_which_tax_it_reads_and_links_the_one_definition() -> None:

@@ -175,6 +175,20 @@ def test_computed_prompt_prefers_the_most_exact_source() -> None:
     assert computed_prompt_raw(ModelMetrics({}), v0=False) is None
 
 
+def test_mean_context_counts_the_prompt_tokens_computed_where_vllm_says() -> None:
+    # 0.13+: of a 512-token prompt the first prefill computed 128 (384 were a shared prefix,
+    # still cached when a victim resumes), so L-hat is 128 + 300 / 2, not 512 + 150.
+    both = {
+        "request_prompt_tokens": hist(512.0),
+        "request_generation_tokens": hist(300.0),
+        "prefill_kv_computed": hist(128.0),
+    }
+    assert mean_context(both) == pytest.approx(128 + 150)
+    # Before 0.13, the whole prompt.
+    del both["prefill_kv_computed"]
+    assert mean_context(both) == pytest.approx(512 + 150)
+
+
 def test_mean_context_needs_both_histograms() -> None:
     both = {"request_prompt_tokens": hist(41.0), "request_generation_tokens": hist(500.0)}
     assert mean_context(both) == pytest.approx(41 + 250)

@@ -52,6 +52,7 @@ PLUGIN = {
     "recomputed_tokens",
     "preempted_queried_tokens",
     "preempted_hit_tokens",
+    "preempted_connector_hit_tokens",
     "preempted_resumes",
 }
 PREFIX_COUNTERS = {"prefix_cache_queries", "prefix_cache_hits"}

@@ -52,11 +52,30 @@ def resumed(queries: int, hits: int, resumes: int = 1) -> SchedulerStats:
     return SchedulerStats(PrefixCacheStats(0, 0, 0, resumes, queries, hits))
 
 
-def config(prefix_caching: bool | None = True, model: str = MODEL) -> Any:
+def config(
+    prefix_caching: bool | None = True, model: str = MODEL, *, connector: bool = False
+) -> Any:
     cache = types.SimpleNamespace(enable_prefix_caching=prefix_caching)
+    # vLLM 0.32's VllmConfig.kv_transfer_config: None unless a KV connector is configured.
+    transfer = types.SimpleNamespace(kv_connector="LMCacheMPConnector") if connector else None
     return types.SimpleNamespace(
-        model_config=types.SimpleNamespace(served_model_name=model), cache_config=cache
+        model_config=types.SimpleNamespace(served_model_name=model),
+        cache_config=cache,
+        kv_transfer_config=transfer,
     )
+
+
+def loaded(queries: int, local_hits: int, connector_hits: int, resumes: int = 1) -> SchedulerStats:
+    """A resume as vLLM 0.32's scheduler records it with a connector: every token queried and
+    the local hit in the local stats, the rest queried and the loaded part hit in the
+    connector's (v1/core/sched/scheduler.py)."""
+    stats = resumed(queries, local_hits, resumes)
+    stats.connector_prefix_cache_stats = PrefixCacheStats(
+        preempted_requests=resumes,
+        preempted_queries=queries - local_hits,
+        preempted_hits=connector_hits,
+    )
+    return stats
 
 
 def series(registry: CollectorRegistry) -> dict[str, float]:
@@ -150,9 +169,27 @@ def test_recomputed_is_queried_minus_hits() -> None:
 
 
 def test_connector_hits_of_resumed_requests_are_not_recompute() -> None:
-    stats = resumed(queries=500, hits=100)
-    stats.connector_prefix_cache_stats = PrefixCacheStats(preempted_requests=1, preempted_hits=300)
-    assert plugin.read_deltas(stats).recomputed == 100
+    deltas = plugin.read_deltas(loaded(queries=500, local_hits=100, connector_hits=300))
+    assert deltas == plugin.PreemptionDeltas(500, 400, 1, connector_hits=300)
+    assert deltas.recomputed == 100
+
+
+def test_a_connector_that_takes_back_part_of_the_local_hit_adds_to_the_recompute() -> None:
+    # vLLM 0.32's ExampleConnector answers (its stored prompt blocks - the local hit), negative
+    # once a resumed request's local hit runs past the prompt: seen -128 on the real engine with
+    # 300-token prompts. vLLM then computes those 128 tokens again, and nothing was loaded.
+    deltas = plugin.read_deltas(loaded(queries=420, local_hits=384, connector_hits=-128))
+    assert deltas == plugin.PreemptionDeltas(420, 256, 1, connector_hits=0)
+    assert deltas.recomputed == 164
+
+
+def test_a_connector_cannot_take_back_more_than_the_local_hit() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        plugin.read_deltas(loaded(queries=420, local_hits=100, connector_hits=-128))
+
+
+def test_without_connector_stats_nothing_is_loaded() -> None:
+    assert plugin.read_deltas(resumed(queries=500, hits=100)).connector_hits == 0
 
 
 class IntLike:
@@ -218,6 +255,42 @@ def test_recorder_creates_zero_series_and_accumulates_updates() -> None:
         key("preempted_hit_tokens"): 128.0,
         key("preempted_resumes"): 3.0,
     }
+
+
+def test_with_a_connector_the_tokens_it_loaded_are_a_series_of_their_own() -> None:
+    registry = CollectorRegistry()
+    rec = plugin.new_recorder(config(connector=True), 0, supported=True, registry=registry)
+    assert rec.counts_connector
+    # At zero from the start, like the other four: rate() works before the first load.
+    assert series(registry)[key(plugin.CONNECTOR_CONCEPT)] == 0.0
+
+    rec.record(loaded(queries=600, local_hits=128, connector_hits=384))
+    rec.record(loaded(queries=300, local_hits=256, connector_hits=0))
+
+    assert series(registry) == {
+        key("recomputed_tokens"): 132.0,
+        key("preempted_queried_tokens"): 900.0,
+        key("preempted_hit_tokens"): 768.0,
+        key(plugin.CONNECTOR_CONCEPT): 384.0,
+        key("preempted_resumes"): 2.0,
+    }
+
+
+def test_without_a_connector_the_loaded_series_is_absent_not_zero() -> None:
+    registry = CollectorRegistry()
+    rec = plugin.new_recorder(config(), 0, supported=True, registry=registry)
+    rec.record(resumed(queries=10, hits=2))
+    assert not rec.counts_connector
+    assert key(plugin.CONNECTOR_CONCEPT) not in series(registry)
+
+
+def test_a_shape_error_removes_the_connector_series_too() -> None:
+    registry = CollectorRegistry()
+    rec = plugin.new_recorder(config(connector=True), 0, supported=True, registry=registry)
+    rec.record(loaded(queries=10, local_hits=0, connector_hits=5))
+    rec.record(loaded(queries=10, local_hits=8, connector_hits=5))  # hits above queries
+    assert not rec.active
+    assert series(registry) == {}
 
 
 def test_engines_and_repeated_instances_share_families_without_duplicates() -> None:
@@ -336,6 +409,22 @@ def test_built_class_is_a_stat_logger_vllm_can_instantiate(
 
     assert series(registry)[key("recomputed_tokens")] == 45.0
     assert any("kvtax_plugin_recomputed_tokens" in r.getMessage() for r in caplog.records)
+    assert not any("KV connector" in r.getMessage() for r in caplog.records)
+
+
+def test_built_class_with_a_connector_says_so_in_the_engine_log(
+    fake_vllm: Callable[[type], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_vllm(PrefixCacheStats)
+    registry = CollectorRegistry()
+    logger = plugin.build_stat_logger(registry)(config(connector=True), engine_index=0)
+    with caplog.at_level(logging.INFO, logger="vllm.kvtax_plugin"):
+        logger.log_engine_initialized()
+    logger.record(loaded(queries=50, local_hits=10, connector_hits=30), None)
+    assert series(registry)[key(plugin.CONNECTOR_CONCEPT)] == 30.0
+    assert any(
+        plugin.family_name(plugin.CONNECTOR_CONCEPT) in r.getMessage() for r in caplog.records
+    )
 
 
 class _Exploding:
@@ -451,3 +540,46 @@ def test_measured_total_mirrors_the_plugin_counter_from_the_first_scrape(
     samples = published([text])
     by = {(s.metric, s.labels): s.value for s in samples}
     assert by[("kvtax_recomputed_tokens_measured_total", (MODEL,))] == 4000.0
+
+
+def avoided(samples: list[Sample]) -> dict[str, float]:
+    return {
+        s.labels[1]: s.value for s in samples if s.metric == "kvtax_recompute_avoided_tokens_total"
+    }
+
+
+def test_recompute_avoided_by_a_connector_is_published_apart_from_the_prefix_cache(
+    fixture_text: Callable[[str], str],
+) -> None:
+    # A real capture with the plugin's own exposition beside it, from an engine with a connector:
+    # of 900 re-queried tokens, 128 were still in vLLM's cache, 384 loaded back, 388 computed.
+    registry = CollectorRegistry()
+    rec = plugin.new_recorder(config(connector=True), 0, supported=True, registry=registry)
+    rec.record(loaded(queries=900, local_hits=128, connector_hits=384, resumes=3))
+    samples = published(
+        [fixture_text("0.32-after-overload.prom") + generate_latest(registry).decode()]
+    )
+
+    assert avoided(samples) == {"prefix_cache": 128.0, "kv_connector": 384.0}
+    by = {(s.metric, s.labels): s.value for s in samples}
+    # Loaded is not recomputed: the measured total is what was computed again, and only that.
+    assert by[("kvtax_recomputed_tokens_measured_total", (MODEL,))] == 388.0
+
+
+def test_without_a_connector_only_the_prefix_cache_avoided_recompute(
+    fixture_text: Callable[[str], str],
+) -> None:
+    registry = CollectorRegistry()
+    rec = plugin.new_recorder(config(), 0, supported=True, registry=registry)
+    rec.record(resumed(queries=900, hits=512, resumes=3))
+    samples = published(
+        [fixture_text("0.32-after-overload.prom") + generate_latest(registry).decode()]
+    )
+    assert avoided(samples) == {"prefix_cache": 512.0}
+
+
+def test_without_the_plugin_no_recompute_avoided_is_published(
+    fixture_text: Callable[[str], str],
+) -> None:
+    samples = published([fixture_text(name) for name in CAPTURES])
+    assert avoided(samples) == {}

@@ -210,11 +210,12 @@ def test_amtool_matching_route_is_a_single_severity_route() -> None:
 def test_tax_by_method_panel_and_the_tax_rule_agree_on_the_one_definition(tmp_path: Path) -> None:
     # The Overview's per-method queries and the per-pod tax record, on the same counters, in a
     # real promtool: the record takes measured (the best method) and matches that panel line.
+    # A second model has no measurement: there, and only there, the panel draws the estimate.
     overview = dashboards()["kvtax-overview.json"]
     detail = next(p for p in panels(overview) if p["title"] == "Tax by method")
     records = [
         {
-            "record": f"panel:{t['legendFormat'].split()[0]}",
+            "record": f"panel:{t['legendFormat'].split()[0].rstrip(',')}",
             "expr": expand(t["expr"], rate_interval="5m"),
         }
         for t in detail["targets"]
@@ -224,20 +225,30 @@ def test_tax_by_method_panel_and_the_tax_rule_agree_on_the_one_definition(tmp_pa
     )
     (tmp_path / "recording.yaml").write_text((ALERTS / "kvtax-recording.yaml").read_text())
     where = 'namespace="llm",pod="vllm-0",model_name="tiny-llama"'
+    unmeasured = 'namespace="llm",pod="vllm-1",model_name="other"'
     inputs = {  # per minute: Pc 10/s, G 20/s, measured R 10/s, estimated R 90/s
         "kvtax_engine_prompt_computed_tokens_total": 600,
         "kvtax_engine_generation_tokens_total": 1200,
         "kvtax_recomputed_tokens_measured_total": 600,
         "kvtax_recomputed_tokens_estimated_total": 5400,
     }
+    series = [
+        {"series": f"{name}{{{labels}}}", "values": f"0+{step}x20"}
+        for labels in (where, unmeasured)
+        for name, step in inputs.items()
+        if labels == where or "measured" not in name.replace("estimated", "")
+    ]
     model = '{model_name="tiny-llama"}'
-    expected = [
-        ("panel:measured", model, 0.25),
-        ("panel:estimated", model, 0.75),
+    expected: list[tuple[str, list[tuple[str, float]]]] = [
+        ("panel:measured", [(model, 0.25)]),
+        # Hidden where the measurement is: only the unmeasured model's estimate is drawn.
+        ("panel:estimated", [('{model_name="other"}', 0.75)]),
         (
             "namespace_pod_model_name:kvtax_preemption_tax:ratio_rate5m",
-            f'{{{where},method="measured"}}',
-            0.25,
+            [
+                (f'{{{where},method="measured"}}', 0.25),
+                (f'{{{unmeasured},method="estimated"}}', 0.75),
+            ],
         ),
     ]
     test = {
@@ -246,20 +257,82 @@ def test_tax_by_method_panel_and_the_tax_rule_agree_on_the_one_definition(tmp_pa
         "tests": [
             {
                 "interval": "1m",
-                "input_series": [
-                    {"series": f"{name}{{{where}}}", "values": f"0+{step}x20"}
-                    for name, step in inputs.items()
-                ],
+                "input_series": series,
                 "promql_expr_test": [
                     {
                         "expr": name,
                         "eval_time": "10m",
-                        "exp_samples": [{"labels": name + labels, "value": v}],
+                        "exp_samples": [
+                            {"labels": name + labels, "value": v} for labels, v in want
+                        ],
                     }
-                    for name, labels, v in expected
+                    for name, want in expected
                 ]
                 # No stall-based counter: that line is absent, not 0.
                 + [{"expr": "panel:stall_estimated", "eval_time": "10m", "exp_samples": []}],
+            }
+        ],
+    }
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [_tool("promtool"), "test", "rules", "test.yaml"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_recompute_avoided_row_computes_its_shares_in_a_real_promtool(tmp_path: Path) -> None:
+    # Per second: Pc 10, G 20, recomputed 10, found in the prefix cache 20, loaded by the
+    # connector 30. Resumes needed 60: half of it loaded. The tax is 10 / 40; had the loaded
+    # tokens been computed again it would have been 40 / 70.
+    overview = dashboards()["kvtax-overview.json"]
+    titles = [p["title"] for p in overview["panels"]]
+    row = titles.index("Recompute avoided")
+    targets = [t for p in overview["panels"][row + 1 : row + 4] for t in p["targets"]]
+    # Rounded to 4 places: rate()'s extrapolation leaves a last-digit error in 30 / 60 tokens.
+    records = [
+        {
+            "record": f"panel:t{i}",
+            "expr": f"round(({expand(t['expr'], rate_interval='5m')}) * 10000) / 10000",
+        }
+        for i, t in enumerate(targets)
+    ]
+    (tmp_path / "panel.yaml").write_text(
+        yaml.safe_dump({"groups": [{"name": "p", "rules": records}]})
+    )
+    where = 'namespace="llm",pod="vllm-0",model_name="tiny-llama"'
+    inputs = {
+        "kvtax_engine_prompt_computed_tokens_total": ("", 600),
+        "kvtax_engine_generation_tokens_total": ("", 1200),
+        "kvtax_recomputed_tokens_measured_total": ("", 600),
+        "kvtax_recompute_avoided_tokens_total": (',source="prefix_cache"', 1200),
+        "kvtax_recompute_avoided_tokens_total ": (',source="kv_connector"', 1800),
+    }
+    series = [
+        {"series": f"{name.strip()}{{{where}{extra}}}", "values": f"0+{step}x20"}
+        for name, (extra, step) in inputs.items()
+    ]
+    expected = [10.0, 20.0, 30.0, 0.5, 0.25, 0.5714]
+    test = {
+        "rule_files": ["panel.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": f"panel:t{i}",
+                        "eval_time": "10m",
+                        "exp_samples": [
+                            {"labels": f'panel:t{i}{{model_name="tiny-llama"}}', "value": v}
+                        ],
+                    }
+                    for i, v in enumerate(expected)
+                ],
             }
         ],
     }

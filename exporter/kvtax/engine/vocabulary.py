@@ -244,6 +244,12 @@ CONCEPT_LIST: tuple[Concept, ...] = (
         "of those, tokens found in the prefix cache",
     ),
     _C(
+        "preempted_connector_hit_tokens",
+        _K.COUNTER,
+        ("kvtax_plugin_preempted_connector_hit_tokens_total",),
+        "of the hits, tokens a KV connector loaded back (only with a connector)",
+    ),
+    _C(
         "preempted_resumes",
         _K.COUNTER,
         ("kvtax_plugin_preempted_resumes_total",),
@@ -299,7 +305,8 @@ NOT_READ: dict[str, str] = {
         "prompt_tokens_by_source{source=local_compute}"
     ),
     "vllm:external_prefix_cache_queries_total": (
-        "lookups in a KV connector's cache (LMCache, offload), outside the GPU pool kvtax models"
+        "new requests' lookups in a KV connector's cache (LMCache, offload); vLLM leaves resumed "
+        "requests out, and kvtax's plugin counts theirs (preempted_connector_hit_tokens)"
     ),
     "vllm:external_prefix_cache_hits_total": "hits in a KV connector's cache (see above)",
     "vllm:mm_cache_queries_total": "multimodal processor cache, not the KV cache",

@@ -215,7 +215,7 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "kvtax_recomputed_tokens_estimated_total",
         "counter",
         "Tokens prefilled again after preemption, estimated: new preemptions x mean context "
-        "(mean prompt + half the mean generation); an upper bound.",
+        "(mean prompt tokens computed + half the mean generation); an upper bound.",
         (M,),
     ),
     _S(
@@ -224,6 +224,15 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "Tokens prefilled again after preemption, estimated from the proxy: new preemptions x "
         "mean context at the stream stalls it saw.",
         (M,),
+    ),
+    _S(
+        "kvtax_recompute_avoided_tokens_total",
+        "counter",
+        "Tokens of resumed (preempted) requests that were not computed again, by source: "
+        "prefix_cache (still in vLLM's own KV cache) or kv_connector (loaded back by a KV "
+        "connector: CPU offloading, LMCache; present only where vLLM runs with one). Measured by "
+        "kvtax's vLLM plugin; absent without it.",
+        (M, "source"),
     ),
     _S(
         "kvtax_preemption_tax_ratio",

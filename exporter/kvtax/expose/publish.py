@@ -58,6 +58,8 @@ def model_samples(
         for method, key in METHODS:
             if key in f.totals:
                 yield Sample(RECOMPUTED_COUNTERS[method], m, f.totals[key])
+        for source, tokens in f.recompute_avoided.items():
+            yield Sample("kvtax_recompute_avoided_tokens_total", (model, source), tokens)
         # The ledger's side of the join, as of the same scrape as the engine's counters above.
         for metric, value in (
             ("kvtax_join_delivered_tokens_total", f.delivered_total),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from kvtax.engine.snapshot import Histogram
-from kvtax.figures.recompute import METHODS
+from kvtax.figures.recompute import METHODS, recompute_avoided
 from kvtax.figures.window import Point, Window
 
 __all__ = [
@@ -98,6 +98,8 @@ class ModelFigures:
     # With the best recompute method of the window (see best_method).
     tax: MethodValue | None = None
     waste: MethodValue | None = None
+    # Lifetime tokens of resumed requests not computed again, by source (recompute_avoided).
+    recompute_avoided: Mapping[str, float] = field(default_factory=dict)
 
 
 def kv_capacity_tokens(info: Mapping[str, str]) -> float | None:
@@ -223,6 +225,7 @@ def derive_model(points: Sequence[Point], settings: EngineSettings) -> ModelFigu
         undelivered_total=last.ledger.undelivered if last.booked else None,
         tax=tax,
         waste=waste,
+        recompute_avoided=recompute_avoided(last.counters),
     )
 
 

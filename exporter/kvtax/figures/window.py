@@ -49,8 +49,16 @@ __all__ = [
 
 # A vLLM server serves one model name, or a handful; a page with more is hostile or broken.
 DEFAULT_MAX_MODELS = 32
-# Counter concepts whose reset-corrected totals kvtax keeps (and republishes).
-TRACKED = ("generation_tokens", "prompt_tokens", "preemptions", "recomputed_tokens")
+# Counter concepts whose reset-corrected totals kvtax keeps (and republishes). The plugin's hits
+# of resumed requests, and the part a KV connector loaded, are the recompute avoided.
+TRACKED = (
+    "generation_tokens",
+    "prompt_tokens",
+    "preemptions",
+    "recomputed_tokens",
+    "preempted_hit_tokens",
+    "preempted_connector_hit_tokens",
+)
 # The histograms derive reads over a window: the request lengths behind the p50/p95.
 WINDOW_HISTOGRAMS = ("request_prompt_tokens", "request_generation_tokens")
 _GAUGES = (

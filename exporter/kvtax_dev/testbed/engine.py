@@ -236,6 +236,8 @@ class VllmEngine:
         model_name: str = DEFAULT_MODEL_NAME,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         stop_grace_s: float = DEFAULT_STOP_GRACE_S,
+        venv: Path | None = None,
+        python_path: Sequence[Path] = (),
     ) -> None:
         self.port: int = port if port is not None else free_port()
         self.host = "127.0.0.1"
@@ -271,7 +273,12 @@ class VllmEngine:
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.startup_seconds: float | None = None
-        self.venv: Path | None = None
+        # The engine's virtual environment: the one scripts/setup-vllm.sh makes unless given
+        # (the LMCache venv of kvtax_dev.testbed.lmcache is the same vLLM with lmcache beside).
+        self.venv: Path | None = venv
+        # Folders put in front of the engine's PYTHONPATH: where vLLM finds extra entry points
+        # (kvtax_dev.testbed.schedprobe's probe_dir).
+        self.python_path = tuple(python_path)
         self._child: ChildProcess | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -306,7 +313,7 @@ class VllmEngine:
         """Install (once), build the model (once), launch, and wait for ``/health``."""
         if self._child is not None:
             return self
-        venv = ensure_vllm_venv()
+        venv = self.venv if self.venv is not None else ensure_vllm_venv()
         self.venv = venv
         ensure_tiny_model(venv, self.model_dir)
         env = _venv_env(venv)
@@ -316,6 +323,8 @@ class VllmEngine:
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         env.update(self.extra_env)
+        if self.python_path:
+            env["PYTHONPATH"] = os.pathsep.join([*map(str, self.python_path), env["PYTHONPATH"]])
         self._child = ChildProcess(
             "vLLM",
             self.command(venv / "bin" / "python"),

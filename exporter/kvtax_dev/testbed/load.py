@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,17 @@ PROMPT = (
     "that pass at night and the sea."
 )
 PROMPT_TOKENS = 41
+# Token ids a distinct prompt is drawn from: inside the tiny model's vocabulary (512), above the
+# few ids its tokenizer reserves for special tokens.
+_PROMPT_IDS = range(16, 500)
+
+
+def distinct_prompts(count: int, tokens: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of ``tokens`` token ids each that share no prefix block: what makes
+    vLLM's prefix cache hold nothing for a request but its own KV. The completions API takes a
+    prompt as token ids, so each is exactly ``tokens`` long (vLLM adds no BOS to ids)."""
+    rng = random.Random(seed)
+    return [[rng.choice(_PROMPT_IDS) for _ in range(tokens)] for _ in range(count)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +74,7 @@ class RequestResult:
 def _body(
     model: str,
     *,
-    prompt: str,
+    prompt: str | Sequence[int],
     max_tokens: int,
     stream: bool,
     include_usage: bool | None,
@@ -82,7 +94,7 @@ def _body(
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
-        body["prompt"] = prompt
+        body["prompt"] = prompt if isinstance(prompt, str) else list(prompt)
     if stream and include_usage is not None:
         options: dict[str, bool] = {"include_usage": include_usage}
         if continuous_usage:
@@ -205,6 +217,7 @@ async def drive(
     seed: int = 0,
     requests: int | None = None,
     prompt: str = PROMPT,
+    prompts: Sequence[str | Sequence[int]] | None = None,
     continuous_usage: bool = False,
     timeout_s: float = 600.0,
     for_seconds: float | None = None,
@@ -216,7 +229,9 @@ async def drive(
     ``url`` is the server base (``http://host:port``); the path is /v1/completions, or
     /v1/chat/completions with ``chat``. ``include_usage`` sets
     ``stream_options.include_usage`` on streamed requests (None leaves it unset, as most
-    clients do). Request *i* carries ``seed + i``. Results are in request order.
+    clients do). Request *i* carries ``seed + i``, and ``prompts[i % len(prompts)]`` when
+    ``prompts`` is given (text or token ids, e.g. :func:`distinct_prompts`), else ``prompt``.
+    Results are in request order.
 
     A load for a time, not a count, holds its overload for as long on a fast machine as on a
     slow one: a test that compares seconds of steady overload gets the same number of them.
@@ -236,7 +251,7 @@ async def drive(
         async def one(index: int) -> RequestResult:
             body = _body(
                 model,
-                prompt=prompt,
+                prompt=prompt if not prompts else prompts[index % len(prompts)],
                 max_tokens=max_tokens,
                 stream=stream,
                 include_usage=include_usage,
@@ -281,4 +296,4 @@ async def _for_a_time(
     return sorted(results, key=lambda r: r.index)
 
 
-__all__ = ["PROMPT", "PROMPT_TOKENS", "RequestResult", "drive"]
+__all__ = ["PROMPT", "PROMPT_TOKENS", "RequestResult", "distinct_prompts", "drive"]

@@ -1,7 +1,8 @@
 """The Overview dashboard: one deployment, narrowed by namespace, pod and model.
 
 Top to bottom it answers: is the engine thrashing, what is it costing (one headline per number:
-tax, waste, goodput, SLO goodput; then the tax by method), where the KV pressure is, what
+tax, waste, goodput, SLO goodput; then the tax by method), what resumed requests got back
+without computing it (the prefix cache, a KV connector), where the KV pressure is, what
 clients feel (TTFT, ITL, stalls), and how admission is sized (recommended against configured
 max_num_seqs, rejections, coverage). Pure: no I/O.
 """
@@ -30,6 +31,7 @@ from kvtax.mixin.dashboards.costs import (
 from kvtax.mixin.dashboards.gate import GATE_ROW
 from kvtax.mixin.dashboards.model import Board, Panel, Row, Target, Threshold
 from kvtax.mixin.dashboards.queries import by, histogram_quantile, kvtax, rate, vllm
+from kvtax.mixin.dashboards.resumes import RESUMES_ROW
 from kvtax.mixin.rules.config import DEFAULT as RULES
 
 __all__ = ["OVERVIEW"]
@@ -256,6 +258,7 @@ OVERVIEW = Board(
             ),
         ),
         Row("What it costs", (GOODPUT_VS_ENGINE, TAX_OVER_TIME, TAX_BY_METHOD)),
+        RESUMES_ROW,
         Row("KV pressure", (_kv_usage, _preemption_rate, _running_waiting)),
         Row(
             "What clients feel",
