@@ -52,6 +52,7 @@ class _Request(BaseModel):
     prompt: str | list[str] | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    return_token_ids: bool | None = False
 
     @model_validator(mode="before")
     @classmethod
@@ -87,6 +88,8 @@ class FakeVllm:
     coding: str = "gzip"
     # Spoil the compressed stream's bytes after its first write (what zlib cannot read).
     corrupt: bool = False
+    # Ignore return_token_ids, as a vLLM without the field would (its events carry none).
+    drop_ids: bool = False
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -187,15 +190,37 @@ class FakeVllm:
             if data:
                 await response.write(data)
 
+        ids = bool(req.return_token_ids) and not self.drop_ids
+        if chat:
+            # vLLM's chat stream opens with a role chunk per choice, which carries no ids; the
+            # prompt's ids are at its top level (null unless asked for).
+            for index in range(choices):
+                role = shape.head()
+                role["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""}}]
+                role["prompt_token_ids"] = [11] * prompt if ids and index == 0 else None
+                if continuous:
+                    role["usage"] = {
+                        "prompt_tokens": prompt,
+                        "total_tokens": prompt,
+                        "completion_tokens": 0,
+                    }
+                await write(lead + _dump(role) + b"\n\n")
         sent = [0] * choices
         while sum(sent) < self.tokens * choices:
             if self.delay:
                 await asyncio.sleep(self.delay)
             for index in range(choices):
                 step = min(self.per_chunk, self.tokens - sent[index])
+                first = sent[index] == 0
                 sent[index] += step
                 finish = "length" if sent[index] == self.tokens else None
                 chunk = shape.chunk(index, step, finish, self.filler)
+                choice = chunk["choices"][0]
+                if not chat:
+                    # vLLM 0.32 writes both fields on every completions event, null unless
+                    # asked for; the prompt's ids come with each choice's first event.
+                    choice["prompt_token_ids"] = [11] * 3 if ids and first else None
+                choice["token_ids"] = list(range(100, 100 + step)) if ids else None
                 if continuous:
                     chunk["usage"] = {
                         "prompt_tokens": prompt,

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtax.delivery.asks import UsageWish
 from kvtax.delivery.ledger import OUTCOMES
-from kvtax.delivery.sse import StreamRewriter, UsageWish
+from kvtax.delivery.sse import StreamRewriter
 from kvtax.delivery.timing import SloTargets
 from kvtax.serve.proxy.acks import AckTracker
 from kvtax.serve.proxy.outcome import Facts, Phase, outcome_of, record_of

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 
-from kvtax.delivery.sse import Fingerprint, HoldBudget, UsageWish
+from kvtax.delivery.asks import UsageWish
+from kvtax.delivery.sse import Fingerprint, HoldBudget
 from kvtax.serve.proxy.exchange import Exchange
 from kvtax.serve.proxy.head import RequestHead
 from kvtax.serve.proxy.outcome import Facts, outcome_of

@@ -97,6 +97,19 @@ SHAPES: list[tuple[str, str, dict[str, Any]]] = [
             "stream_options": {"include_usage": "true"},
         },
     ),
+    ("chat-ids-asked", CHAT, {"messages": MESSAGES, "stream": True, "return_token_ids": True}),
+    (
+        "chat-no-reasoning",
+        CHAT,
+        {"messages": MESSAGES, "stream": True, "include_reasoning": "false"},
+    ),
+    ("ids-asked", COMPLETIONS, _stream(return_token_ids="true")),
+    (
+        "ids-and-include",
+        COMPLETIONS,
+        _stream(return_token_ids=1, stream_options={"include_usage": True}),
+    ),
+    ("echo", COMPLETIONS, _stream(echo=True)),
     ("chat-whole", CHAT, {"model": ENGINE, "messages": MESSAGES}),
     ("chat-whole-tools-alias", CHAT, {"model": ALIAS, "messages": MESSAGES, "tools": TOOLS}),
     ("whole-no-model", COMPLETIONS, {"prompt": "hi", "max_tokens": "4"}),
@@ -145,7 +158,7 @@ Start = Callable[..., Any]
 async def start() -> AsyncIterator[Start]:
     started: list[tuple[web.AppRunner, Proxy]] = []
 
-    async def start(**knobs: Any) -> Rig:
+    async def start(version: str | None = None, **knobs: Any) -> Rig:
         vllm = FakeVllm(tokens=TOKENS, served=(ENGINE, ALIAS), fail={"boom": 500}, **knobs)
         port = free_port()
         runner = await _serve(vllm.app(), port)
@@ -154,7 +167,9 @@ async def start() -> AsyncIterator[Start]:
         poller = ModelsPoller(names, url=upstream, configured=(), interval=300.0, timeout=10.0)
         async with aiohttp.ClientSession() as session:
             await poller.read(session)
-        proxy = Proxy(ProxySettings(upstream=upstream), DeliveryLedger(names))
+        proxy = Proxy(
+            ProxySettings(upstream=upstream), DeliveryLedger(names), vllm_version=lambda: version
+        )
         proxy_port = free_port()
         await proxy.start("127.0.0.1", proxy_port)
         started.append((runner, proxy))
@@ -227,12 +242,40 @@ def _ttft_count(proxy: Proxy) -> float:
     return sum(book.ttft.buckets[-1][1] for book in counts.values())
 
 
+# The streams each scheme counts, under a vLLM whose version gives token ids (0.32) and one whose
+# version kvtax does not know (no /version yet): continuous usage, the fallback, for all.
+# A client's continuous_usage_stats, even without include_usage (vLLM ignores it then), makes
+# kvtax's include_usage turn continuous usage on: vLLM pays for it anyway, so it is what counts.
+IDS_FALLBACK = {
+    "include-and-continuous",
+    "lax-everything",
+    "continuous-without-include",
+    "chat-no-reasoning",
+    "echo",
+}
+
+
+def _counted_streams(version: str | None) -> dict[str, int]:
+    streams = [
+        name
+        for name, _, body in SHAPES
+        if name[0] not in "45" and str(body.get("stream")) in {"True", "true", "1", "yes"}
+    ]
+    if version is None:
+        return {"token_ids": 0, "usage": len(streams), "events": 0}
+    fallback = sum(1 for name in streams if name in IDS_FALLBACK)
+    return {"token_ids": len(streams) - fallback, "usage": fallback, "events": 0}
+
+
+@pytest.mark.parametrize("version", ["0.32.0", None], ids=["token-ids", "usage"])
 @pytest.mark.parametrize("tight", [False, True], ids=["data-space", "data-no-space"])
 @pytest.mark.parametrize("per_chunk", [1, 3])
 async def test_every_request_shape_gets_the_same_bytes_and_is_counted_under_the_engine_name(
-    start: Start, tight: bool, per_chunk: int
+    start: Start, tight: bool, per_chunk: int, version: str | None
 ) -> None:
-    rig: Rig = await start(tight=tight, per_chunk=per_chunk)
+    # Under both schemes: the same bytes as vLLM sends the client (no ids, no usage it did not
+    # ask for), the exact count, and each stream counted by the scheme its shape calls for.
+    rig: Rig = await start(version, tight=tight, per_chunk=per_chunk)
     assert len(SHAPES) >= 17
     expected_total = 0
     async with aiohttp.ClientSession(auto_decompress=False) as session:
@@ -263,6 +306,29 @@ async def test_every_request_shape_gets_the_same_bytes_and_is_counted_under_the_
     assert counts[ENGINE].outcomes["completed"] == sum(
         1 for name, _, _ in SHAPES if name[0] not in "45"
     )
+    assert rig.proxy.schemes == _counted_streams(version)
+    # What kvtax added to what vLLM was asked, shape by shape (each shape went direct, then
+    # through kvtax): ids only by the token_ids scheme.
+    requests = rig.vllm.requests
+    added_ids = [
+        bool(relayed.get("return_token_ids")) and not direct.get("return_token_ids")
+        for direct, relayed in zip(requests[0::2], requests[1::2], strict=True)
+    ]
+    assert any(added_ids) is (version is not None)
+
+
+async def test_a_vllm_that_sends_no_ids_is_asked_for_usage_from_then_on(start: Start) -> None:
+    # Protection: a vLLM that ignores return_token_ids (its version said it has them) would have
+    # every later stream counted one token an event, where vLLM merges several into one.
+    rig: Rig = await start("0.32.0", per_chunk=3, drop_ids=True)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):
+            await _send(session, rig.url + COMPLETIONS, _stream())
+    await _until(lambda: rig.proxy.in_flight == 0)
+    assert rig.proxy.schemes == {"token_ids": 0, "usage": 2, "events": 1}
+    assert [bool(r.get("return_token_ids")) for r in rig.vllm.requests] == [True, False, False]
+    # Completed streams are exact whatever the scheme: the final usage chunk has the total.
+    assert rig.proxy.ledger.totals()[ENGINE].delivered == 3 * TOKENS
 
 
 async def test_an_upstream_that_gzips_when_allowed_is_asked_for_identity(start: Start) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvtax.delivery.sse import HoldBudget, StreamRewriter, UsageWish, with_usage
+from kvtax.delivery.asks import UsageWish, with_usage
+from kvtax.delivery.sse import HoldBudget, StreamRewriter
 
 FP = '"system_fingerprint":"vllm-0.32.0-abc"'
 
@@ -226,7 +227,7 @@ def test_with_usage_reads_the_flags_as_vllm_does() -> None:
     assert upstream["stream_options"] == {"include_usage": "true", "continuous_usage_stats": True}
     assert payload["stream_options"] == {"include_usage": "true"}  # not changed in place
     every = {"stream_options": {"include_usage": 1, "continuous_usage_stats": "yes"}}
-    assert with_usage(every) == (UsageWish(True, True), every)  # nothing to add
+    assert with_usage(every) == (UsageWish(True, True), {})  # nothing to add
     assert with_usage({"stream_options": {"include_usage": "off"}}) == (
         UsageWish(False, False),
         {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvtax.delivery.sse import UsageWish
+from kvtax.delivery.asks import UsageWish
 from kvtax.serve.proxy.prepare import UNNAMED, prepare
 
 

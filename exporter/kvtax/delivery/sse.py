@@ -1,19 +1,21 @@
-"""vLLM's server-sent events, rewritten so the client sees exactly what it asked for.
+"""vLLM's server-sent events, counted and rewritten so the client sees exactly what it asked for.
 
-The proxy asks vLLM for usage on every chunk (``stream_options.include_usage`` and
-``continuous_usage_stats``) because that is the only exact token count a stream carries. The
+kvtax asks vLLM for what counts each event's tokens (:mod:`kvtax.delivery.asks`): by the
+``token_ids`` scheme, each event's ids (``return_token_ids``) and the final usage chunk; by the
+``usage`` scheme, a cumulative usage object in every event (``continuous_usage_stats``). The
 client may have asked for less. :class:`StreamRewriter` takes upstream bytes as they arrive,
-splits them into lines, reads each data line's cumulative completion tokens, and cuts out of the
-bytes what vLLM would not have sent the client: the ``usage`` field of ordinary chunks, the
-trailing usage-only chunk, and it moves ``system_fingerprint`` back onto the terminal chunks,
-where vLLM puts it when no usage chunk follows. Everything else passes byte for byte: the cut is
-made on the raw bytes, never by re-serializing JSON. Pure: no I/O, no clock.
+splits them into lines, counts each data line's tokens, and cuts out of the bytes what vLLM
+would not have sent the client: the ids (``"token_ids":[...]`` and ``"prompt_token_ids":[...]``
+become ``null``, as vLLM writes them when not asked), the ``usage`` field of ordinary chunks, the
+trailing usage-only chunk; and it moves ``system_fingerprint`` back onto the terminal chunks,
+where vLLM puts it when no usage chunk follows. Everything else passes byte for byte: the cut
+is made on the raw bytes, never by re-serializing JSON, and an event with nothing to cut goes
+out as it came. Pure: no I/O, no clock.
 
 Working by line rather than by blank-line-separated event means an upstream that frames events
 with single newlines is still read; a data line is read with or without the space after
-``data:``, which the SSE spec makes optional. :func:`with_usage` reads the client's
-``stream_options`` as vLLM does (pydantic's lax bool, :mod:`kvtax.delivery.lax`), once per
-request: nothing per event calls pydantic.
+``data:``, which the SSE spec makes optional. The common read (whole events of vLLM's own
+shape, nothing held) is taken in one pass.
 
 Lines end with LF, CRLF or a bare CR, as the SSE spec allows; each line goes out with the end
 it came with. A bare CR is looked for only in a read that has one (vLLM writes LF), and a CR
@@ -26,40 +28,33 @@ once known, a terminal chunk is stamped as it passes, held by nothing. Until the
 chunk is held for the usage chunk that names it, but never at the cost of another choice's
 tokens (a line of another choice lets it go unstamped) and never past :data:`MAX_HELD` bytes.
 
-The usage object is located on the bytes and then verified with a real JSON parse; a data line
-whose usage cannot be parsed passes untouched and is counted (``unparsed``). A line longer than
-the hold limit, or one that would push every stream's held bytes over a shared
-:class:`HoldBudget`, is passed on raw as it arrives (``oversized``): memory stays bounded and
-the client is never held back, at the price of that line's usage.
+A usage object is located on the bytes and then verified with a real JSON parse; a data line
+whose usage cannot be parsed passes untouched and is counted (``unparsed``). An event of the
+``token_ids`` scheme that carries no ids (a vLLM that ignored the field) counts as one token
+(``ids_missing``; the proxy then asks this vLLM for usage instead). A line longer than the hold
+limit, or one that would push every stream's held bytes over a shared :class:`HoldBudget`, is
+passed on raw as it arrives (``oversized``): memory stays bounded and the client is never held
+back, at the price of that line's count.
 
 Example::
 
-    wish, upstream = with_usage({"model": "m", "prompt": "hi", "stream": True})
-    rw = StreamRewriter(wish)
-    out = rw.feed(b'data: {"id":"x","choices":[{"index":0,"text":"a"}],"usage":{...}}\\n\\n')
-    out.payload, out.completion_tokens
+    wish, changes = with_usage(payload, "token_ids")   # kvtax.delivery.asks
+    rw = StreamRewriter(wish, scheme="token_ids")
+    out = rw.feed(b'data: {"id":"x","choices":[{"index":0,"text":"a","token_ids":[5]}]}\n\n')
+    out.payload, out.completion_tokens   # ...,"token_ids":null}]}..., 1
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
-from kvtax.delivery.lax import REFUSED, lax_bool
+from kvtax.delivery.asks import Scheme, UsageWish
 from kvtax.delivery.usage import usage_tokens
 
-__all__ = [
-    "MAX_HELD",
-    "Fingerprint",
-    "HoldBudget",
-    "Relayed",
-    "StreamRewriter",
-    "UsageWish",
-    "with_usage",
-]
+__all__ = ["MAX_HELD", "Fingerprint", "HoldBudget", "Relayed", "StreamRewriter"]
 
 _USAGE_KEY = b',"usage":{'
 _USAGE_ANY = b'"usage"'
@@ -77,6 +72,19 @@ _VLLM_USAGE = re.compile(
     rb'(?:,"prompt_tokens_details":(?:null|\{"cached_tokens":\d+\}))?\}'
 )
 _TERMINAL = b'"finish_reason":"'
+# An event's ids, as vLLM writes them when asked (return_token_ids): a choice's delta, and (the
+# first event's) the prompt's. The leading quote tells "token_ids" from "prompt_token_ids"; a
+# string inside the JSON cannot hold either unescaped.
+_IDS = b'"token_ids":['
+_PROMPT_IDS = b'"prompt_token_ids":['
+_NULL_IDS = b'"token_ids":null'
+_NULL_PROMPT_IDS = b'"prompt_token_ids":null'
+# A chat role chunk (the first of each choice): no token, and vLLM gives it no ids.
+_ROLE = b'"delta":{"role":'
+# The usage-only chunk of the token_ids scheme, as vLLM writes it (include_usage).
+_FINAL_USAGE = re.compile(
+    rb'"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,"completion_tokens":(\d+)'
+)
 _FINGERPRINT = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*")')
 _NL = b"\n"
 _EVENT_END = b"\n\n"
@@ -117,45 +125,6 @@ class HoldBudget:
 
 
 @dataclass(frozen=True, slots=True)
-class UsageWish:
-    """What the client asked vLLM to report (vLLM's own rule: continuous needs include)."""
-
-    include_usage: bool = False
-    continuous: bool = False
-
-
-def with_usage(payload: dict[str, Any]) -> tuple[UsageWish, dict[str, Any]] | None:
-    """The client's wish, and a streaming request that asks vLLM for full usage.
-
-    ``stream_options`` is read as vLLM reads it (pydantic's lax bool: ``"true"``, ``1`` and
-    ``"yes"`` are true). What the client set that already asks for usage stays as it wrote it;
-    only what is missing or false is set. When nothing is missing, ``payload`` itself comes
-    back (its bytes can go as they came). None when vLLM refuses the options as given (not an
-    object, or a flag that is not a bool): vLLM answers that request with a 400, and kvtax must
-    not turn it into an accepted one by writing valid options over it.
-    """
-    options = payload.get("stream_options")
-    if options is None:
-        options = {}
-    elif not isinstance(options, dict):
-        return None
-    include = lax_bool(options.get("include_usage"), False)
-    continuous = lax_bool(options.get("continuous_usage_stats"), False)
-    if include is REFUSED or continuous is REFUSED:
-        return None
-    wish = UsageWish(bool(include), bool(include) and bool(continuous))
-    if include and continuous:
-        return wish, payload
-    upstream = dict(payload)
-    upstream["stream_options"] = {
-        **options,
-        "include_usage": options["include_usage"] if include else True,
-        "continuous_usage_stats": options["continuous_usage_stats"] if continuous else True,
-    }
-    return wish, upstream
-
-
-@dataclass(frozen=True, slots=True)
 class Relayed:
     """Bytes to write to the client now, and the completion tokens they bring it up to."""
 
@@ -193,6 +162,11 @@ def _parse_usage(line: bytes, span: tuple[int, int] | None) -> tuple[int, int] |
     return usage_tokens(event.get("usage")) if isinstance(event, dict) else None
 
 
+def _count_ids(line: bytes, start: int, stop: int) -> int:
+    """The ids in ``line[start:stop]``, a JSON list's inside of integers: its commas and one."""
+    return line.count(b",", start, stop) + 1 if stop > start else 0
+
+
 def _stamped(line: bytes, cut: int, fingerprint: bytes) -> bytes:
     """``line`` with ``system_fingerprint`` where its usage was cut, as vLLM would have put it."""
     return line[:cut] + b',"system_fingerprint":' + fingerprint + line[cut:]
@@ -216,11 +190,14 @@ class StreamRewriter:
         self,
         wish: UsageWish,
         *,
+        scheme: Scheme = "usage",
         max_line: int = MAX_LINE,
         budget: HoldBudget | None = None,
         fingerprints: Fingerprint | None = None,
     ) -> None:
         self.wish = wish
+        self.scheme = scheme
+        self.ids_missing = 0
         self.max_line = max_line
         self.budget = budget
         self.fingerprints = fingerprints if fingerprints is not None else Fingerprint()
@@ -250,7 +227,7 @@ class StreamRewriter:
     def feed(self, data: bytes) -> Relayed:
         if b"\r" in data or (self._buffer and self._buffer.endswith(b"\r")):
             return self._feed_any_ends(data)
-        whole = self._whole_events(data)
+        whole = self._whole_ids(data) if self.scheme == "token_ids" else self._whole_events(data)
         if whole is not None:
             return whole
         out: list[bytes] = []
@@ -329,6 +306,41 @@ class StreamRewriter:
                 out += (event[:start], event[end:], _EVENT_END)
         self.completion_tokens = sum(emitted.values())
         return Relayed(data if wish.continuous else b"".join(out), self.completion_tokens)
+
+    def _whole_ids(self, data: bytes) -> Relayed | None:
+        """The common read of the token_ids scheme in one pass: whole events (each a data line
+        with its choice's ids, then a blank line) with nothing held and no prompt ids. None,
+        before any state changed, sends anything else through the line path."""
+        if self._buffer or self._raw or self._held or self._skip_blank:
+            return None
+        events = data.split(_EVENT_END)
+        if events.pop() or not events:  # bytes after the last event's end, or no event
+            return None
+        wish = self.wish
+        keep_terminal = wish.include_usage
+        spans: list[tuple[int, int, int]] = []
+        for event in events:
+            if not event.startswith(_DATA) or _NL in event or _PROMPT_IDS in event:
+                return None
+            start = event.rfind(_IDS)
+            if start < 0:
+                return None
+            stop = event.find(b"]", start)
+            choices = _CHOICES.search(event, 0, start)
+            if stop < 0 or choices is None or choices.group(2) is None:
+                return None
+            if not keep_terminal and event.find(_TERMINAL, choices.end(), start) >= 0:
+                return None  # a terminal chunk: the line path stamps the fingerprint
+            spans.append((start, stop, int(choices.group(2))))
+        seen = self._seen
+        out: list[bytes] = []
+        for event, (start, stop, choice) in zip(events, spans, strict=True):
+            seen[choice] = seen.get(choice, 0) + _count_ids(event, start + len(_IDS), stop)
+            if not wish.token_ids:
+                out += (event[:start], _NULL_IDS, event[stop + 1 :], _EVENT_END)
+        self._emitted.update(seen)
+        self.completion_tokens = sum(seen.values())
+        return Relayed(data if wish.token_ids else b"".join(out), self.completion_tokens)
 
     def finish(self) -> Relayed:
         """End of the upstream stream: release held lines and any unterminated tail."""
@@ -422,6 +434,9 @@ class StreamRewriter:
             self._skip_blank = False
             if not line.rstrip(b"\r"):
                 return
+        if self.scheme == "token_ids" and (line.startswith(_DATA) or _spaced_data(line)):
+            self._ids_line(line, out, end=end)
+            return
         if line.startswith(_DATA) or _spaced_data(line):
             # vLLM's usage is the last key of its event: a search from the end finds it at once.
             start = line.rfind(_USAGE_KEY)
@@ -440,10 +455,60 @@ class StreamRewriter:
         elif line.rstrip(b"\r") in _DONE:
             self._flush(None, out)
             self.done = True
-        if self._held:  # keep the order: what follows a held line waits with it
-            self._hold_line((line + end, 0, None, 0, False), out)
+        self._pass(line + end, out)  # what follows a held line waits with it, in order
+
+    def _ids_line(self, line: bytes, out: list[bytes], *, end: bytes) -> None:
+        """A data line of the token_ids scheme: counted by its ids, which are cut to null
+        unless the client asked for them."""
+        choices = _CHOICES.search(line)
+        if choices is not None and choices.group(1):  # "choices":[]: the final usage chunk
+            final = _FINAL_USAGE.search(line)
+            parsed = (
+                (int(final.group(2)), int(final.group(1)))
+                if final is not None
+                else _parse_usage(line, None)
+            )
+            if parsed is not None:
+                self.usage_lines += 1
+                self.prompt_tokens = max(self.prompt_tokens, parsed[1])
+                self._final(line, parsed[0], out, end)
+                return
+            self.unparsed += 1
+        if choices is None or choices.group(1):
+            # Not a choice's event (an error event, say), or a usage chunk that does not parse:
+            # it goes on as it came, in order.
+            self._pass(line + end, out)
+            return
+        choice = int(choices.group(2) or 0)
+        keep = self.wish.token_ids
+        start = line.rfind(_IDS)
+        if start >= 0 and (stop := line.find(b"]", start)) >= 0:
+            tokens = _count_ids(line, start + len(_IDS), stop)
+            if not keep:
+                line = line[:start] + _NULL_IDS + line[stop + 1 :]
+        elif _ROLE in line:
+            tokens = 0  # a chat role chunk: no token, no ids
         else:
-            out.append(line + end)
+            tokens = 1  # vLLM sent no ids though asked: the event counts as one token
+            self.ids_missing += 1
+        prompt = line.find(_PROMPT_IDS)
+        if prompt >= 0 and (stop := line.find(b"]", prompt)) >= 0:
+            self.prompt_tokens = max(
+                self.prompt_tokens, _count_ids(line, prompt + len(_PROMPT_IDS), stop)
+            )
+            if not keep:
+                line = line[:prompt] + _NULL_PROMPT_IDS + line[stop + 1 :]
+        self._seen[choice] = self._seen.get(choice, 0) + tokens
+        # vLLM puts the fingerprint last, before the event's closing brace.
+        cut = len(line.rstrip(b"\r")) - 1
+        self._place(line + end, cut, choice, self._seen[choice], out, choices=choices)
+
+    def _pass(self, line: bytes, out: list[bytes]) -> None:
+        """A line with nothing to count: out now, or behind what is held, in order."""
+        if self._held:
+            self._hold_line((line, 0, None, 0, False), out)
+        else:
+            out.append(line)
 
     def _usage_line(
         self, line: bytes, span: tuple[int, int] | None, out: list[bytes], end: bytes
@@ -511,12 +576,26 @@ class StreamRewriter:
             self._emit(line + end, choice, tokens, out)
             return
         start, stop = span
-        trimmed = line[:start] + line[stop:] + end
+        self._place(line[:start] + line[stop:] + end, start, choice, tokens, out, choices=choices)
+
+    def _place(
+        self,
+        line: bytes,
+        cut: int,
+        choice: int,
+        tokens: int,
+        out: list[bytes],
+        *,
+        choices: re.Match[bytes] | None,
+    ) -> None:
+        """An ordinary chunk, trimmed, bringing its choice to ``tokens``: out now, stamped
+        with the fingerprint at ``cut`` if it is a terminal chunk the client gets none on, or
+        held for the fingerprint."""
         if self.wish.include_usage:
-            self._emit(trimmed, choice, tokens, out)
+            self._emit(line, choice, tokens, out)
             return
         after = choices.end() if choices is not None else 0
-        terminal = line.find(_TERMINAL, after, start) >= 0
+        terminal = line.find(_TERMINAL, after, cut) >= 0
         if self._held and any(held[2] not in (None, choice) for held in self._held):
             # Another choice's tokens never wait for a fingerprint (n >= 2).
             self._let_go(out)
@@ -524,10 +603,10 @@ class StreamRewriter:
         if terminal and known is not None and not self._held:
             # vLLM stamps system_fingerprint on terminal chunks only when no usage chunk
             # follows: known, it goes on now.
-            self._emit(_stamped(trimmed, start, known), choice, tokens, out)
+            self._emit(_stamped(line, cut, known), choice, tokens, out)
         elif (terminal and not self._no_hold) or self._held:
             # Not known yet: hold the terminal chunk (and, to keep the order, what comes
             # after) until the usage chunk tells it.
-            self._hold_line((trimmed, start, choice, tokens, terminal), out)
+            self._hold_line((line, cut, choice, tokens, terminal), out)
         else:
-            self._emit(trimmed, choice, tokens, out)
+            self._emit(line, choice, tokens, out)

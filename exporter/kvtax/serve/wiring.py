@@ -153,6 +153,14 @@ def report_of(
     return report
 
 
+def _proxy(
+    config: Config, ledger: DeliveryLedger, gate: Gate, *, version: Callable[[], str | None]
+) -> Proxy:
+    """The proxy, holding the gate only when it is on (off, the gate still advises)."""
+    settings = _proxy_settings(config)
+    return Proxy(settings, ledger, gate=gate if gate.settings.on else None, vllm_version=version)
+
+
 def _proxy_settings(config: Config) -> ProxySettings:
     return ProxySettings(
         upstream=config.vllm_url,
@@ -237,7 +245,8 @@ def build(
     ledger = DeliveryLedger(names)
     window = Window(config.window, max_models=config.scrape_max_models)
     gate = Gate(gate_settings(config))
-    proxy = Proxy(_proxy_settings(config), ledger, gate=gate if gate.settings.on else None)
+    # The scrape reads vLLM's version (GET /version); how streams are counted follows it.
+    proxy = _proxy(config, ledger, gate, version=lambda: scrape.health.version)
     push = push_handler(
         ledger, config.push_token, allow_unauthenticated=config.push_allow_unauthenticated
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtax.delivery.asks import Scheme
 from kvtax.delivery.ledger import RequestRecord
 from kvtax.delivery.sse import StreamRewriter
 from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
@@ -66,6 +67,7 @@ class Facts:
     shed: str | None = None  # the gate answered instead of vLLM, and why
     turned_away: bool = False  # kvtax answered its shutdown 503 before vLLM answered
     prompt_bytes: int = 0  # the gate's measure of the prompt, corrected from vLLM's usage
+    scheme: Scheme = "usage"  # how a stream's tokens are counted (kvtax.delivery.asks)
 
     @property
     def reached_client(self) -> bool:

@@ -3,12 +3,13 @@
 :func:`prepare` reads the body's top level once, field by field (msgspec, into raw JSON
 values): each field kvtax acts on is parsed, and the chat messages' media parts (base64 images
 and audio, tens of MiB) are skipped unread, so a 12 MiB request costs a scan of its bytes, not
-their decoding. It learns the model and, for a stream, asks vLLM for usage on every chunk
-(:func:`kvtax.delivery.sse.with_usage`). A body to change (the usage options, the gate's
-clamp) is written anew at its top level only (:meth:`Prepared.with_fields`): every other value
-goes on as the client's own bytes. A body msgspec does not read (NaN, a top level that is not
-an object) is read whole by the standard parsers instead, as before; any body kvtax cannot
-read goes to vLLM byte for byte, and vLLM answers it.
+their decoding. It learns the model and, for a stream, asks vLLM for what counts each event's
+tokens, by the scheme that costs vLLM least where it is exact (:mod:`kvtax.delivery.asks`:
+each event's ids and the final usage chunk, or continuous usage). A body to change (the usage
+options, the gate's clamp) is written anew at its top level only
+(:meth:`Prepared.with_fields`): every other value goes on as the client's own bytes. A body
+msgspec does not read (NaN, a top level that is not an object) is read whole by the standard
+parsers instead; any body kvtax cannot read goes to vLLM byte for byte, and vLLM answers it.
 
 The JSON it read stays with it (:class:`Prepared`) for the gate, which sizes it and may clamp
 its completion limit without parsing it again. Pure: no I/O.
@@ -31,9 +32,9 @@ from typing import Any
 import msgspec
 import orjson
 
+from kvtax.delivery.asks import Scheme, UsageWish, scheme_for, with_usage
 from kvtax.delivery.lax import lax_bool
 from kvtax.delivery.ledger import OTHER
-from kvtax.delivery.sse import UsageWish, with_usage
 from kvtax.gate.footprint import LIMIT_KEYS
 
 __all__ = ["UNNAMED", "Prepared", "prepare"]
@@ -42,7 +43,12 @@ __all__ = ["UNNAMED", "Prepared", "prepare"]
 UNNAMED = OTHER
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 # The fields kvtax reads: here, and the gate's (kvtax.gate.footprint.shape_of).
-_READ = frozenset({"model", "stream", "stream_options", "messages", "prompt", "n", *LIMIT_KEYS})
+_READ = frozenset(
+    {
+        *("model", "stream", "stream_options", "return_token_ids", "include_reasoning", "echo"),
+        *("messages", "prompt", "n", *LIMIT_KEYS),
+    }
+)
 _OBJECTS = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 
 
@@ -55,6 +61,7 @@ class Prepared:
 
     # None: the client named no model, and vLLM's default model serves it.
     model: str | None
+    # A stream kvtax counts: what its client asked for (None: not a stream kvtax counts).
     wish: UsageWish | None
     body: bytes
     payload: Any = None
@@ -63,6 +70,8 @@ class Prepared:
     # The body's top level as raw JSON values, in order (None: read whole). ``payload`` then
     # holds only the fields kvtax reads.
     fields: Mapping[str, msgspec.Raw] | None = None
+    # How the stream's tokens are counted (kvtax.delivery.asks), when ``wish`` is set.
+    scheme: Scheme = "usage"
 
     def with_fields(self, changed: Mapping[str, Any]) -> bytes | None:
         """This request's body with the top-level ``changed`` fields set (added at the end when
@@ -181,11 +190,15 @@ def _read(body: bytes) -> tuple[Any, bool, Mapping[str, msgspec.Raw] | None]:
     return payload, False, fields
 
 
-def prepare(body: bytes) -> Prepared:
+def prepare(
+    body: bytes, *, chat: bool = False, version: str | None = None, ids_missing: bool = False
+) -> Prepared:
     """An accounted request as vLLM should get it.
 
-    A stream's body is rewritten to ask vLLM for usage (the wish says what the client asked
-    for); any other body goes as it came, and vLLM answers the 400 for one that is not JSON.
+    A stream's body is rewritten to ask vLLM for what counts it (:func:`~kvtax.delivery.asks.
+    scheme_for` picks the scheme from ``chat``, vLLM's ``version`` and whether this vLLM's
+    streams came without ids, ``ids_missing``; the wish says what the client asked for); any
+    other body goes as it came, and vLLM answers the 400 for one that is not JSON.
     Fields are read as vLLM reads them (:mod:`kvtax.delivery.lax`): ``"stream": "true"``, ``1``
     or ``"yes"`` stream. The model is None when the client named none (vLLM serves its default
     model); :data:`UNNAMED` when ``model`` is there but not a name vLLM accepts (vLLM refuses the
@@ -200,21 +213,21 @@ def prepare(body: bytes) -> Prepared:
     read = Prepared(_model(payload.get("model")), None, body, payload, lenient, fields)
     if lax_bool(payload.get("stream"), False) is not True:
         return read
-    asked = with_usage(payload)
+    scheme = scheme_for(payload, chat=chat, version=version, ids_missing=ids_missing)
+    asked = with_usage(payload, scheme)
     if asked is None:  # options vLLM refuses: it answers 400, kvtax adds nothing
         return read
-    wish, upstream_payload = asked
-    if upstream_payload is payload:  # the client asked for all of it already
-        return Prepared(read.model, wish, body, payload, lenient, fields)
-    options = {"stream_options": upstream_payload["stream_options"]}
-    rewritten = read.with_fields(options)
+    wish, changes = asked
+    if not changes:  # the client asked for all of it already
+        return Prepared(read.model, wish, body, payload, lenient, fields, scheme)
+    rewritten = read.with_fields(changes)
     if rewritten is None:  # too deep to write back: sent as it came, its usage not asked for
         return read
     # What the gate reads is what vLLM gets: a clamp starts from the body as it now is.
-    upstream = {**payload, **options}
+    upstream = {**payload, **changes}
     if fields is not None:
-        fields = {**fields, "stream_options": msgspec.Raw(orjson.dumps(options["stream_options"]))}
-    return Prepared(read.model, wish, rewritten, upstream, lenient, fields)
+        fields = {**fields, **{key: msgspec.Raw(orjson.dumps(v)) for key, v in changes.items()}}
+    return Prepared(read.model, wish, rewritten, upstream, lenient, fields, scheme)
 
 
 def _model(value: Any) -> str | None:

@@ -48,9 +48,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtax.delivery.asks import UsageWish
 from kvtax.delivery.ledger import DeliveryLedger
-from kvtax.delivery.sse import Fingerprint, HoldBudget, UsageWish
+from kvtax.delivery.sse import Fingerprint, HoldBudget
 from kvtax.delivery.timing import SloTargets
+from kvtax.gate.footprint import CHAT_PATH
 from kvtax.serve.proxy.answers import (
     shutting_down,
     too_large,
@@ -130,8 +132,16 @@ class Proxy:
         *,
         clock: Callable[[], float] = time.monotonic,
         gate: Gate | None = None,
+        vllm_version: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.settings = settings
+        # vLLM's version as the scrape last read it: how a stream can be counted depends on it.
+        self.vllm_version = vllm_version
+        # The version whose streams came without the ids asked for: counted by usage from then.
+        self._ids_missing_in: str | None = None
+        # Streams by how their tokens were counted (kvtax.delivery.asks; "events": ids were
+        # asked for and did not come, each event counted as one token).
+        self.schemes: dict[str, int] = {"token_ids": 0, "usage": 0, "events": 0}
         # None: no gate, the plain relay.
         self.gate = gate
         self.ledger = ledger
@@ -345,11 +355,28 @@ class Proxy:
         if acks is not None:
             acks.refresh()  # a last reading: the client may have acknowledged since
             acks.close()
+        rewriter = facts.rewriter
+        if rewriter is not None:
+            self._count_scheme(facts.scheme, rewriter.ids_missing)
         outcome = outcome_of(facts, self.state)
         record = record_of(facts, outcome, ended=self.clock(), slo=self.settings.slo)
         self.ledger.settle(record)
         if self.gate is not None and facts.prompt_bytes and record.prompt_tokens:
             self.gate.learn(facts.prompt_bytes, record.prompt_tokens)
+
+    def _count_scheme(self, scheme: str, ids_missing: int) -> None:
+        if scheme == "token_ids" and ids_missing:
+            self.schemes["events"] += 1
+            version = self.vllm_version()
+            if version is not None and version != self._ids_missing_in:
+                self._ids_missing_in = version
+                log.warning(
+                    "vLLM %s streamed events without the token ids asked for; its streams are "
+                    "counted by continuous usage from now on",
+                    version,
+                )
+        else:
+            self.schemes[scheme] += 1
 
     async def _handle(self, exchange: Exchange, facts: Facts) -> None:
         if exchange.too_large:
@@ -371,8 +398,15 @@ class Proxy:
                 exchange.answer(too_large(self.settings.max_body))
             return
         facts.started = self.clock()  # the request is whole: vLLM's part starts now
-        prepared = prepare(body)
+        version = self.vllm_version()
+        prepared = prepare(
+            body,
+            chat=exchange.head.route == CHAT_PATH,
+            version=version,
+            ids_missing=version is not None and version == self._ids_missing_in,
+        )
         facts.model, wish = prepared.model, prepared.wish
+        facts.scheme = prepared.scheme
         gate = self.gate
         if gate is None:
             await self._forward(exchange, facts, wish, prepared.body)

@@ -41,8 +41,9 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtax.delivery.asks import UsageWish
 from kvtax.delivery.openai import sse_error_event
-from kvtax.delivery.sse import Fingerprint, HoldBudget, StreamRewriter, UsageWish
+from kvtax.delivery.sse import Fingerprint, HoldBudget, StreamRewriter
 from kvtax.delivery.timing import StreamTiming
 from kvtax.delivery.usage import UsageScanner
 from kvtax.serve.proxy.acks import AckTracker
@@ -205,7 +206,7 @@ class StreamSink(_Sink):
         self.relay = relay
         self.clock = relay.clock
         self.rewriter = ex.rewriter = StreamRewriter(
-            wish, budget=relay.held, fingerprints=relay.fingerprints
+            wish, scheme=ex.scheme, budget=relay.held, fingerprints=relay.fingerprints
         )
         self.timing = ex.timing = StreamTiming(ex.started, relay.stall_factor, relay.stall_min)
         self.acks = ex.acks = AckTracker(exchange.conn.transport, unsent=len(head))
