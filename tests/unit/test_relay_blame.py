@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from kvtax.delivery.asks import UsageWish
+from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.sse import Fingerprint, HoldBudget
 from kvtax.serve.proxy.exchange import Exchange
 from kvtax.serve.proxy.head import RequestHead
@@ -64,6 +65,7 @@ def _settings() -> RelaySettings:
         stall_factor=5.0,
         stall_min=0.05,
         phase=lambda: "serving",
+        cost=RelayCost(),
         fingerprints=Fingerprint(),
     )
 
@@ -78,7 +80,7 @@ async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
     client = _Client()
     sink = _stream(client, ex)
     for i in range(3):
-        sink.feed(_event(i))
+        sink.feed(_event(i), 0.0)
     client.closed = True  # the client left; its connection cancels the request
     ex.client_gone = True
     assert not ex.upstream_broke
@@ -89,8 +91,8 @@ async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
 async def test_a_client_that_hung_up_mid_body_is_not_blamed_on_vllm() -> None:
     ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
-    sink = BodySink(_exchange(client, ex), "length", b"", lambda: 0.0)
-    sink.feed(b'{"id":"c","choices":[')
+    sink = BodySink(_exchange(client, ex), "length", b"", lambda: 0.0, RelayCost())
+    sink.feed(b'{"id":"c","choices":[', 0.0)
     client.closed = True
     ex.client_gone = True
     assert not ex.upstream_broke
@@ -102,7 +104,7 @@ async def test_vllm_breaking_off_mid_stream_is_vllm_s_doing_and_ends_the_stream_
     client = _Client()
     sink = _stream(client, ex)
     for i in range(3):
-        sink.feed(_event(i))
+        sink.feed(_event(i), 0.0)
     sink.broke(UpstreamBroke("vLLM went away"))
     assert ex.upstream_broke
     assert sink.done.done()
@@ -117,7 +119,7 @@ async def test_a_stream_that_timed_out_says_so() -> None:
     ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
     sink = _stream(client, ex)
-    sink.feed(_event(0))
+    sink.feed(_event(0), 0.0)
     sink.broke(TimeoutError())
     assert b"vLLM's stream timed out" in b"".join(client.written)
 
@@ -126,8 +128,8 @@ async def test_vllm_breaking_off_mid_body_breaks_the_client_connection() -> None
     # A body cut short must never look complete: the client's connection is closed mid-body.
     ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
-    sink = BodySink(_exchange(client, ex), "length", b"", lambda: 0.0)
-    sink.feed(b'{"id":"c","choices":[')
+    sink = BodySink(_exchange(client, ex), "length", b"", lambda: 0.0, RelayCost())
+    sink.feed(b'{"id":"c","choices":[', 0.0)
     sink.broke(UpstreamBroke("vLLM went away"))
     assert client.closed
     assert ex.upstream_broke

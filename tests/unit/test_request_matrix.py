@@ -306,7 +306,7 @@ async def test_every_request_shape_gets_the_same_bytes_and_is_counted_under_the_
     assert counts[ENGINE].outcomes["completed"] == sum(
         1 for name, _, _ in SHAPES if name[0] not in "45"
     )
-    assert rig.proxy.schemes == _counted_streams(version)
+    assert rig.proxy.cost.schemes == _counted_streams(version)
     # What kvtax added to what vLLM was asked, shape by shape (each shape went direct, then
     # through kvtax): ids only by the token_ids scheme.
     requests = rig.vllm.requests
@@ -325,7 +325,7 @@ async def test_a_vllm_that_sends_no_ids_is_asked_for_usage_from_then_on(start: S
         for _ in range(3):
             await _send(session, rig.url + COMPLETIONS, _stream())
     await _until(lambda: rig.proxy.in_flight == 0)
-    assert rig.proxy.schemes == {"token_ids": 0, "usage": 2, "events": 1}
+    assert rig.proxy.cost.schemes == {"token_ids": 0, "usage": 2, "events": 1}
     assert [bool(r.get("return_token_ids")) for r in rig.vllm.requests] == [True, False, False]
     # Completed streams are exact whatever the scheme: the final usage chunk has the total.
     assert rig.proxy.ledger.totals()[ENGINE].delivered == 3 * TOKENS

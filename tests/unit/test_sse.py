@@ -302,7 +302,7 @@ def test_whole_events_in_one_pass_give_what_the_line_path_gives(
     rng = random.Random(20261201)
     streams = [_random_stream(rng) for _ in range(400)]
     fast = [_run(wish, reads) for reads in streams]
-    monkeypatch.setattr(StreamRewriter, "_whole_events", lambda self, data: None)
+    monkeypatch.setattr(StreamRewriter, "_fast_usage", lambda self, event, out: None)
     slow = [_run(wish, reads) for reads in streams]
     for (fast_out, fast_rw), (slow_out, slow_rw) in zip(fast, slow, strict=True):
         assert fast_out == slow_out

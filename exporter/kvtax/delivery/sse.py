@@ -198,6 +198,7 @@ class StreamRewriter:
         self.wish = wish
         self.scheme = scheme
         self.ids_missing = 0
+        self.events = 0  # events handed out whole (each ends at a blank line)
         self.max_line = max_line
         self.budget = budget
         self.fingerprints = fingerprints if fingerprints is not None else Fingerprint()
@@ -227,9 +228,8 @@ class StreamRewriter:
     def feed(self, data: bytes) -> Relayed:
         if b"\r" in data or (self._buffer and self._buffer.endswith(b"\r")):
             return self._feed_any_ends(data)
-        whole = self._whole_ids(data) if self.scheme == "token_ids" else self._whole_events(data)
-        if whole is not None:
-            return whole
+        if not self._buffer and not self._raw and data.endswith(_EVENT_END):
+            return self._events(data)
         out: list[bytes] = []
         if self._raw:
             data = self._pass_raw(data, out)
@@ -247,6 +247,96 @@ class StreamRewriter:
             if end + 1 < len(data):
                 self._hold(data[end + 1 :], out)
         return Relayed(b"".join(out), self.completion_tokens)
+
+    def _events(self, data: bytes) -> Relayed:
+        """The common read: whole events. Each ordinary event of vLLM's own shape is counted
+        and cut in one step (:meth:`_fast_ids`, :meth:`_fast_usage`); any other goes line by
+        line, which gives the same result for those. A read none of whose events needed a cut
+        goes out as it came."""
+        events = data.split(_EVENT_END)
+        events.pop()  # what follows the last event's end: nothing
+        fast = self._fast_ids if self.scheme == "token_ids" else self._fast_usage
+        out: list[bytes] = []
+        cut = False
+        for event in events:
+            if not self._held and not self._skip_blank:
+                kept = fast(event, out)
+                if kept is not None:
+                    self.events += 1
+                    cut = cut or not kept
+                    continue
+            cut = True
+            for line in event.split(_NL):
+                self._line(line, out)
+            self._line(b"", out)
+        self.completion_tokens = sum(self._emitted.values())
+        return Relayed(b"".join(out) if cut else data, self.completion_tokens)
+
+    def _fast_usage(self, event: bytes, out: list[bytes]) -> bool | None:
+        """An ordinary event of the usage scheme (a data line whose last key is vLLM's own
+        usage): counted and trimmed into ``out``. True: sent as it came; None: not such an
+        event (nothing changed)."""
+        end = len(event) - 1  # the event's closing brace
+        if not event.startswith(_DATA) or _NL in event:
+            return None
+        start = event.rfind(_USAGE_KEY, 0, end)
+        exact = _VLLM_USAGE.match(event, start) if start >= 0 else None
+        if exact is None or exact.end() != end:
+            return None
+        choices = _CHOICES.search(event, 0, start)
+        if choices is None or choices.group(2) is None:
+            return None  # the usage-only chunk, or choices in another shape
+        wish = self.wish
+        keep = wish.continuous
+        if not (keep or wish.include_usage) and event.find(_TERMINAL, choices.end(), start) >= 0:
+            return None  # a terminal chunk the fingerprint goes on
+        choice, tokens = int(choices.group(2)), int(exact.group(2))
+        self.usage_lines += 1
+        self.prompt_tokens = max(self.prompt_tokens, int(exact.group(1)))
+        self._seen[choice] = self._emitted[choice] = tokens
+        if keep:
+            out += (event, _EVENT_END)
+        else:
+            out += (event[:start], event[end:], _EVENT_END)
+        return keep
+
+    def _fast_ids(self, event: bytes, out: list[bytes]) -> bool | None:
+        """An ordinary event of the token_ids scheme (a data line with its choice's ids, the
+        first one's with the prompt's): counted and cut into ``out``. True: sent as it came;
+        None: not such an event (nothing changed)."""
+        if not event.startswith(_DATA) or _NL in event:
+            return None
+        start = event.rfind(_IDS)
+        if start < 0:
+            return None
+        stop = event.find(b"]", start)
+        choices = _CHOICES.search(event, 0, start)
+        if stop < 0 or choices is None or choices.group(2) is None:
+            return None
+        wish = self.wish
+        if not wish.include_usage and event.find(_TERMINAL, choices.end(), start) >= 0:
+            return None  # a terminal chunk the fingerprint goes on
+        prompt = event.find(_PROMPT_IDS)
+        if prompt >= 0 and prompt > start:
+            return None  # not the shape of vLLM's completions events
+        choice = int(choices.group(2))
+        tokens = self._seen.get(choice, 0) + _count_ids(event, start + len(_IDS), stop)
+        self._seen[choice] = self._emitted[choice] = tokens
+        keep = wish.token_ids
+        if prompt >= 0:
+            closed = event.find(b"]", prompt)
+            self.prompt_tokens = max(
+                self.prompt_tokens, _count_ids(event, prompt + len(_PROMPT_IDS), closed)
+            )
+            if not keep:
+                out += (event[:prompt], _NULL_PROMPT_IDS, event[closed + 1 : start], _NULL_IDS)
+                out += (event[stop + 1 :], _EVENT_END)
+                return False
+        if keep:
+            out += (event, _EVENT_END)
+        else:
+            out += (event[:start], _NULL_IDS, event[stop + 1 :], _EVENT_END)
+        return keep
 
     def _feed_any_ends(self, data: bytes) -> Relayed:
         """A read with a CR in it: lines split at LF, CRLF or a bare CR, each sent on with its
@@ -266,81 +356,6 @@ class StreamRewriter:
         if pos < len(data):
             self._hold(data[pos:], out)
         return Relayed(b"".join(out), self.completion_tokens)
-
-    def _whole_events(self, data: bytes) -> Relayed | None:
-        """The common read, taken in one pass: whole ordinary events (each a data line whose
-        last key is vLLM's own usage, then a blank line) with nothing held. None, before any
-        state changed, sends anything else through the line-by-line path below, which gives the
-        same result for such events."""
-        if self._buffer or self._raw or self._held or self._skip_blank:
-            return None
-        events = data.split(_EVENT_END)
-        if events.pop() or not events:  # bytes after the last event's end, or no event
-            return None
-        wish = self.wish
-        keep_terminal = wish.continuous or wish.include_usage
-        cuts: list[tuple[int, int, int, int, bytes]] = []
-        for event in events:
-            end = len(event) - 1  # the event's closing brace
-            if not event.startswith(_DATA) or _NL in event:
-                return None
-            start = event.rfind(_USAGE_KEY, 0, end)
-            exact = _VLLM_USAGE.match(event, start) if start >= 0 else None
-            if exact is None or exact.end() != end:
-                return None
-            choices = _CHOICES.search(event, 0, start)
-            if choices is None or choices.group(2) is None:
-                return None  # the usage-only chunk, or choices in another shape
-            if not keep_terminal and event.find(_TERMINAL, choices.end(), start) >= 0:
-                return None  # a terminal chunk waits for the fingerprint
-            cuts.append((start, end, int(exact.group(2)), int(exact.group(1)), choices.group(2)))
-        out: list[bytes] = []
-        emitted = self._emitted
-        for event, (start, end, tokens, prompt, index) in zip(events, cuts, strict=True):
-            choice = int(index)
-            self.usage_lines += 1
-            self.prompt_tokens = max(self.prompt_tokens, prompt)
-            self._seen[choice] = tokens
-            emitted[choice] = tokens
-            if not wish.continuous:
-                out += (event[:start], event[end:], _EVENT_END)
-        self.completion_tokens = sum(emitted.values())
-        return Relayed(data if wish.continuous else b"".join(out), self.completion_tokens)
-
-    def _whole_ids(self, data: bytes) -> Relayed | None:
-        """The common read of the token_ids scheme in one pass: whole events (each a data line
-        with its choice's ids, then a blank line) with nothing held and no prompt ids. None,
-        before any state changed, sends anything else through the line path."""
-        if self._buffer or self._raw or self._held or self._skip_blank:
-            return None
-        events = data.split(_EVENT_END)
-        if events.pop() or not events:  # bytes after the last event's end, or no event
-            return None
-        wish = self.wish
-        keep_terminal = wish.include_usage
-        spans: list[tuple[int, int, int]] = []
-        for event in events:
-            if not event.startswith(_DATA) or _NL in event or _PROMPT_IDS in event:
-                return None
-            start = event.rfind(_IDS)
-            if start < 0:
-                return None
-            stop = event.find(b"]", start)
-            choices = _CHOICES.search(event, 0, start)
-            if stop < 0 or choices is None or choices.group(2) is None:
-                return None
-            if not keep_terminal and event.find(_TERMINAL, choices.end(), start) >= 0:
-                return None  # a terminal chunk: the line path stamps the fingerprint
-            spans.append((start, stop, int(choices.group(2))))
-        seen = self._seen
-        out: list[bytes] = []
-        for event, (start, stop, choice) in zip(events, spans, strict=True):
-            seen[choice] = seen.get(choice, 0) + _count_ids(event, start + len(_IDS), stop)
-            if not wish.token_ids:
-                out += (event[:start], _NULL_IDS, event[stop + 1 :], _EVENT_END)
-        self._emitted.update(seen)
-        self.completion_tokens = sum(seen.values())
-        return Relayed(data if wish.token_ids else b"".join(out), self.completion_tokens)
 
     def finish(self) -> Relayed:
         """End of the upstream stream: release held lines and any unterminated tail."""
@@ -434,6 +449,8 @@ class StreamRewriter:
             self._skip_blank = False
             if not line.rstrip(b"\r"):
                 return
+        if not line or line == b"\r":
+            self.events += 1  # the blank line that ends an event
         if self.scheme == "token_ids" and (line.startswith(_DATA) or _spaced_data(line)):
             self._ids_line(line, out, end=end)
             return

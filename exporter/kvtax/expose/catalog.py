@@ -134,6 +134,39 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     ),
     _S("kvtax_proxy_streams_open", "gauge", "Streams the proxy is relaying now.", (), "delivery"),
     _S(
+        "kvtax_proxy_relay_seconds",
+        "histogram",
+        "kvtax's own time on the path of every event: from a read of vLLM's bytes arriving to "
+        "their write to the client (the parse, the count and the cut, the write call).",
+        (),
+        "delivery",
+    ),
+    _S(
+        "kvtax_proxy_forward_seconds",
+        "histogram",
+        "kvtax's own time per request: from the request being in kvtax whole to its write to "
+        "vLLM, less any wait in the gate's queue.",
+        (),
+        "delivery",
+    ),
+    _S(
+        "kvtax_proxy_events_relayed_total",
+        "counter",
+        "SSE events relayed on accounted streams; rate(process_cpu_seconds_total) over its rate "
+        "is kvtax's CPU seconds per event.",
+        (),
+        "delivery",
+    ),
+    _S(
+        "kvtax_proxy_streams_counted_total",
+        "counter",
+        "Accounted streams by how their tokens were counted: token_ids (each event's ids, what "
+        "costs vLLM least), usage (continuous usage, the fallback), events (ids were asked for "
+        "and did not come).",
+        ("scheme",),
+        "delivery",
+    ),
+    _S(
         "kvtax_proxy_upstream_retries_total",
         "counter",
         "Requests the proxy sent to vLLM a second time because vLLM closed the connection before "

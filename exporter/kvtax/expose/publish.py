@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.ledger import BookCounts, HistogramCounts
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
@@ -123,10 +124,17 @@ def adapter_samples(delivered: Mapping[tuple[str, str], float]) -> Iterator[Samp
         yield Sample("kvtax_adapter_delivered_tokens_total", labels, value)
 
 
-def proxy_samples(in_flight: int, streams_open: int, upstream_retries: int) -> Iterator[Sample]:
+def proxy_samples(
+    in_flight: int, streams_open: int, upstream_retries: int, cost: RelayCost
+) -> Iterator[Sample | HistogramSample]:
     yield Sample("kvtax_proxy_requests_in_flight", (), float(in_flight))
     yield Sample("kvtax_proxy_streams_open", (), float(streams_open))
     yield Sample("kvtax_proxy_upstream_retries_total", (), float(upstream_retries))
+    yield _histogram("kvtax_proxy_relay_seconds", (), cost.relay.counts())
+    yield _histogram("kvtax_proxy_forward_seconds", (), cost.forward.counts())
+    yield Sample("kvtax_proxy_events_relayed_total", (), float(cost.events))
+    for scheme, streams in cost.schemes.items():
+        yield Sample("kvtax_proxy_streams_counted_total", (scheme,), float(streams))
 
 
 def _histogram(metric: str, labels: tuple[str, ...], h: HistogramCounts) -> HistogramSample:

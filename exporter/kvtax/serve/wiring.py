@@ -146,7 +146,9 @@ def report_of(
         yield from scrape.samples()
         yield from ledger_samples(ledger.counts())
         yield from adapter_samples(ledger.adapter_counts())
-        yield from proxy_samples(proxy.in_flight, proxy.streams_open, proxy.upstream_retries)
+        yield from proxy_samples(
+            proxy.in_flight, proxy.streams_open, proxy.upstream_retries, proxy.cost
+        )
         yield from gate.samples()
         yield from loopwatch.samples()
 

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtax.delivery.asks import UsageWish
+from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.sse import Fingerprint, HoldBudget
 from kvtax.delivery.timing import SloTargets
@@ -139,9 +140,8 @@ class Proxy:
         self.vllm_version = vllm_version
         # The version whose streams came without the ids asked for: counted by usage from then.
         self._ids_missing_in: str | None = None
-        # Streams by how their tokens were counted (kvtax.delivery.asks; "events": ids were
-        # asked for and did not come, each event counted as one token).
-        self.schemes: dict[str, int] = {"token_ids": 0, "usage": 0, "events": 0}
+        # What relaying costs kvtax itself, and streams by how their tokens were counted.
+        self.cost = RelayCost()
         # None: no gate, the plain relay.
         self.gate = gate
         self.ledger = ledger
@@ -168,6 +168,7 @@ class Proxy:
             stall_factor=settings.stall_factor,
             stall_min=settings.stall_min,
             phase=lambda: self.state,
+            cost=self.cost,
             fingerprints=Fingerprint(),
         )
 
@@ -294,6 +295,7 @@ class Proxy:
     async def _passthrough(self, exchange: Exchange) -> None:
         request = exchange.head
         no_body = request.method == b"HEAD"
+        began = time.perf_counter()
         try:
             if exchange.body_complete:
                 body = exchange.buffered()
@@ -318,8 +320,9 @@ class Proxy:
         except Cut:
             exchange.answer(shutting_down())
             return
+        self.cost.forward.observe(conn.sent_at - began)
         framing, head = self._respond_head(exchange, conn, rewritten=False)
-        await self._relay(exchange, conn, PlainSink(exchange, framing, head))
+        await self._relay(exchange, conn, PlainSink(exchange, framing, head, self.cost))
 
     @staticmethod
     def _body_start(exchange: Exchange) -> bytes:
@@ -366,7 +369,7 @@ class Proxy:
 
     def _count_scheme(self, scheme: str, ids_missing: int) -> None:
         if scheme == "token_ids" and ids_missing:
-            self.schemes["events"] += 1
+            self.cost.schemes["events"] += 1
             version = self.vllm_version()
             if version is not None and version != self._ids_missing_in:
                 self._ids_missing_in = version
@@ -376,7 +379,7 @@ class Proxy:
                     version,
                 )
         else:
-            self.schemes[scheme] += 1
+            self.cost.schemes[scheme] += 1
 
     async def _handle(self, exchange: Exchange, facts: Facts) -> None:
         if exchange.too_large:
@@ -398,6 +401,7 @@ class Proxy:
                 exchange.answer(too_large(self.settings.max_body))
             return
         facts.started = self.clock()  # the request is whole: vLLM's part starts now
+        began = time.perf_counter()  # ... and kvtax's forwarding of it
         version = self.vllm_version()
         prepared = prepare(
             body,
@@ -409,9 +413,11 @@ class Proxy:
         facts.scheme = prepared.scheme
         gate = self.gate
         if gate is None:
-            await self._forward(exchange, facts, wish, prepared.body)
+            await self._forward(exchange, facts, wish, prepared.body, began=began)
             return
+        admitting = time.perf_counter()
         verdict = await gate.admit(prepared, exchange.head.route)
+        began += time.perf_counter() - admitting  # the gate's queue is not the relay's cost
         if isinstance(verdict, Refused):
             if verdict.reason == CLOSED:
                 facts.turned_away = True  # shutdown began while it waited in the queue
@@ -422,7 +428,9 @@ class Proxy:
         facts.prompt_bytes = verdict.prompt_bytes
         try:
             # A stream frees its slot once its end went out, though vLLM's connection may not.
-            await self._forward(exchange, facts, wish, verdict.body, release=verdict.release)
+            await self._forward(
+                exchange, facts, wish, verdict.body, began=began, release=verdict.release
+            )
         finally:
             verdict.release()
 
@@ -433,10 +441,12 @@ class Proxy:
         wish: UsageWish | None,
         body: bytes,
         *,
+        began: float,
         release: Callable[[], None] | None = None,
     ) -> None:
         """Send the request to vLLM and relay its answer; ``release`` is called once a stream's
-        end (``[DONE]`` or the final usage event) went to the client."""
+        end (``[DONE]`` or the final usage event) went to the client. ``began``: when kvtax's
+        forwarding of it began (perf_counter), for its cost."""
         if self.state != "serving":
             facts.turned_away = True  # shutdown began: nothing new goes to vLLM
             exchange.answer(shutting_down())
@@ -458,6 +468,7 @@ class Proxy:
             facts.sent = facts.turned_away = True
             exchange.answer(shutting_down())
             return
+        self.cost.forward.observe(conn.sent_at - began)
         facts.status = conn.status
         sink = self._sink(exchange, conn, facts, wish, release=release)
         if sink is None:
@@ -503,7 +514,7 @@ class Proxy:
         decoded = stream and coding is not None
         framing, head = self._respond_head(exchange, conn, rewritten=stream, decoded=decoded)
         if not stream:
-            return BodySink(exchange, framing, head, self.clock)
+            return BodySink(exchange, framing, head, self.clock, self.cost)
         assert wish is not None
         if decoded:
             sink = InflatingStreamSink(

@@ -37,11 +37,13 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtax.delivery.asks import UsageWish
+from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.openai import sse_error_event
 from kvtax.delivery.sse import Fingerprint, HoldBudget, StreamRewriter
 from kvtax.delivery.timing import StreamTiming
@@ -77,6 +79,8 @@ class RelaySettings:
     stall_factor: float
     stall_min: float
     phase: Callable[[], Phase]
+    # What relaying costs kvtax itself (kvtax.delivery.cost), for /metrics.
+    cost: RelayCost
     # vLLM's system_fingerprint, learnt from its answers, for streams whose client asked for no
     # usage (StreamRewriter).
     fingerprints: Fingerprint
@@ -90,17 +94,26 @@ class _Sink:
     which the upstream connection calls once per read.
     """
 
-    def __init__(self, exchange: Exchange, framing: Framing, head: bytes) -> None:
+    def __init__(self, exchange: Exchange, framing: Framing, head: bytes, cost: RelayCost) -> None:
         self.exchange = exchange
         self.chunked = framing == "chunked"
+        self.cost = cost
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._out: list[bytes] = [head]
+        self._arrived = 0.0  # when the bytes waiting in _out arrived from vLLM (0: none)
 
     def flush(self) -> None:
         out = self._out
         if out:
             self.exchange.write(out[0] if len(out) == 1 else b"".join(out))
             out.clear()
+            if self._arrived:
+                self.cost.relay.observe(time.perf_counter() - self._arrived)
+                self._arrived = 0.0
+
+    def _arrival(self, arrived: float) -> None:
+        if not self._arrived:
+            self._arrived = arrived
 
     def _send(self, payload: bytes) -> int:
         """Queue ``payload`` framed; the bytes it puts on the wire."""
@@ -130,8 +143,9 @@ class _Sink:
 class PlainSink(_Sink):
     """A pass-through body, as it is."""
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes, arrived: float) -> None:
         if data:
+            self._arrival(arrived)
             self._send(data)
 
     def end(self) -> None:
@@ -156,17 +170,19 @@ class BodySink(_Sink):
         framing: Framing,
         head: bytes,
         clock: Callable[[], float],
+        cost: RelayCost,
     ) -> None:
-        super().__init__(exchange, framing, head)
+        super().__init__(exchange, framing, head, cost)
         self.ex = ex = _facts(exchange)
         self.clock = clock
         status = ex.status or 0
         self.scanner = UsageScanner() if status < 300 else None
         ex.acks = AckTracker(exchange.conn.transport, unsent=len(head))
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes, arrived: float) -> None:
         if not data:
             return
+        self._arrival(arrived)
         if self.scanner is not None:
             self.scanner.feed(data)
         sent = self._send(data)
@@ -200,7 +216,7 @@ class StreamSink(_Sink):
         relay: RelaySettings,
         on_done: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(exchange, framing, head)
+        super().__init__(exchange, framing, head, relay.cost)
         self.ex = ex = _facts(exchange)
         self.on_done = on_done
         self.relay = relay
@@ -211,9 +227,12 @@ class StreamSink(_Sink):
         self.timing = ex.timing = StreamTiming(ex.started, relay.stall_factor, relay.stall_min)
         self.acks = ex.acks = AckTracker(exchange.conn.transport, unsent=len(head))
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes, arrived: float) -> None:
+        self._arrival(arrived)
         rewriter = self.rewriter
+        events = rewriter.events
         out = rewriter.feed(data)
+        self.cost.events += rewriter.events - events
         if out.payload:
             self._write(out.payload, out.completion_tokens)
             if rewriter.done:
@@ -297,12 +316,14 @@ class InflatingStreamSink(StreamSink):
         self._ending = False  # vLLM's body ended; end once the pending bytes are inflated
         self._client_full = False
         self._scheduled = False
+        self._read_at = 0.0  # when the read being inflated arrived
 
     # -- the upstream connection's calls -----------------------------------------------------
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes, arrived: float) -> None:
         if self.failed or not data:
             return
         self._pending += data
+        self._read_at = arrived
         self._step()
 
     def end(self) -> None:
@@ -341,7 +362,7 @@ class InflatingStreamSink(StreamSink):
             self.flush()
             return
         if plain:
-            super().feed(plain)
+            super().feed(plain, self._read_at)
             self.flush()
         inflater = self._inflater
         if self._pending or inflater.unconsumed_tail or (inflater.eof and inflater.unused_data):
@@ -355,7 +376,7 @@ class InflatingStreamSink(StreamSink):
                 super().broke(exc)
                 return
             if rest:
-                super().feed(rest)
+                super().feed(rest, self._read_at)
             super().end()
         elif not self._client_full:
             self.upstream.resume_reading()

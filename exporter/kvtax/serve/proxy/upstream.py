@@ -96,9 +96,10 @@ class Cut(Exception):
 
 class Sink(Protocol):
     """Where a response body goes, read by read: ``feed`` and ``end`` gather, ``flush`` writes
-    what one read brought; ``broke`` ends the body and writes."""
+    what one read brought; ``broke`` ends the body and writes. ``arrived`` is when the read that
+    brought ``data`` arrived (``time.perf_counter``), for the relay's own cost."""
 
-    def feed(self, data: bytes) -> None: ...
+    def feed(self, data: bytes, arrived: float) -> None: ...
 
     def end(self) -> None: ...
 
@@ -135,6 +136,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.no_body = False
         self.until_close = False
         self.last_read = 0.0
+        self.arrived = 0.0  # when the last read arrived (perf_counter): the relay's own cost
+        self.sent_at = 0.0  # when the request was written to vLLM (perf_counter)
         self.closed = False
         # A request body still being sent (streamed), and how: chunked or as it comes.
         self.sending = False
@@ -168,6 +171,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.last_read = self.clock()
         self._arm(self.upstream.timeout)
         assert self.transport is not None
+        self.sent_at = time.perf_counter()  # the request's forwarding, for the relay's cost
         self.transport.write(data)
         return self.head
 
@@ -257,6 +261,7 @@ class UpstreamConnection(asyncio.Protocol):
             # for it. The connection is never reused, and nothing of it goes anywhere.
             self._unsolicited()
             return
+        self.arrived = time.perf_counter()
         self.last_read = self.clock()
         self.answered = True
         try:
@@ -361,7 +366,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _flush(self, sink: Sink) -> None:
         parts, self._parts = self._parts, []
-        sink.feed(parts[0] if len(parts) == 1 else b"".join(parts))
+        sink.feed(parts[0] if len(parts) == 1 else b"".join(parts), self.arrived)
 
     def _ended(self, sink: Sink) -> None:
         self._disarm()
