@@ -9,9 +9,10 @@ three recompute methods and their meaning (docs/tax.md, vllm-facts.md):
 - ``estimated``: preemptions x L-hat, the mean context at preemption from vLLM's histograms.
 - ``stall_estimated``: preemptions x the mean context at the stream stalls the proxy saw.
 
-Example::
+Example (4 preemptions at a mean context of 300 tokens; no estimate while it is unknown):
 
-    estimated_recompute(4.0, mean_context(histograms))  # 4 preemptions x L-hat
+    >>> estimated_recompute(4.0, 300.0), estimated_recompute(4.0, None)
+    (1200.0, None)
 """
 
 from __future__ import annotations

@@ -5,10 +5,13 @@ conventions (``for: 15m`` unless a comment gives a reason); :func:`short_profile
 :data:`TEST_PROFILE`) shrinks every window and ``for:`` so an end-to-end test can watch the
 alerts fire in seconds. Pure: no I/O.
 
-Example::
+Example:
 
-    cfg = replace(DEFAULT, tax_warning=0.1, vllm_selector='job="vllm"')
-    cfg.selector("kvtax_vllm_up", cfg.kvtax_selector)  # 'kvtax_vllm_up'
+    >>> cfg = replace(DEFAULT, tax_warning=0.1, vllm_selector='job="vllm"')
+    >>> cfg.selector("kvtax_vllm_up", cfg.kvtax_selector)
+    'kvtax_vllm_up'
+    >>> cfg.selector("vllm:num_requests_waiting", cfg.vllm_selector)
+    'vllm:num_requests_waiting{job="vllm"}'
 """
 
 from __future__ import annotations

@@ -17,10 +17,19 @@ the dashboards, so a threshold line on a panel and its alert cannot disagree::
 
 :func:`from_mapping` is pure; :func:`read` reads the file.
 
-Example::
+Example:
 
-    config = read(Path("rules.yaml"))
-    render_files(config)
+    >>> from_mapping({"tax_warning": 0.1, "slo_unit": "tokens"}).slo_unit
+    'tokens'
+    >>> from_mapping({"tax_for": "soon"}, source="rules.yaml")
+    Traceback (most recent call last):
+    ...
+    kvtax.errors.RulesConfigError: rules.yaml: tax_for: expected a Prometheus duration such as 30s, 5m or 1h30m (units y, w, d, h, m, s, ms, each once and largest first), not 'soon'
+
+A file is read the same way (``read(Path("rules.yaml"))``) and hands the generators the result::
+
+    from kvtax.mixin.rules.render import render_files
+    files = render_files(read(Path("rules.yaml")))
 """
 
 from __future__ import annotations
