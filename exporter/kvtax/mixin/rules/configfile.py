@@ -24,9 +24,9 @@ Example:
     >>> from_mapping({"tax_for": "soon"}, source="rules.yaml")
     Traceback (most recent call last):
     ...
-    kvtax.errors.RulesConfigError: rules.yaml: tax_for: expected a Prometheus duration such as 30s, 5m or 1h30m (units y, w, d, h, m, s, ms, each once and largest first), not 'soon'
+    kvtax.errors.RulesConfigError: rules.yaml: tax_for: expected a Prometheus duration such as ...
 
-A file is read the same way (``read(Path("rules.yaml"))``) and hands the generators the result::
+A file is read the same way (``read(Path("rules.yaml"))``), for the generators::
 
     from kvtax.mixin.rules.render import render_files
     files = render_files(read(Path("rules.yaml")))
