@@ -180,3 +180,14 @@ def test_burn_alerts_follow_the_factors_of_the_config() -> None:
     config: RulesConfig = from_mapping({"slo_fast_burn": 20, "slo_ticket_burn": 2})
     assert [a.burn for a in burn_alerts(config)] == [20.0, 6.0, 2.0]
     assert all(a.expr.endswith(f"> {a.burn:g}") for a in burn_alerts(config))
+
+
+def test_a_severity_override_may_name_either_choice_s_alert() -> None:
+    # Keys are read in any order: the override of the threshold alert is valid before the file
+    # has said slo_alerting: threshold, and an override of the burn alert with it.
+    first = from_mapping(
+        {"severity_overrides": {"KvtaxTtftSloBreach": "info"}, "slo_alerting": "threshold"}
+    )
+    assert {r.alert: r.severity for r in alert_rules(first)}["KvtaxTtftSloBreach"] == "info"
+    burn = from_mapping({"severity_overrides": {ALERT: "warning"}})
+    assert {r.severity for r in alert_rules(burn) if r.alert == ALERT} == {"warning"}

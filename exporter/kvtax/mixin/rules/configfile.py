@@ -110,12 +110,13 @@ def _text(name: str, raw: Any) -> str:
 
 def _severities(raw: Any) -> Mapping[str, str]:
     from kvtax.mixin.rules.alerts import (
-        alert_names,  # alerts read this module's config: import late
+        every_alert_name,  # alerts read this module's config: import late
     )
 
     if not isinstance(raw, Mapping):
         raise ValueError("expected a mapping of alert name to severity")
-    known = alert_names()
+    # Either choice of slo_alerting's alerts: the file may say which after the overrides.
+    known = every_alert_name()
     for alert, severity in raw.items():
         if alert not in known:
             raise ValueError(f"{alert!r} is not one of kvtax's alerts ({', '.join(known)})")
