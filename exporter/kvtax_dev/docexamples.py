@@ -298,7 +298,10 @@ class _Checker(ast.NodeVisitor):
             self._report(f"calls {name}{signature} wrongly: {exc}")
 
     def _report(self, message: str) -> None:
-        self.found.append(f"{self.block.where}: the example {message}")
+        # A call's callee is read twice (visiting the call, then checking it): report once.
+        problem = f"{self.block.where}: the example {message}"
+        if problem not in self.found:
+            self.found.append(problem)
 
 
 def _has(owner: Any, attr: str, *, instance: bool) -> bool:

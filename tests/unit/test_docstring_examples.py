@@ -123,7 +123,8 @@ def test_a_missing_argument_is_caught() -> None:
 
 def test_a_method_or_reference_that_does_not_exist_is_caught() -> None:
     # Like wire's :func:`answer`, a function that does not exist.
-    assert "does not exist" in _wrong("rate = CompletionRate(0.0)\nrate.answer()")[0]
+    (found,) = _wrong("rate = CompletionRate(0.0)\nrate.answer()")
+    assert "CompletionRate.answer, which does not exist" in found
     module = importlib.import_module("kvtax.gate.order")
     source = '"""Sends :func:`answer`, :func:`retry_after` and :mod:`kvtax.gate.signals`."""'
     assert reference_problems(module, source) == ["kvtax.gate.order: :func:`answer` names nothing"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvtax.mixin.dashboards.model import Panel, Target, Threshold
 from kvtax.mixin.dashboards.queries import objective_record
 from kvtax.mixin.rules.config import RulesConfig
-from kvtax.mixin.rules.slo import budget_record, missed_record
+from kvtax.mixin.rules.slo import budget, budget_record, missed_record
 
 __all__ = ["ATTAINMENT", "BUDGET_LEFT", "BURN_RATE"]
 
@@ -33,7 +33,7 @@ def _burn(page: str) -> Target:
 
     def expr(rules: RulesConfig) -> str:
         missed = objective_record(rules, missed_record(rules.slo_unit, long(rules)))
-        return f"{missed} / {1 - rules.slo_objective:.12g}"
+        return f"{missed} / {budget(rules)}"
 
     return Target(expr, lambda rules: f"{long(rules)} {{{{model_name}}}}")
 

@@ -39,6 +39,7 @@ __all__ = [
     "BurnAlert",
     "SloRecord",
     "base_counters",
+    "budget",
     "budget_record",
     "budget_share",
     "burn_alerts",
@@ -118,14 +119,19 @@ def budget_record(config: RulesConfig, unit: str) -> str:
     return f"{FLEET_LEVEL}:kvtax_slo_error_budget_{unit}:remaining{config.slo_period}"
 
 
-def _budget(config: RulesConfig) -> str:
-    # 1 - 0.99 is 0.010000000000000009 in floats; PromQL should read 0.01.
+def budget(config: RulesConfig) -> str:
+    """The error budget, 1 - the objective, as PromQL reads it.
+
+    >>> from kvtax.mixin.rules.config import DEFAULT
+    >>> budget(DEFAULT)  # not 0.010000000000000009, the float 1 - 0.99 is
+    '0.01'
+    """
     return f"{1 - config.slo_objective:.12g}"
 
 
 def burn_of(config: RulesConfig, unit: str, window: str) -> str:
     """PromQL for the burn rate over ``window``: the missed share over the budget."""
-    return f"{missed_record(unit, window)} / {_budget(config)}"
+    return f"{missed_record(unit, window)} / {budget(config)}"
 
 
 def recording_rules(
@@ -176,7 +182,7 @@ def recording_rules(
             )
         add(
             budget_record(config, unit),
-            f"1 - {missed_record(unit, config.slo_period)} / {_budget(config)}",
+            f"1 - {missed_record(unit, config.slo_period)} / {budget(config)}",
             f"The error budget of the {unit} objective left over {config.slo_period}.",
         )
     return tuple(rules)
