@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtax.mixin.dashboards.model import DATASOURCE, GRID_WIDTH, JSON, TAG
 from kvtax.mixin.dashboards.queries import RATE_INTERVAL
-from kvtax.mixin.rules.alerts import alert_names
+from kvtax.mixin.rules.alerts import every_alert_name
 from kvtax.mixin.rules.config import DEFAULT as RULES
 from kvtax_dev.promql import known_series, series_names
 
@@ -82,7 +82,8 @@ def problems(dashboard: JSON, *, known: Iterable[str] | None = None) -> list[str
     vocabulary, the recording rules and Prometheus' own series.
     """
     names = set(known_series(RULES) if known is None else known)
-    anchors = {RULES.runbook_url(a).rpartition("#")[2] for a in alert_names(RULES)}
+    # Either choice of slo_alerting: a panel may link the alert of the other (its section exists).
+    anchors = {RULES.runbook_url(a).rpartition("#")[2] for a in every_alert_name(RULES)}
     out: list[str] = []
     uid = str(dashboard.get("uid", ""))
     if not uid.startswith("kvtax-"):

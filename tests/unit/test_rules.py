@@ -22,24 +22,38 @@ from kvtax.mixin.rules import (
     short_profile,
 )
 from kvtax.mixin.rules.alertmanager import alertmanager_config
-from kvtax.mixin.rules.alerts import alert_names, alert_rules
+from kvtax.mixin.rules.alerts import THRESHOLD_ALERT, alert_names, alert_rules, every_alert_name
+from kvtax.mixin.rules.configfile import from_mapping, read
 from kvtax.mixin.rules.render import render_files
+from kvtax.mixin.rules.slo import ALERT as BURN
+from kvtax.mixin.rules.slo import UNITS
 from kvtax_dev.promql import series_names, unknown_series
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "alerts"
 RULE_FILES = ("kvtax-recording.yaml", "kvtax-alerts.yaml")
+# The same rules for users without an objective (slo_alerting: threshold), generated from the
+# settings file beside them.
+THRESHOLD = ALERTS / "threshold"
+THRESHOLD_CONFIG = from_mapping({"slo_alerting": "threshold"})
 
 
-def _load(name: str) -> Any:
-    return yaml.safe_load((ALERTS / name).read_text())
+def _load(name: str, folder: Path = ALERTS) -> Any:
+    return yaml.safe_load((folder / name).read_text())
 
 
 def _committed_rules() -> list[dict[str, Any]]:
-    """Every rule in the committed rule files and in the PrometheusRule wrapper."""
-    groups = [g for name in RULE_FILES for g in _load(name)["groups"]]
-    groups += _load("kvtax-prometheusrule.yaml")["spec"]["groups"]
+    """Every rule in the committed rule files and in the PrometheusRule wrappers, of both
+    folders."""
+    groups = []
+    for folder in (ALERTS, THRESHOLD):
+        groups += [g for name in RULE_FILES for g in _load(name, folder)["groups"]]
+        groups += _load("kvtax-prometheusrule.yaml", folder)["spec"]["groups"]
     return [rule for group in groups for rule in group["rules"]]
+
+
+# Both choices of slo_alerting: every test of an alert's shape runs on each.
+MODES = (DEFAULT, THRESHOLD_CONFIG)
 
 
 # -- drift -------------------------------------------------------------------------------------
@@ -48,6 +62,14 @@ def _committed_rules() -> list[dict[str, Any]]:
 def test_committed_files_match_the_generator() -> None:
     for name, text in render_files().items():
         assert (ALERTS / name).read_text() == text, f"alerts/{name} is stale: run `kvtax rules`"
+
+
+def test_the_threshold_folder_is_its_settings_file_rendered() -> None:
+    settings = THRESHOLD / "kvtax-rules.yaml"
+    assert read(settings) == THRESHOLD_CONFIG
+    fix = f"kvtax rules --config {settings.relative_to(ROOT)} --out {THRESHOLD.relative_to(ROOT)}"
+    for name, text in render_files(THRESHOLD_CONFIG).items():
+        assert (THRESHOLD / name).read_text() == text, f"alerts/threshold/{name}: run `{fix}`"
 
 
 def test_rules_check_exits_1_on_drift(tmp_path: Path) -> None:
@@ -63,18 +85,30 @@ def test_rules_check_exits_1_on_drift(tmp_path: Path) -> None:
 
 
 def test_recording_rules_are_named_level_metric_operations() -> None:
+    # The objective's shares carry their own windows and the budget its period (28d).
+    windows = "|".join((*DEFAULT.slo_windows, DEFAULT.slo_period))
     for record in record_names():
         level, metric, operation = record.split(":")
         assert level in {"namespace_pod_model_name", "model_name"}, record
         assert not metric.endswith("_total"), record
-        assert re.fullmatch(r"(rate5m|ratio_rate5m|max|min|sum|avg)", operation), record
+        assert re.fullmatch(
+            rf"(rate5m|ratio_rate5m|max|min|sum|avg|ratio_rate({windows})|remaining28d)",
+            operation,
+        ), record
+
+
+# The objective is the model's, across its pods: its shares and budget exist fleet-wide only.
+FLEET_ONLY = re.compile(r"kvtax_slo_(missed|error_budget)_(requests|tokens)")
 
 
 def test_every_recording_rule_exists_per_pod_and_fleet_wide() -> None:
     metrics = {(r.split(":")[0], r.split(":")[1]) for r in record_names()}
     pod = {m for level, m in metrics if level == "namespace_pod_model_name"}
-    fleet = {m for level, m in metrics if level == "model_name"}
+    fleet = {m for level, m in metrics if level == "model_name" and not FLEET_ONLY.fullmatch(m)}
     assert pod == fleet
+    assert {m for _, m in metrics if FLEET_ONLY.fullmatch(m)} == {
+        f"kvtax_slo_{kind}_{unit}" for kind in ("missed", "error_budget") for unit in UNITS
+    }
     for needed in (
         "kvtax_delivered_tokens",  # goodput
         "kvtax_engine_generation_tokens",  # engine throughput
@@ -152,10 +186,16 @@ def test_load_shedding_counts_vllm_rejections_and_claims_no_kvtax_429() -> None:
 
 def test_short_profile_shrinks_every_window_and_for() -> None:
     assert {r.for_ for r in alert_rules(TEST_PROFILE)} == {"5s"}
-    assert all("[20s]" in r.expr or "[" not in r.expr for r in recording_rules(TEST_PROFILE))
+    # Every range is the rate window or one of the objective's, each 30 times shorter.
+    short = {"20s", *TEST_PROFILE.slo_windows, TEST_PROFILE.slo_period}
+    for rule in recording_rules(TEST_PROFILE):
+        assert set(re.findall(r"\[(\w+)\]", rule.expr)) <= short, rule.record
+    assert TEST_PROFILE.slo_windows == ("10s", "1m", "2m", "4m", "12m", "48m", "2h24m")
     assert "model_name:kvtax_preemption_tax:ratio_rate20s" in record_names(TEST_PROFILE)
-    custom = short_profile(window="1m", hold="30s")
+    assert "model_name:kvtax_slo_missed_requests:ratio_rate2m" in record_names(TEST_PROFILE)
+    custom = short_profile(window="1m", hold="30s", slo_scale=60)
     assert {r.for_ for r in alert_rules(custom)} == {"30s"}
+    assert custom.slo_fast_windows == ("1m", "5s")
 
 
 # -- alert conventions -------------------------------------------------------------------------
@@ -168,7 +208,7 @@ REQUIRED_ALERTS = {
     "KvtaxThrashing",
     "KvtaxQueueGrowing",
     "KvtaxOverAdmitted",
-    "KvtaxTtftSloBreach",
+    "KvtaxErrorBudgetBurn",
     "KvtaxStreamStalls",
     "KvtaxLoadShedding",
     "KvtaxJoinCoverageLow",
@@ -181,9 +221,16 @@ REQUIRED_ALERTS = {
 
 def test_the_issue_alerts_all_exist() -> None:
     assert set(alert_names()) == REQUIRED_ALERTS
+    # Without an objective, the TTFT threshold pages in the error budget's place.
+    assert set(alert_names(THRESHOLD_CONFIG)) == REQUIRED_ALERTS - {BURN} | {THRESHOLD_ALERT}
+    assert set(every_alert_name()) == REQUIRED_ALERTS | {THRESHOLD_ALERT}
 
 
-@pytest.mark.parametrize("rule", alert_rules(), ids=lambda r: f"{r.alert}-{r.severity}")
+@pytest.mark.parametrize(
+    "rule",
+    [r for config in MODES for r in alert_rules(config)],
+    ids=lambda r: f"{r.alert}-{r.severity}-{r.labels.get('long_window', '')}",
+)
 def test_alert_follows_mixin_conventions(rule: Any) -> None:
     assert re.fullmatch(r"Kvtax([A-Z][a-z0-9]+)+", rule.alert)
     assert rule.severity in {"critical", "warning", "info"}
@@ -202,8 +249,12 @@ def test_descriptions_name_model_pod_and_value_where_there_is_one() -> None:
         "KvtaxSidecarDown",
         "KvtaxGateShedding",  # one gate per proxy, in front of every model
     }
-    for rule in alert_rules():
-        assert "$labels.pod" in rule.description, rule.alert
+    for rule in (r for config in MODES for r in alert_rules(config)):
+        if rule.alert == BURN:
+            # The objective is the model's across its pods: no pod to name.
+            assert "$labels.pod" not in rule.description + rule.expr
+        else:
+            assert "$labels.pod" in rule.description, rule.alert
         if rule.alert not in no_model:
             assert "$labels.model_name" in rule.description, rule.alert
             assert "$value" in rule.description, rule.alert
@@ -214,10 +265,13 @@ def test_pairs_share_name_and_summary_and_differ_by_severity() -> None:
     for rule in alert_rules():
         by_name.setdefault(rule.alert, []).append(rule)
     pairs = {name: rules for name, rules in by_name.items() if len(rules) > 1}
-    assert set(pairs) == {"KvtaxPreemptionTaxHigh", "KvtaxGoodputDiverging"}
-    for rules in pairs.values():
-        assert sorted(r.severity for r in rules) == ["critical", "warning"]
+    assert set(pairs) == {"KvtaxPreemptionTaxHigh", "KvtaxGoodputDiverging", BURN}
+    for name, rules in pairs.items():
+        # The objective's alert is the workbook's two pages and a ticket, told apart by windows.
+        expected = ["critical", "critical", "warning"] if name == BURN else ["critical", "warning"]
+        assert sorted(r.severity for r in rules) == expected
         assert len({r.summary for r in rules}) == 1
+        assert len({(r.severity, tuple(r.labels.items())) for r in rules}) == len(rules)
 
 
 def test_thresholds_come_from_the_config() -> None:
@@ -251,7 +305,7 @@ def _committed_exprs() -> dict[str, str]:
 
 def test_every_series_in_every_committed_rule_is_known() -> None:
     exprs = _committed_exprs()
-    assert len(exprs) > 90  # recording + alerts, twice (plain files and the wrapper)
+    assert len(exprs) > 280  # recording + alerts, twice (plain files and the wrapper), two folders
     assert unknown_series(exprs) == {}
 
 
@@ -337,7 +391,7 @@ def _runbook_sections() -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
-@pytest.mark.parametrize("alert", sorted(REQUIRED_ALERTS))
+@pytest.mark.parametrize("alert", sorted(every_alert_name()))
 def test_every_alert_has_a_runbook_section_with_the_four_parts(alert: str) -> None:
     sections = _runbook_sections()
     assert alert in sections, f"docs/runbooks.md has no '## {alert}' (anchor #{alert.lower()})"

@@ -35,8 +35,23 @@ def promtool() -> str:
     return path
 
 
-def changed(value: Any) -> Any:
+# A different valid value of each setting whose kind changed() cannot guess.
+CHANGED: dict[str, Any] = {
+    "slo_alerting": "threshold",
+    "slo_unit": "tokens",
+    "slo_period": "30d",
+    "slo_windows": ["5m", "30m", "1h", "2h", "6h", "1d", "3d", "7d"],
+    "slo_fast_windows": ["2h", "5m"],
+    "slo_slow_windows": ["1d", "30m"],
+    "slo_ticket_windows": ["7d", "1d"],
+    "slo_excluded_outcomes": ["upstream_4xx", "too_large", "client_disconnected"],
+}
+
+
+def changed(name: str, value: Any) -> Any:
     """A different valid value of the same kind, for the round trip."""
+    if name in CHANGED:
+        return CHANGED[name]
     if isinstance(value, float):
         return value + 0.01 if value < 0.5 else value - 0.01
     if isinstance(value, str):
@@ -51,13 +66,18 @@ def changed(value: Any) -> Any:
 
 
 def test_every_field_can_be_set_from_yaml(tmp_path: Path) -> None:
-    document = {f.name: changed(getattr(DEFAULT, f.name)) for f in fields(RulesConfig)}
+    document = {f.name: changed(f.name, getattr(DEFAULT, f.name)) for f in fields(RulesConfig)}
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(document))
     config = read(path)
     for f in fields(RulesConfig):
         got = getattr(config, f.name)
-        assert (dict(got) if f.name == "severity_overrides" else got) == document[f.name], f.name
+        want = document[f.name]
+        if f.name == "severity_overrides":
+            got = dict(got)
+        elif isinstance(want, list):
+            want = tuple(want)
+        assert got == want, f.name
         assert got != getattr(DEFAULT, f.name), f.name
 
 
@@ -79,6 +99,24 @@ def test_an_empty_file_is_the_defaults(tmp_path: Path) -> None:
         ({"severity_overrides": {"KvtaxNope": "info"}}, "'KvtaxNope' is not one of"),
         ({"severity_overrides": {"KvtaxThrashing": "page"}}, "'page' is not one of"),
         ({"tax_warning": 0.3}, "tax_critical: must not be below tax_warning"),
+        # The objective on delivered work.
+        ({"slo_alerting": "p99"}, "slo_alerting: expected one of burn_rate, threshold, not 'p99'"),
+        ({"slo_unit": "bytes"}, "slo_unit: expected one of requests, tokens, not 'bytes'"),
+        ({"slo_objective": 1}, "slo_objective: expected a share above 0 and below 1"),
+        ({"slo_objective": 99.9}, "slo_objective: expected a share above 0 and below 1"),
+        ({"slo_period": "4 weeks"}, "slo_period: expected a Prometheus duration"),
+        ({"slo_period": "1d"}, "slo_period: 1d is shorter than the longest window, 3d"),
+        ({"slo_windows": "5m"}, "slo_windows: expected a list of windows, shortest first"),
+        ({"slo_windows": ["1h", "5m"]}, "slo_windows: expected windows shortest first"),
+        ({"slo_windows": ["5m", "0s"]}, "slo_windows: a window must be longer than 0"),
+        ({"slo_fast_windows": ["5m", "1h"]}, "slo_fast_windows: expected two windows, the long"),
+        ({"slo_slow_windows": ["6h"]}, "slo_slow_windows: expected two windows, the long one"),
+        ({"slo_fast_windows": ["1h", "10m"]}, "slo_fast_windows: 10m is not among slo_windows"),
+        ({"slo_objective": 0.9}, "slo_fast_burn: 14.4 x (1 - slo_objective 0.9) is above 1"),
+        ({"slo_ticket_burn": 0}, "slo_ticket_burn: expected a number above 0, not 0"),
+        ({"slo_excluded_outcomes": ["completed"]}, "slo_excluded_outcomes: completed requests"),
+        ({"slo_excluded_outcomes": ["4xx"]}, "slo_excluded_outcomes: '4xx' is not one of"),
+        ({"slo_excluded_outcomes": "upstream_4xx"}, "slo_excluded_outcomes: expected a list"),
     ],
 )
 def test_a_bad_setting_names_the_key(document: dict[str, Any], named: str) -> None:

@@ -17,14 +17,20 @@ import yaml
 
 from kvtax.mixin.dashboards import dashboards
 from kvtax.mixin.dashboards.queries import expand
-from kvtax.mixin.rules import TEST_PROFILE
-from kvtax.mixin.rules.alerts import alert_names, alert_rules
+from kvtax.mixin.rules import DEFAULT, TEST_PROFILE, RulesConfig
+from kvtax.mixin.rules.alerts import THRESHOLD_ALERT, AlertRule, alert_rules
+from kvtax.mixin.rules.configfile import from_mapping
+from kvtax.mixin.rules.recording import recording_rules
 from kvtax.mixin.rules.render import alerts_yaml, recording_yaml
+from kvtax.mixin.rules.slo import ALERT as BURN
 from kvtax_dev.dashboard_lint import panels
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "alerts"
 TESTS = sorted((ALERTS / "tests").glob("*.yaml"))
+# The tests of alerts/threshold/, the rules for users without an objective.
+THRESHOLD_TESTS = sorted((ALERTS / "tests" / "threshold").glob("*.yaml"))
+THRESHOLD = from_mapping({"slo_alerting": "threshold"})
 
 
 def _tool(name: str) -> str:
@@ -48,11 +54,13 @@ def _seconds(duration: str) -> int:
 # -- promtool ----------------------------------------------------------------------------------
 
 
-def test_promtool_check_rules_is_clean() -> None:
-    result = _run(_tool("promtool"), "check", "rules", "kvtax-recording.yaml", "kvtax-alerts.yaml")
+@pytest.mark.parametrize(("folder", "config"), [(".", DEFAULT), ("threshold", THRESHOLD)])
+def test_promtool_check_rules_is_clean(folder: str, config: RulesConfig) -> None:
+    files = (f"{folder}/kvtax-recording.yaml", f"{folder}/kvtax-alerts.yaml")
+    result = _run(_tool("promtool"), "check", "rules", *files)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 37 rules found" in result.stdout
-    assert f"SUCCESS: {len(alert_rules())} rules found" in result.stdout
+    assert f"SUCCESS: {len(recording_rules(config))} rules found" in result.stdout
+    assert f"SUCCESS: {len(alert_rules(config))} rules found" in result.stdout
 
 
 def test_promtool_accepts_the_wrapper_and_the_test_profile(tmp_path: Path) -> None:
@@ -70,9 +78,9 @@ def test_promtool_accepts_the_wrapper_and_the_test_profile(tmp_path: Path) -> No
 
 
 def test_promtool_unit_tests_pass() -> None:
-    result = _run(_tool("promtool"), "test", "rules", *TESTS)
+    result = _run(_tool("promtool"), "test", "rules", *TESTS, *THRESHOLD_TESTS)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("SUCCESS") == len(TESTS)
+    assert result.stdout.count("SUCCESS") == len(TESTS) + len(THRESHOLD_TESTS)
 
 
 def test_promtool_unit_tests_fail_when_an_alert_changes(tmp_path: Path) -> None:
@@ -103,40 +111,90 @@ def test_promtool_unit_tests_fail_when_an_alert_changes(tmp_path: Path) -> None:
     assert result.returncode != 0
 
 
-def _cases() -> list[tuple[str, dict[str, Any]]]:
+def _cases(tests: list[Path] = TESTS) -> list[tuple[str, dict[str, Any]]]:
     return [
-        (path.name, case) for path in TESTS for case in yaml.safe_load(path.read_text())["tests"]
+        (path.name, case) for path in tests for case in yaml.safe_load(path.read_text())["tests"]
     ]
 
 
-@pytest.mark.parametrize("alert", alert_names())
-def test_every_alert_has_pending_firing_and_healthy_cases(alert: str) -> None:
-    hold = {r.alert: _seconds(r.for_) for r in alert_rules()}[alert]
+def _is(rule: AlertRule, expected: dict[str, Any]) -> bool:
+    """Whether an expected alert of a promtool test is one of ``rule``'s (its severity and its
+    own labels, such as a burn-rate alert's windows)."""
+    labels = expected["exp_labels"]
+    return labels.get("severity") == rule.severity and all(
+        labels.get(k) == v for k, v in rule.labels.items()
+    )
+
+
+def _checks(case: dict[str, Any], rule: AlertRule) -> list[tuple[int, bool]]:
+    """(eval time, fires) of every check of ``case`` on ``rule``'s alert: fires is whether the
+    check expects one of ``rule``'s alerts."""
+    return [
+        (_seconds(c["eval_time"]), any(_is(rule, e) for e in c["exp_alerts"]))
+        for c in case.get("alert_rule_test", [])
+        if c["alertname"] == rule.alert
+    ]
+
+
+def _condition_shown(case: dict[str, Any], rule: AlertRule, at: int) -> bool:
+    """Whether ``case`` shows ``rule``'s condition true at ``at``: a promql test of the rule's
+    very expression that expects a sample then."""
+    return any(
+        " ".join(t["expr"].split()) == " ".join(rule.expr.split())
+        and _seconds(t["eval_time"]) == at
+        and t["exp_samples"]
+        for t in case.get("promql_expr_test", [])
+    )
+
+
+RULES = [(rule, TESTS) for rule in alert_rules()] + [
+    (rule, THRESHOLD_TESTS) for rule in alert_rules(THRESHOLD) if rule.alert == THRESHOLD_ALERT
+]
+
+
+@pytest.mark.parametrize(
+    ("rule", "tests"),
+    RULES,
+    ids=[f"{r.alert}-{r.severity}-{r.labels.get('long_window', '')}" for r, _ in RULES],
+)
+def test_every_alert_has_pending_firing_and_healthy_cases(
+    rule: AlertRule, tests: list[Path]
+) -> None:
+    """Each rule of each alert (both slo_alerting choices) has a case where it fires with exact
+    labels and annotations after being quiet while its for: ran, and a case where it stays quiet.
+
+    Quiet while for: runs is shown one of two ways: a quiet check no earlier than one step
+    before for: has run since the data began (a shorter for: would already fire there); or, for
+    a condition that becomes true later (a burn reaching its factor), a promql test of the
+    rule's own expression that finds it true at the quiet check, and the firing check within
+    for: and one step of it. The burn-rate alerts must show it the second way."""
+    hold = _seconds(rule.for_)
     pending_then_firing = healthy = False
-    for _, case in _cases():
-        checks = [c for c in case.get("alert_rule_test", []) if c["alertname"] == alert]
+    for _, case in _cases(tests):
+        checks = _checks(case, rule)
         if not checks:
             continue
-        quiet = [_seconds(c["eval_time"]) for c in checks if not c["exp_alerts"]]
-        firing = [c for c in checks if c["exp_alerts"]]
-        if firing:
-            for check in firing:
-                for expected in check["exp_alerts"]:
-                    assert {"severity", "model_name", "pod"} & set(expected["exp_labels"])
-                    assert set(expected["exp_annotations"]) == {
-                        "summary",
-                        "description",
-                        "runbook_url",
-                    }
-            first_fire = min(_seconds(c["eval_time"]) for c in firing)
-            # Quiet no earlier than one step before for: has run since the data began (a
-            # shorter for: would already fire there), then firing at a later step.
-            if any(hold - 60 <= t < first_fire for t in quiet):
+        fires = [t for t, firing in checks if firing]
+        quiet = [t for t, firing in checks if not firing]
+        for check in case.get("alert_rule_test", []):
+            for expected in (e for e in check["exp_alerts"] if _is(rule, e)):
+                assert {"model_name", "pod"} & set(expected["exp_labels"])
+                assert expected["exp_labels"]["severity"] == rule.severity
+                assert set(expected["exp_annotations"]) == {"summary", "description", "runbook_url"}
+                assert expected["exp_annotations"]["runbook_url"] == rule.runbook_url
+        if fires:
+            first = min(fires)
+            before = [t for t in quiet if t < first]
+            # A burn's condition starts when the burn reaches its factor, not with the data.
+            if rule.alert != BURN and any(hold - 60 <= t for t in before):
+                pending_then_firing = True
+            if any(_condition_shown(case, rule, t) and first - t <= hold + 60 for t in before):
                 pending_then_firing = True
         elif quiet:
             healthy = True
-    assert pending_then_firing, f"{alert}: no case shows it pending at for: and firing after"
-    assert healthy, f"{alert}: no case shows it silent on healthy series"
+    name = f"{rule.alert} ({rule.severity}{', ' if rule.labels else ''}{dict(rule.labels) or ''})"
+    assert pending_then_firing, f"{name}: no case shows it pending at for: and firing after"
+    assert healthy, f"{name}: no case shows it silent on healthy series"
 
 
 @pytest.mark.parametrize("alert", ["KvtaxVllmPreempting", "KvtaxKvCacheNearFull"])

@@ -10,8 +10,9 @@ Stdlib only, and in no layer: the generators in ``kvtax.mixin.rules`` and
 ``kvtax.mixin.dashboards`` and the
 top-level :mod:`kvtax.cli.main` all import it.
 
-Example::
+Example (inside a subcommand's run(args))::
 
+    from kvtax.mixin.rules.render import render_files
     return write_or_check(render_files(), args.out, check=args.check, command="kvtax rules")
 """
 

@@ -1,9 +1,10 @@
 """``kvtax plan``: static sizing of a vLLM deployment, and ``--what-if`` predictions.
 
 Registered by :mod:`kvtax.cli.main` (``add_plan_parser`` and ``command("plan")(run_plan)``). This
-module is the command's surface: its flags and what it prints. :mod:`.build` makes the plan,
-from the inputs :mod:`.inputs` reads (config.json and safetensors headers from disk, a /metrics
-page or Prometheus over HTTP through :mod:`.fetch`); the rest of the package is pure. Bad input
+module is the command's surface: its flags and what it prints. :mod:`kvtax.tools.plan.build`
+makes the plan, from the inputs :mod:`kvtax.tools.plan.inputs` reads (config.json and
+safetensors headers from disk, a /metrics page or Prometheus over HTTP through
+:mod:`kvtax.tools.plan.fetch`); the rest of kvtax.tools.plan is pure. Bad input
 raises :class:`kvtax.errors.PlanError`, which :func:`kvtax.cli.main.main` prints as one line,
 ``kvtax plan: <field>: <why>``, exiting 2.
 """

@@ -24,13 +24,14 @@ counted too: it is the case where vLLM starts several API servers by default.
 
 Pure functions on parsed samples; nothing here does I/O.
 
-Example::
+Example (a page of one API server, which carries its process metrics):
 
-    from prometheus_client.parser import text_string_to_metric_families
-    samples = (s for fam in text_string_to_metric_families(text) for s in fam.samples)
-    report = detect(samples)
-    report.mode            # "single", "multiprocess" or "unknown"
-    report.api_servers     # 1, the plugin's count, or None when unknown
+    >>> from prometheus_client.parser import text_string_to_metric_families
+    >>> text = "process_cpu_seconds_total 1.5\\nvllm:num_requests_running{model_name=\\"m\\"} 0\\n"
+    >>> samples = (s for fam in text_string_to_metric_families(text) for s in fam.samples)
+    >>> report = detect(samples)
+    >>> report.mode, report.api_servers
+    ('single', 1)
 """
 
 from __future__ import annotations

@@ -10,11 +10,15 @@ keeps its last good value, and it is not taken for a restart. One NaN would othe
 total, and every rate over it, NaN for good. (normalize already drops such samples and counts
 them in ``VllmSnapshot.rejected``; this is the last guard.)
 
-Example::
+Example (a restart between the two reads):
 
-    t = CounterTracker()
-    t.update("g", 100.0)   # -> 0.0 increase, total 100
-    t.update("g", 5.0)     # restart: -> 5.0 increase, total 105
+    >>> t = CounterTracker()
+    >>> t.update("g", 100.0)   # the first read counts as no increase
+    0.0
+    >>> t.update("g", 5.0)     # lower than before: vLLM restarted and counted 5 since
+    5.0
+    >>> t.total("g")
+    105.0
 """
 
 from __future__ import annotations

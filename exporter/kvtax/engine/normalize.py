@@ -12,9 +12,12 @@ A sample that is NaN or infinite, or a counter or histogram that is negative, is
 concept is left out of this scrape for that model (so a reset-corrected total keeps its last good
 value and no restart is inferred) and the rejection is counted in ``VllmSnapshot.rejected``.
 
-Example::
+Example (a page of one counter; the captures in tests/fixtures/vllm/ are whole pages):
 
-    snap = normalize(open("tests/fixtures/vllm/0.32-idle.prom").read(), timestamp=0.0)
+    >>> page = 'vllm:generation_tokens_total{model_name="tiny-llama",engine="0"} 120.0\\n'
+    >>> snap = normalize(page, timestamp=0.0)
+    >>> snap.models["tiny-llama"].values, snap.names["generation_tokens"]
+    ({'generation_tokens': 120.0}, 'vllm:generation_tokens_total')
 """
 
 from __future__ import annotations

@@ -4,10 +4,13 @@ A :class:`VllmSnapshot` holds, per ``model_name``, the canonical concepts of
 :mod:`kvtax.engine.vocabulary` with engines already combined. It is immutable and carries no I/O, so
 the join and derive code can be tested on captured text alone.
 
-Example::
+Example (a snapshot, as :func:`kvtax.engine.normalize.normalize` makes one from a page):
 
-    snap = normalize(text, timestamp=0.0)
-    snap.models["tiny-llama"].values["generation_tokens"]
+    >>> from kvtax.engine.normalize import normalize
+    >>> text = 'vllm:num_preemptions_total{model_name="tiny-llama"} 4.0\\n'
+    >>> snap = normalize(text, timestamp=0.0)
+    >>> snap.models["tiny-llama"].values["preemptions"]
+    4.0
 """
 
 from __future__ import annotations

@@ -6,10 +6,13 @@ help text can only come from :mod:`kvtax.expose.catalog`. Families with no sampl
 described
 for counters with fixed label sets created up front (e.g. scrape errors by reason).
 
-Example::
+Example:
 
-    registry = CollectorRegistry()
-    registry.register(ReportCollector(lambda: [Sample("kvtax_vllm_up", (), 1.0)]))
+    >>> from prometheus_client import CollectorRegistry, generate_latest
+    >>> registry = CollectorRegistry()
+    >>> registry.register(ReportCollector(lambda: [Sample("kvtax_vllm_up", (), 1.0)]))
+    >>> print(generate_latest(registry).decode().splitlines()[-1])
+    kvtax_vllm_up 1.0
 """
 
 from __future__ import annotations

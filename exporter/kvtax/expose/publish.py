@@ -15,6 +15,7 @@ by whatever streams delivered since that scrape.
 
 Example::
 
+    from kvtax.figures.derive import derive_all
     list(model_samples(derive_all(window, settings), configured_max_num_seqs=None))
 """
 

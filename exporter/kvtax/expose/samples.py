@@ -4,10 +4,10 @@ Every producer (engine figures, the delivery ledger, the join, the sidecar's own
 state into :class:`Sample` and :class:`HistogramSample` values; the exposition layer only renders
 them. Label values are given in the catalog's label order.
 
-Example::
+Example:
 
-    Sample("kvtax_vllm_up", (), 1.0)
-    Sample("kvtax_preemption_tax_ratio", ("tiny-llama", "measured"), 0.36)
+    >>> Sample("kvtax_preemption_tax_ratio", ("tiny-llama", "measured"), 0.36).labels
+    ('tiny-llama', 'measured')
 """
 
 from __future__ import annotations

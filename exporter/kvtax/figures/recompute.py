@@ -13,9 +13,10 @@ three recompute methods and their meaning (docs/tax.md, vllm-facts.md):
 Beside the recompute, :func:`recompute_avoided` splits what resumes did not compute again by
 where it came from: vLLM's own prefix cache, or a KV connector that loaded it back.
 
-Example::
+Example (4 preemptions at a mean context of 300 tokens; no estimate while it is unknown):
 
-    estimated_recompute(4.0, mean_context(histograms))  # 4 preemptions x L-hat
+    >>> estimated_recompute(4.0, 300.0), estimated_recompute(4.0, None)
+    (1200.0, None)
 """
 
 from __future__ import annotations

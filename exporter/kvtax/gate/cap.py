@@ -29,10 +29,14 @@ Blocks are vLLM's own: ``--gate.block-size`` when given, else the ``block_size``
 cache_config_info as the scrape last saw it (:attr:`Signals.block_size`), else
 :data:`DEFAULT_BLOCK_SIZE` (:func:`block_size_of`).
 
-Example::
+Example (an adaptive gate starts at its floor and, preempted, holds there; what the pool holds
+at the p95 length, 6 here, is the advice it publishes):
 
-    state = initial(CapSettings(mode="adaptive"))
-    state = step(state, Signals(capacity_tokens=2048, length_p95=300, preemptions=4), settings)
+    >>> settings = CapSettings(mode="adaptive")
+    >>> state = initial(settings)
+    >>> state = step(state, Signals(capacity_tokens=2048, length_p95=300, preemptions=4), settings)
+    >>> state.cap, state.source, state.advice
+    (2, 'floor', 6)
 """
 
 from __future__ import annotations

@@ -12,11 +12,15 @@ Fields are read as vLLM reads them (pydantic's lax coercion, :mod:`kvtax.deliver
 (:data:`MAX_COUNT`) before any arithmetic: a ``max_tokens`` of 10**309 is a very large request,
 not an OverflowError.
 
-Example::
+Example (an 812-byte prompt asking for 256 tokens):
 
-    shape = shape_of(payload, "/v1/completions", whole=len(body))   # Shape(812, 256)
-    tokens = TokenEstimator().estimate(shape.prompt_bytes)
-    blocks_of(footprint_of(tokens, 256, prompts=shape.prompts, n=shape.n), block_size=16)
+    >>> payload = {"model": "m", "prompt": "x" * 812, "max_tokens": 256}
+    >>> shape = shape_of(payload, "/v1/completions", whole=850)
+    >>> shape.prompt_bytes, shape.max_tokens
+    (812, 256)
+    >>> tokens = TokenEstimator().estimate(shape.prompt_bytes)  # before any reply taught it
+    >>> blocks_of(footprint_of(tokens, 256, prompts=shape.prompts, n=shape.n), block_size=16)
+    34
 """
 
 from __future__ import annotations

@@ -20,11 +20,14 @@ engine (a quiet gate completes one request a minute however fast each is), and a
 needs many completions to measure its own, which a slow engine takes longer than the wait to
 give; a service time is known after :data:`SERVICE_ENOUGH` requests of any traffic.
 
-Example::
+Example:
 
-    queue_key("shortest", seq=7, footprint=300)   # (300, 7)
-    retry_after(ahead=10, completions=20, span=10.0, limit=60)   # 6
-    expected_wait(ahead=8, in_flight=3, samples=32, service_time=10.0)   # 30.0
+    >>> queue_key("shortest", seq=7, footprint=300)
+    (300, 7)
+    >>> retry_after(ahead=10, completions=20, span=10.0, limit=60)
+    6
+    >>> expected_wait(ahead=8, in_flight=3, samples=32, service_time=10.0)
+    30.0
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ back next time.
 
 Example::
 
-    signals, totals = signals_of(sidecar.figures, previous_totals, queued=3, in_flight=8)
+    signals, totals = signals_of(
+        sidecar.figures, previous_totals, queued=3, in_flight=8, footprint_p95=812.0
+    )
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ __all__ = [
     "recommended",
     "running",
     "sum_rate",
+    "sum_rate_regex",
     "tax_of",
     "waiting",
 ]
@@ -70,6 +71,11 @@ KV_THRESHOLDS = (
 
 def sum_rate(metric: str, labels: str = MODEL, where: tuple[tuple[str, str], ...] = ()) -> str:
     return by(labels, "sum", rate(kvtax(metric, where=where)))
+
+
+def sum_rate_regex(metric: str, regex: tuple[tuple[str, str], ...], labels: str = MODEL) -> str:
+    """``sum_rate`` of the series whose labels match the regular expressions of ``regex``."""
+    return by(labels, "sum", rate(kvtax(metric, regex=regex)))
 
 
 def gen_rate(labels: str = MODEL) -> str:

@@ -1,4 +1,4 @@
-"""The Overview's "Admission gate" row: the proxy's cap, its queue and what it sheds.
+"""The Overview's "Gate" row: the proxy's cap, its queue and what it sheds.
 
 The gate's series carry no ``model_name`` (one gate stands in front of every model of a pod),
 so their selectors take the namespace and pod variables only, and the panels keep their data
@@ -17,7 +17,7 @@ _GATE = "namespace, pod"
 _SHED = (("reason", "queue_full|wait_predicted|wait_expired"),)
 
 _cap = Panel(
-    "Admission cap",
+    "Gate cap",
     "timeseries",
     (
         Target(by(f"{_GATE}, source", "max", kvtax("kvtax_gate_cap")), "cap {{pod}} ({{source}})"),
@@ -35,7 +35,7 @@ _cap = Panel(
 )
 
 _queue = Panel(
-    "Admission queue",
+    "Gate queue",
     "timeseries",
     (
         Target(by(_GATE, "max", kvtax("kvtax_gate_queue_depth")), "waiting {{pod}}"),
@@ -56,7 +56,7 @@ _queue = Panel(
 )
 
 _shed = Panel(
-    "Admission gate answers",
+    "Gate answers",
     "timeseries",
     (
         Target(
@@ -79,4 +79,4 @@ _shed = Panel(
     min=0,
 )
 
-GATE_ROW = Row("Admission gate", (_cap, _queue, _shed))
+GATE_ROW = Row("Gate", (_cap, _queue, _shed))

@@ -35,18 +35,9 @@ def file_name(board: Board) -> str:
 
 
 def dashboard(board: Board, rules: RulesConfig = RULES) -> JSON:
-    """One board as JSON, its runbook links, thresholds and cluster label from ``rules``."""
-
-    def setting(name: str) -> float:
-        return float(getattr(rules, name))
-
-    return render(
-        board,
-        runbook_url=rules.runbook_url,
-        anchor_metric=_MODEL_ANCHOR,
-        setting=setting,
-        cluster_label=rules.cluster_label,
-    )
+    """One board as JSON, its runbook links, thresholds, configured queries and cluster label
+    from ``rules``."""
+    return render(board, rules=rules, anchor_metric=_MODEL_ANCHOR)
 
 
 def dashboards(rules: RulesConfig = RULES) -> dict[str, JSON]:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvtax.mixin.rules.config import RulesConfig
+
 __all__ = [
     "DATASOURCE",
     "GRID_WIDTH",
@@ -23,6 +25,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "TAG",
     "Board",
+    "Configured",
     "Panel",
     "Row",
     "Setting",
@@ -41,12 +44,21 @@ DATASOURCE: JSON = {"type": "prometheus", "uid": "${datasource}"}
 PanelKind = Literal["timeseries", "stat", "bargauge"]
 
 
+# A query or legend that depends on the rules' settings (the objective's unit, windows and
+# budget), made from the RulesConfig a dashboard is rendered with.
+Configured = Callable[[RulesConfig], str]
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One query of a panel. ``stack`` puts it in the panel's stacking group (areas add up)."""
+    """One query of a panel. ``stack`` puts it in the panel's stacking group (areas add up).
 
-    expr: str
-    legend: str = ""
+    ``expr`` and ``legend`` may be :data:`Configured`: the renderer calls them with its config,
+    so ``kvtax dashboards generate --config`` moves the query with the rules it reads.
+    """
+
+    expr: str | Configured
+    legend: str | Configured = ""
     color: str | None = None
     stack: bool = False
     dashed: bool = False

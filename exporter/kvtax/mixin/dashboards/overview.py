@@ -1,14 +1,19 @@
 """The Overview dashboard: one deployment, narrowed by namespace, pod and model.
 
-Top to bottom it answers: is the engine thrashing, what is it costing (one headline per number:
-tax, waste, goodput, SLO goodput; then the tax by method), what resumed requests got back
-without computing it (the prefix cache, a KV connector), where the KV pressure is, what
-clients feel (TTFT, ITL, stalls), and how admission is sized (recommended against configured
-max_num_seqs, rejections, coverage). Pure: no I/O.
+Top to bottom it answers: are clients getting what the objective promises (attainment, burn
+rate, budget left), is the engine thrashing, what is it costing (one headline per number: tax,
+waste, goodput, SLO goodput; then the tax by method), what resumed requests got back without
+computing it (the prefix cache, a KV connector), where the KV pressure is (preemptions per
+request included), what clients feel (TTFT, ITL, stalls, how requests finished, the proxy's
+errors), and how admission is sized (recommended against configured max_num_seqs, rejections,
+coverage); then the gate. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.mixin.dashboards.common import (
     KV_THRESHOLDS,
     MODEL,
@@ -18,6 +23,7 @@ from kvtax.mixin.dashboards.common import (
     THRASH_MAPPINGS,
     THRASH_THRESHOLDS,
     sum_rate,
+    sum_rate_regex,
 )
 from kvtax.mixin.dashboards.costs import (
     GOODPUT_NOW,
@@ -30,6 +36,7 @@ from kvtax.mixin.dashboards.costs import (
 )
 from kvtax.mixin.dashboards.gate import GATE_ROW
 from kvtax.mixin.dashboards.model import Board, Panel, Row, Target, Threshold
+from kvtax.mixin.dashboards.objective import ATTAINMENT, BUDGET_LEFT, BURN_RATE
 from kvtax.mixin.dashboards.queries import by, histogram_quantile, kvtax, rate, vllm
 from kvtax.mixin.dashboards.resumes import RESUMES_ROW
 from kvtax.mixin.rules.config import DEFAULT as RULES
@@ -241,6 +248,121 @@ _recommended_vs_configured = Panel(
     min=0,
 )
 
+# vLLM's default buckets for preemptions per request start at 1, which holds the requests
+# preempted once together with those never preempted; a bucket at 0.5 (counts are whole) holds
+# only the latter. Both le values are matched as vLLM writes them.
+_PREEMPTIONS = CONCEPTS["request_preemptions"].names[0]
+_PREEMPTIONS_TUNED = (
+    "--custom-histogram-buckets '{\"request_num_preemptions\": [0.5, 1, 2, 3, 4, 5, 10, 20]}'"
+)
+
+
+def _share_above(le: str) -> str:
+    """The share of finished requests preempted more often than the bucket ``le`` holds."""
+    bucket = by(
+        MODEL, "sum", rate(vllm("request_preemptions", part="_bucket", where=(("le", le),)))
+    )
+    count = by(MODEL, "sum", rate(vllm("request_preemptions", part="_count")))
+    return f"1 - {bucket} / {count}"
+
+
+_preempted_requests = Panel(
+    "Requests preempted",
+    "timeseries",
+    (
+        Target(_share_above("0.5"), "at least once {{model_name}}"),
+        Target(_share_above("1.0"), "twice or more {{model_name}}", dashed=True),
+    ),
+    "percentunit",
+    "The share of the requests vLLM finished that were preempted at least once, and twice or "
+    f"more (dashed), from its {_PREEMPTIONS} histogram (vLLM 0.30+). A request "
+    "preempted once waited to be prefilled again and stalled its stream; twice or more is a "
+    "batch far over what the KV cache holds. vLLM's default buckets start at 1, which lumps "
+    "the requests preempted once with those never preempted, so the first line needs vLLM "
+    f"started with {_PREEMPTIONS_TUNED} (checked on vLLM 0.32); without it only the dashed "
+    "line shows.",
+    "KvtaxVllmPreempting",
+    width=12,
+    min=0,
+    max=1,
+)
+
+_preemptions_per_request = Panel(
+    "Preemptions per request",
+    "timeseries",
+    (
+        Target(
+            histogram_quantile(0.99, vllm("request_preemptions", part="_bucket")),
+            "p99 {{model_name}}",
+        ),
+        Target(
+            f"{by(MODEL, 'sum', rate(vllm('request_preemptions', part='_sum')))} / "
+            f"{by(MODEL, 'sum', rate(vllm('request_preemptions', part='_count')))}",
+            "mean {{model_name}}",
+            dashed=True,
+        ),
+    ),
+    "short",
+    "How many times a finished request was preempted: p99 and the mean (dashed), from vLLM's "
+    f"{_PREEMPTIONS} histogram (0.30+). The p99 is interpolated inside a bucket "
+    "(between 5 and 10, say), so read it as a range; the mean is exact. Each preemption threw "
+    "the request's KV away and prefilled it again: the mean times the request rate is the "
+    "preemption rate.",
+    "KvtaxVllmPreempting",
+    width=12,
+    min=0,
+)
+
+_finished_by_reason = Panel(
+    "Finished requests by reason",
+    "timeseries",
+    (
+        Target(
+            by("model_name, finished_reason", "sum", rate(vllm("request_success"))),
+            "{{finished_reason}} {{model_name}}",
+        ),
+    ),
+    "reqps",
+    "Requests vLLM finished per second, by why they ended: stop (a stop token or string: the "
+    "answer is whole), length (max_tokens or the model length reached: the answer was cut), "
+    "abort (cancelled: vLLM 0.32 was seen not to count a client's disconnect here, only its "
+    "HTTP counters do) and error (0.13+). A rise in length with no change in the requests "
+    "means answers are being truncated.",
+    "KvtaxLoadShedding",
+    width=12,
+    min=0,
+)
+
+_ERRORS_4XX = "upstream_4xx|too_large|shed"
+_ERRORS_5XX = "upstream_error|shutdown"
+
+
+def _outcome_share(outcomes: str) -> str:
+    part = sum_rate_regex("kvtax_requests_total", (("outcome", outcomes),))
+    return f"{part} / {sum_rate('kvtax_requests_total')}"
+
+
+_proxy_errors = Panel(
+    "Proxy 4xx and 5xx",
+    "timeseries",
+    (
+        Target(_outcome_share(_ERRORS_4XX), "4xx {{model_name}}"),
+        Target(_outcome_share(_ERRORS_5XX), "5xx {{model_name}}", color="red"),
+    ),
+    "percentunit",
+    "The share of requests through the kvtax proxy that ended in an error, by the proxy's "
+    "outcomes: 4xx is vLLM's 4xx answers (upstream_4xx: bad requests), kvtax's 413 for a body "
+    "over its limit (too_large) and the gate's refusals (shed: it answered them itself, see "
+    "the Gate row); 5xx is vLLM's 5xx or no answer, its admission 503s and streams that broke "
+    "mid-answer included (upstream_error), and requests ended by kvtax's own shutdown "
+    "(shutdown). 5xx spends the objective's error budget; of 4xx, only the gate's refusals do.",
+    "KvtaxGateShedding",
+    width=12,
+    min=0,
+    max=1,
+)
+
+
 OVERVIEW = Board(
     "Overview",
     "Is the engine thrashing, what is it costing, and what should max_num_seqs be: one vLLM "
@@ -249,17 +371,31 @@ OVERVIEW = Board(
         Row(
             "At a glance",
             (
+                # Are clients getting what they were promised: the objective, first.
+                ATTAINMENT,
+                BURN_RATE,
+                BUDGET_LEFT,
                 _thrash_state,
                 TAX_NOW,
                 WASTE_NOW,
-                GOODPUT_NOW,
-                SLO_GOODPUT_NOW,
-                _max_num_seqs_now,
+                # The second line of stats: three to a line's width.
+                replace(GOODPUT_NOW, width=8),
+                replace(SLO_GOODPUT_NOW, width=8),
+                replace(_max_num_seqs_now, width=8),
             ),
         ),
         Row("What it costs", (GOODPUT_VS_ENGINE, TAX_OVER_TIME, TAX_BY_METHOD)),
         RESUMES_ROW,
-        Row("KV pressure", (_kv_usage, _preemption_rate, _running_waiting)),
+        Row(
+            "KV pressure",
+            (
+                _kv_usage,
+                _preemption_rate,
+                _running_waiting,
+                _preempted_requests,
+                _preemptions_per_request,
+            ),
+        ),
         Row(
             "What clients feel",
             (
@@ -268,7 +404,7 @@ OVERVIEW = Board(
                     "ttft",
                     "kvtax_client_ttft_seconds",
                     "Time to first token",
-                    "KvtaxTtftSloBreach",
+                    "KvtaxErrorBudgetBurn",
                 ),
                 _quantiles(
                     "Inter-token latency",
@@ -278,6 +414,8 @@ OVERVIEW = Board(
                     "KvtaxStreamStalls",
                 ),
                 _stalls,
+                _finished_by_reason,
+                _proxy_errors,
             ),
         ),
         Row("Sizing and admission", (_recommended_vs_configured, _rejections, _coverage)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtax.mixin.dashboards.model import DATASOURCE, JSON, Panel, Setting, Threshold
+from kvtax.mixin.dashboards.model import DATASOURCE, JSON, Configured, Panel, Setting, Threshold
 
 __all__ = ["panel_json"]
 
@@ -97,6 +97,12 @@ def _options(panel: Panel) -> JSON:
     }
 
 
+def _made(value: str | Configured) -> str:
+    if not isinstance(value, str):
+        raise TypeError("a configured query reached the panel: render() makes it first")
+    return value
+
+
 def _ref_ids(panel: Panel) -> list[str]:
     return [chr(ord("A") + i) for i in range(len(panel.targets))]
 
@@ -125,8 +131,8 @@ def panel_json(
             {
                 "refId": ref,
                 "datasource": dict(DATASOURCE),
-                "expr": query(t.expr),
-                "legendFormat": t.legend or "__auto",
+                "expr": query(_made(t.expr)),
+                "legendFormat": _made(t.legend) or "__auto",
                 "range": not (t.instant or panel.kind != "timeseries"),
                 "instant": t.instant or panel.kind != "timeseries",
                 "editorMode": "code",

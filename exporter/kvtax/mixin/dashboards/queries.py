@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from kvtax.engine.vocabulary import CONCEPTS, Kind
 from kvtax.expose.catalog import METRICS
 from kvtax.mixin.rules.config import DEFAULT as RULES
+from kvtax.mixin.rules.config import RulesConfig
 from kvtax.mixin.rules.recording import fleet, per_pod, record_names
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "expand",
     "histogram_quantile",
     "kvtax",
+    "objective_record",
     "rate",
     "recorded",
     "vllm",
@@ -44,17 +46,25 @@ SELECTOR = 'namespace=~"$namespace", pod=~"$pod", model_name=~"$model_name"'
 POD_SELECTOR = 'namespace=~"$namespace", pod=~"$pod"'
 
 
-def _matchers(extra: Iterable[tuple[str, str]]) -> str:
-    return "".join(f', {label}="{value}"' for label, value in extra)
+def _matchers(extra: Iterable[tuple[str, str]], regex: Iterable[tuple[str, str]] = ()) -> str:
+    exact = "".join(f', {label}="{value}"' for label, value in extra)
+    return exact + "".join(f', {label}=~"{pattern}"' for label, pattern in regex)
 
 
-def kvtax(name: str, *, part: str = "", where: Iterable[tuple[str, str]] = ()) -> str:
-    """A selector for one catalog metric (``part`` picks a histogram's _bucket/_sum/_count)."""
+def kvtax(
+    name: str,
+    *,
+    part: str = "",
+    where: Iterable[tuple[str, str]] = (),
+    regex: Iterable[tuple[str, str]] = (),
+) -> str:
+    """A selector for one catalog metric (``part`` picks a histogram's _bucket/_sum/_count);
+    ``where`` adds exact matchers, ``regex`` regular-expression ones."""
     spec = METRICS[name]
     if (spec.type == "histogram") != bool(part):
         raise ValueError(f"{name} is a {spec.type}: part {part!r} does not fit")
     selector = SELECTOR if "model_name" in spec.labels else POD_SELECTOR
-    return f"{name}{part}{{{selector}{_matchers(where)}}}"
+    return f"{name}{part}{{{selector}{_matchers(where, regex)}}}"
 
 
 def vllm(concept: str, *, part: str = "", where: Iterable[tuple[str, str]] = ()) -> str:
@@ -71,6 +81,14 @@ def vllm(concept: str, *, part: str = "", where: Iterable[tuple[str, str]] = ())
     if len(names) == 1:
         return f"{names[0]}{{{SELECTOR}{_matchers(where)}}}"
     return f'{{__name__=~"{"|".join(names)}", {SELECTOR}{_matchers(where)}}}'
+
+
+def objective_record(rules: RulesConfig, name: str) -> str:
+    """A selector for one of the objective's per-model records under ``rules``: only the model
+    variable narrows it, as any fleet record."""
+    if name not in record_names(rules):
+        raise ValueError(f"no recording rule {name}")
+    return f'{name}{{model_name=~"$model_name"}}'
 
 
 def recorded(metric: str, operation: str, *, level: str = "pod") -> str:

@@ -4,18 +4,21 @@
 variables (:mod:`.templating`), the shared tag, the links to kvtax's and vLLM's dashboards and
 a uid derived from the title. With a cluster label it adds a ``cluster`` variable and narrows
 and groups every query by it (:func:`.templating.with_cluster`); threshold steps tied to a
-rules setting take the configured value. Only this module and the two it uses
+rules setting take the configured value, and queries that depend on the settings are made
+from them. Only this module and the two it uses
 (:mod:`.panels`, :mod:`.templating`) know the shape of Grafana's JSON. Pure: no I/O.
 
-Example::
-
-    render(board, runbook_url=RULES.runbook_url, anchor_metric="kvtax_kv_capacity_tokens")
+    >>> from kvtax.mixin.dashboards.overview import OVERVIEW
+    >>> from kvtax.mixin.rules.config import DEFAULT
+    >>> render(OVERVIEW, rules=DEFAULT, anchor_metric="kvtax_kv_capacity_tokens")["uid"]
+    'kvtax-overview'
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvtax.mixin.dashboards.model import (
     GRID_WIDTH,
@@ -23,12 +26,13 @@ from kvtax.mixin.dashboards.model import (
     SCHEMA_VERSION,
     TAG,
     Board,
+    Configured,
     Panel,
     Row,
-    Setting,
 )
 from kvtax.mixin.dashboards.panels import panel_json
 from kvtax.mixin.dashboards.templating import variables, with_cluster
+from kvtax.mixin.rules.config import RulesConfig
 
 __all__ = ["render", "uid_for"]
 
@@ -41,25 +45,28 @@ def uid_for(title: str) -> str:
     return "kvtax-" + re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
 
-def render(
-    board: Board,
-    *,
-    runbook_url: Callable[[str], str],
-    anchor_metric: str,
-    setting: Setting | None = None,
-    cluster_label: str = "",
-) -> JSON:
+def render(board: Board, *, rules: RulesConfig, anchor_metric: str) -> JSON:
     """Grafana dashboard JSON for ``board``; ``anchor_metric`` feeds the variables' label_values.
 
-    ``setting`` gives a threshold's configured value by its RulesConfig field name;
-    ``cluster_label`` adds the cluster variable and grouping.
+    ``rules`` gives the runbook links, each threshold's configured value (by its RulesConfig
+    field name), the queries and legends that depend on the settings, and the cluster label,
+    which adds the cluster variable and grouping.
     """
+    cluster_label = rules.cluster_label
+
+    def setting(name: str) -> float:
+        return float(getattr(rules, name))
 
     def query(expr: str) -> str:
         return with_cluster(expr, cluster_label) if cluster_label else expr
 
     def draw(panel: Panel, pid: int, pos: JSON) -> JSON:
-        return panel_json(panel, pid, pos, runbook_url, setting=setting, query=query)
+        targets = tuple(
+            replace(t, expr=_made(t.expr, rules), legend=_made(t.legend, rules))
+            for t in panel.targets
+        )
+        made = replace(panel, targets=targets)
+        return panel_json(made, pid, pos, rules.runbook_url, setting=setting, query=query)
 
     return {
         "uid": uid_for(board.title),
@@ -78,6 +85,10 @@ def render(
         "templating": {"list": variables(board, anchor_metric, cluster_label)},
         "panels": _layout(board, draw),
     }
+
+
+def _made(value: str | Configured, rules: RulesConfig) -> str:
+    return value(rules) if callable(value) else value
 
 
 def _layout(board: Board, draw: Callable[[Panel, int, JSON], JSON]) -> list[JSON]:

@@ -7,10 +7,11 @@ one per alert. Two inhibitions keep pages to the cause: thrashing silences "near
 its own warning twin. Receivers are webhooks; the e2e test points them at its own receiver.
 Pure: no I/O.
 
-Example::
+Example:
 
-    cfg = alertmanager_config(pager_url="http://127.0.0.1:9/pager", group_wait="1s")
-    cfg["route"]["group_by"]  # ['namespace', 'model_name']
+    >>> cfg = alertmanager_config(pager_url="http://127.0.0.1:9/pager", group_wait="1s")
+    >>> cfg["route"]["group_by"], cfg["route"]["group_wait"]
+    (['namespace', 'model_name'], '1s')
 """
 
 from __future__ import annotations

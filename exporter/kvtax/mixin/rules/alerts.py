@@ -20,14 +20,27 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 from kvtax.engine.vocabulary import CONCEPTS
+from kvtax.mixin.rules import slo
 from kvtax.mixin.rules.config import DEFAULT, RulesConfig
 from kvtax.mixin.rules.recording import per_pod
 
-__all__ = ["AlertRule", "alert_names", "alert_rules", "groups"]
+__all__ = [
+    "THRESHOLD_ALERT",
+    "AlertRule",
+    "alert_names",
+    "alert_rules",
+    "every_alert_name",
+    "groups",
+]
+
+# The objective's alert of slo_alerting "threshold"; "burn_rate" has slo.ALERT instead.
+THRESHOLD_ALERT = "KvtaxTtftSloBreach"
 
 # Where an alert happened, for descriptions. A static scrape has no pod label: the
 # "on namespace/pod" part then drops out instead of reading "on /".
@@ -49,6 +62,8 @@ class AlertRule:
     summary: str
     description: str
     runbook_url: str = ""
+    # Labels besides severity, e.g. a burn-rate alert's windows.
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     def to_dict(self) -> dict[str, Any]:
         """The rule as it appears in a rule file."""
@@ -56,7 +71,7 @@ class AlertRule:
             "alert": self.alert,
             "expr": self.expr,
             "for": self.for_,
-            "labels": {"severity": self.severity},
+            "labels": {"severity": self.severity, **self.labels},
             "annotations": {
                 "summary": self.summary,
                 "description": self.description,
@@ -102,9 +117,12 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         severity: str,
         summary: str,
         description: str,
+        labels: Mapping[str, str] = MappingProxyType({}),
     ) -> None:
         severity = c.severity_overrides.get(alert, severity)
-        rules.append(AlertRule(group, alert, expr, for_, severity, summary, description))
+        rules.append(
+            AlertRule(group, alert, expr, for_, severity, summary, description, labels=labels)
+        )
 
     # -- the engine: what vLLM users already watch ---------------------------------------------
     add(
@@ -207,26 +225,28 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
     )
 
     # -- what clients see ----------------------------------------------------------------------
-    quantile = c.slo_ttft_quantile
-    client = (
-        f"histogram_quantile({quantile}, sum by ({pod}, le) "
-        f"(rate({c.selector('kvtax_client_ttft_seconds_bucket', k)}[{w}])))"
-    )
-    engine = (
-        f"histogram_quantile({quantile}, sum by ({pod}, le) "
-        f"(rate({_vllm(c, 'ttft', '_bucket')}[{w}])))"
-    )
-    add(
-        "kvtax-clients",
-        "KvtaxTtftSloBreach",
-        # The client's view when the proxy is in the path, else the engine's.
-        f"({client} or on ({pod}) {engine}) > {c.slo_ttft_seconds}",
-        c.slo_for,
-        "warning",
-        "Time to first token is above its SLO.",
-        f"p{quantile * 100:g} time to first token of {WHERE} is "
-        f"{{{{ $value | humanizeDuration }}}} over {w}, above the {c.slo_ttft_seconds:g}s SLO.",
-    )
+    if c.slo_alerting == "threshold":
+        quantile = c.slo_ttft_quantile
+        client = (
+            f"histogram_quantile({quantile}, sum by ({pod}, le) "
+            f"(rate({c.selector('kvtax_client_ttft_seconds_bucket', k)}[{w}])))"
+        )
+        engine = (
+            f"histogram_quantile({quantile}, sum by ({pod}, le) "
+            f"(rate({_vllm(c, 'ttft', '_bucket')}[{w}])))"
+        )
+        add(
+            "kvtax-clients",
+            THRESHOLD_ALERT,
+            # The client's view when the proxy is in the path, else the engine's.
+            f"({client} or on ({pod}) {engine}) > {c.slo_ttft_seconds}",
+            c.slo_for,
+            "warning",
+            "Time to first token is above its SLO.",
+            f"p{quantile * 100:g} time to first token of {WHERE} is "
+            f"{{{{ $value | humanizeDuration }}}} over {w}, above the {c.slo_ttft_seconds:g}s "
+            "SLO.",
+        )
     add(
         "kvtax-clients",
         "KvtaxStreamStalls",
@@ -303,25 +323,54 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         f"requests (queue full, wait predicted or expired) over {w}, for {c.gate_shed_for}.",
     )
 
+    # -- the objective on delivered work (kvtax.mixin.rules.slo), per model across its pods --
+    if c.slo_alerting == "burn_rate":
+        _burn_rate_alerts(c, add)
+
     # The final pass, as mixins do it: every alert gets its runbook section.
-    return tuple(
-        AlertRule(
-            r.group,
-            r.alert,
-            r.expr,
-            r.for_,
-            r.severity,
-            r.summary,
-            r.description,
-            c.runbook_url(r.alert),
-        )
-        for r in rules
+    return tuple(replace(r, runbook_url=c.runbook_url(r.alert)) for r in rules)
+
+
+def _burn_rate_alerts(c: RulesConfig, add: Callable[..., None]) -> None:
+    """KvtaxErrorBudgetBurn: the two pages and the ticket of kvtax.mixin.rules.slo, per model
+    across its pods (and per cluster with a cluster label)."""
+    unit = "requests" if c.slo_unit == "requests" else "delivered tokens"
+    where = "{{ $labels.model_name }}" + (
+        f"{{{{ with $labels.{c.cluster_label} }}}} in {{{{ . }}}}{{{{ end }}}}"
+        if c.cluster_label
+        else ""
     )
+    objective = (
+        f"{c.slo_objective * 100:g}% of {unit} with a first token within {c.slo_ttft_seconds:g}s "
+        f"and no gap above {c.slo_itl_seconds:g}s over {c.slo_period}"
+    )
+    for burn in slo.burn_alerts(c):
+        spent = slo.budget_share(c, burn.burn, burn.long)
+        add(
+            "kvtax-objective",
+            slo.ALERT,
+            burn.expr,
+            burn.for_,
+            burn.severity,
+            "The objective on delivered work is spending its error budget too fast.",
+            f"{where} is spending its error budget {VALUE}x as fast as its objective allows "
+            f"over the last {burn.long}, and still over the last {burn.short} (threshold "
+            f"{burn.burn:g}x: {spent:.2%} of the budget in {burn.long}). Objective: {objective}.",
+            burn.labels,
+        )
 
 
 def alert_names(config: RulesConfig = DEFAULT) -> tuple[str, ...]:
     """Distinct alert names in file order (a warning/critical pair counts once)."""
     return tuple(dict.fromkeys(r.alert for r in alert_rules(config)))
+
+
+def every_alert_name(config: RulesConfig = DEFAULT) -> tuple[str, ...]:
+    """The names of ``config``'s alerts and of those the other slo_alerting would make: what a
+    severity override or a runbook link may name, whichever the file chooses."""
+    other = "threshold" if config.slo_alerting == "burn_rate" else "burn_rate"
+    both = (*alert_names(config), *alert_names(replace(config, slo_alerting=other)))
+    return tuple(dict.fromkeys(both))
 
 
 def groups(config: RulesConfig = DEFAULT) -> list[dict[str, Any]]:

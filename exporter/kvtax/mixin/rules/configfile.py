@@ -17,10 +17,19 @@ the dashboards, so a threshold line on a panel and its alert cannot disagree::
 
 :func:`from_mapping` is pure; :func:`read` reads the file.
 
-Example::
+Example:
 
-    config = read(Path("rules.yaml"))
-    render_files(config)
+    >>> from_mapping({"tax_warning": 0.1, "slo_unit": "tokens"}).slo_unit
+    'tokens'
+    >>> from_mapping({"tax_for": "soon"}, source="rules.yaml")
+    Traceback (most recent call last):
+    ...
+    kvtax.errors.RulesConfigError: rules.yaml: tax_for: expected a Prometheus duration such as ...
+
+A file is read the same way (``read(Path("rules.yaml"))``), for the generators::
+
+    from kvtax.mixin.rules.render import render_files
+    files = render_files(read(Path("rules.yaml")))
 """
 
 from __future__ import annotations
@@ -28,14 +37,24 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import fields, replace
+from itertools import pairwise
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import yaml
 
+from kvtax.delivery.ledger import OUTCOMES
 from kvtax.errors import RulesConfigError
-from kvtax.mixin.rules.config import DEFAULT, RulesConfig, threshold_problem
+from kvtax.mixin.rules.config import (
+    CHOICES,
+    DEFAULT,
+    MAX_DURATION,
+    MAX_DURATION_MS,
+    RulesConfig,
+    duration_ms,
+    threshold_problem,
+)
 
 __all__ = [
     "MAX_DURATION",
@@ -47,48 +66,18 @@ __all__ = [
 ]
 
 SEVERITIES = ("critical", "warning", "info")
-# Prometheus's own duration grammar (prometheus/common model.ParseDuration): each unit at most
-# once, largest first; "0" alone is allowed.
-_DURATION = re.compile(
-    r"^(?:([0-9]+)y)?(?:([0-9]+)w)?(?:([0-9]+)d)?(?:([0-9]+)h)?"
-    r"(?:([0-9]+)m)?(?:([0-9]+)s)?(?:([0-9]+)ms)?$"
-)
-_UNIT_MS = (365 * 86_400_000, 7 * 86_400_000, 86_400_000, 3_600_000, 60_000, 1000, 1)
-# Prometheus holds a duration as Go's time.Duration, int64 nanoseconds, and refuses a longer
-# one ("duration out of range"): the longest it parses is 106751d23h47m16s854ms, about 292
-# years (checked with promtool 2.42).
-MAX_DURATION_MS = (2**63 - 1) // 1_000_000
-MAX_DURATION = "106751d23h47m16s854ms"
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-# Fields holding a Prometheus duration: every rate window and every for:.
-_DURATIONS = frozenset(f.name for f in fields(RulesConfig) if f.name.endswith(("_for", "_window")))
-
-
-def duration_ms(text: str) -> int:
-    """Milliseconds of a Prometheus duration; ValueError if Prometheus would refuse it.
-
-    >>> duration_ms("1h30m")
-    5400000
-    """
-    if text == "0":  # the one duration without a unit
-        return 0
-    match = _DURATION.fullmatch(text)
-    if not text or match is None:
-        raise ValueError(
-            f"expected a Prometheus duration such as 30s, 5m or 1h30m (units y, w, d, h, m, s, "
-            f"ms, each once and largest first), not {text!r}"
-        )
-    groups = match.groups()
-    # More than 19 digits is out of range in any unit (and int() refuses thousands of them).
-    too_long = any(n is not None and len(n.lstrip("0")) > 19 for n in groups)
-    total = 0 if too_long else sum(int(n) * u for n, u in zip(groups, _UNIT_MS, strict=True) if n)
-    if too_long or total > MAX_DURATION_MS:
-        shown = text if len(text) <= 40 else text[:37] + "..."
-        raise ValueError(
-            f"{shown} is longer than Prometheus can hold: at most {MAX_DURATION} (about 292 "
-            "years; Prometheus keeps durations as int64 nanoseconds)"
-        )
-    return total
+# Fields holding a Prometheus duration: every rate window, every for: and the budget's period.
+_DURATIONS = frozenset(
+    f.name for f in fields(RulesConfig) if f.name.endswith(("_for", "_window", "_period"))
+)
+# The burn-rate alerts' window pairs: a long window, then a short one.
+_PAIRS = ("slo_fast_windows", "slo_slow_windows", "slo_ticket_windows")
+_BURNS = {
+    "slo_fast_windows": "slo_fast_burn",
+    "slo_slow_windows": "slo_slow_burn",
+    "slo_ticket_windows": "slo_ticket_burn",
+}
 
 
 def _float(name: str, raw: Any) -> float:
@@ -108,8 +97,10 @@ def _text(name: str, raw: Any) -> str:
     if not isinstance(raw, str):
         raise ValueError("expected text")
     # A window is a range selector, which PromQL refuses at 0; a for: of 0 fires at once.
-    if name in _DURATIONS and duration_ms(raw) == 0 and name.endswith("_window"):
+    if name in _DURATIONS and duration_ms(raw) == 0 and not name.endswith("_for"):
         raise ValueError(f"a window must be longer than 0, not {raw!r}")
+    if name in CHOICES and raw not in CHOICES[name]:
+        raise ValueError(f"expected one of {', '.join(CHOICES[name])}, not {raw!r}")
     if name == "cluster_label" and raw and not _LABEL.fullmatch(raw):
         raise ValueError("expected a Prometheus label name such as cluster")
     if name == "runbook_url_base" and not raw.startswith(("http://", "https://")):
@@ -119,12 +110,13 @@ def _text(name: str, raw: Any) -> str:
 
 def _severities(raw: Any) -> Mapping[str, str]:
     from kvtax.mixin.rules.alerts import (
-        alert_names,  # alerts read this module's config: import late
+        every_alert_name,  # alerts read this module's config: import late
     )
 
     if not isinstance(raw, Mapping):
         raise ValueError("expected a mapping of alert name to severity")
-    known = alert_names()
+    # Either choice of slo_alerting's alerts: the file may say which after the overrides.
+    known = every_alert_name()
     for alert, severity in raw.items():
         if alert not in known:
             raise ValueError(f"{alert!r} is not one of kvtax's alerts ({', '.join(known)})")
@@ -133,9 +125,50 @@ def _severities(raw: Any) -> Mapping[str, str]:
     return MappingProxyType({str(k): str(v) for k, v in raw.items()})
 
 
+def _windows(name: str, raw: Any) -> tuple[str, ...]:
+    """A list of windows, each a Prometheus duration above 0, strictly growing (a pair: long,
+    then short)."""
+    pair = name in _PAIRS
+    if not isinstance(raw, list | tuple) or not raw:
+        raise ValueError(
+            "expected a list of two windows, the long one first, such as [1h, 5m]"
+            if pair
+            else "expected a list of windows, shortest first, such as [5m, 30m, 1h]"
+        )
+    windows = tuple(_text("slo_window", w) for w in raw)
+    lengths = [duration_ms(w) for w in windows]
+    if 0 in lengths:
+        raise ValueError(f"a window must be longer than 0, not {windows[lengths.index(0)]!r}")
+    if pair:
+        if len(windows) != 2 or lengths[0] <= lengths[1]:
+            raise ValueError(
+                f"expected two windows, the long one first, such as [1h, 5m], not {list(windows)}"
+            )
+    elif any(a >= b for a, b in pairwise(lengths)):
+        raise ValueError(
+            f"expected windows shortest first, each longer than the last: {list(windows)}"
+        )
+    return windows
+
+
+def _outcomes(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, list | tuple) or not all(isinstance(o, str) for o in raw):
+        raise ValueError("expected a list of request outcomes, such as [upstream_4xx, too_large]")
+    for outcome in raw:
+        if outcome not in OUTCOMES:
+            raise ValueError(f"{outcome!r} is not one of kvtax's outcomes ({', '.join(OUTCOMES)})")
+        if outcome == "completed":
+            raise ValueError("completed requests are the ones that can meet the objective")
+    return tuple(raw)
+
+
 def _value(name: str, kind: Any, raw: Any) -> Any:
     if name == "severity_overrides":
         return _severities(raw)
+    if name == "slo_excluded_outcomes":
+        return _outcomes(raw)
+    if name.endswith("_windows"):
+        return _windows(name, raw)
     if kind in (float, "float"):
         return _float(name, raw)
     return _text(name, raw)
@@ -159,7 +192,35 @@ def from_mapping(
         raise RulesConfigError(f"{source}: tax_critical: must not be below tax_warning")
     if config.yield_critical > config.yield_warning:
         raise RulesConfigError(f"{source}: yield_critical: must not be above yield_warning")
+    problem = _objective_problem(config)
+    if problem is not None:
+        raise RulesConfigError(f"{source}: {problem}")
     return config
+
+
+def _objective_problem(config: RulesConfig) -> str | None:
+    """What makes the objective's settings disagree with each other, naming the key; None when
+    they agree."""
+    recorded = set(config.slo_windows)
+    for pair in _PAIRS:
+        missing = [w for w in getattr(config, pair) if w not in recorded]
+        if missing:
+            return (
+                f"{pair}: {', '.join(missing)} is not among slo_windows "
+                f"({', '.join(config.slo_windows)}); the alerts read only recorded windows"
+            )
+        burn = getattr(config, _BURNS[pair])
+        # The error ratio is at most 1: a factor whose threshold lies above it never fires.
+        if burn * (1 - config.slo_objective) > 1:
+            return (
+                f"{_BURNS[pair]}: {burn:g} x (1 - slo_objective {config.slo_objective:g}) is "
+                f"above 1, an error ratio no burn can reach: lower the factor or raise the "
+                "objective"
+            )
+    longest = max(config.slo_windows, key=duration_ms)
+    if duration_ms(config.slo_period) < duration_ms(longest):
+        return f"slo_period: {config.slo_period} is shorter than the longest window, {longest}"
+    return None
 
 
 def read(path: Path) -> RulesConfig:

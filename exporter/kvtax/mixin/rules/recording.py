@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.expose.publish import RECOMPUTED_COUNTERS
 from kvtax.figures.recompute import METHODS
+from kvtax.mixin.rules import slo
 from kvtax.mixin.rules.config import DEFAULT, FLEET, POD, RulesConfig
 
 __all__ = [
@@ -214,6 +215,10 @@ def recording_rules(config: RulesConfig = DEFAULT) -> tuple[RecordingRule, ...]:
     fleet_sum("kvtax_kv_capacity_tokens", "max", "sum")
     fleet_sum("kvtax_recommended_max_num_seqs", "min", "sum")
     fleet_sum("kvtax_configured_max_num_seqs", "max", "sum")
+
+    # -- the objective on delivered work (kvtax.mixin.rules.slo): per model, from the rates ---
+    made = frozenset(r.record for r in rules)
+    rules += [RecordingRule(r.record, r.expr, r.help) for r in slo.recording_rules(config, made)]
     return tuple(rules)
 
 

@@ -4,10 +4,10 @@
 or, with ``--check``, compares them, and a unit test fails on any drift. PromQL is laid out one
 clause per line so reviews read. Pure: no I/O.
 
-Example::
+Example:
 
-    files = render_files()
-    sorted(files)[0]  # 'alertmanager.yml'
+    >>> sorted(render_files())
+    ['alertmanager.yml', 'kvtax-alerts.yaml', 'kvtax-prometheusrule.yaml', 'kvtax-recording.yaml']
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ This module merges the sources and checks settings against each other; the value
 :mod:`kvtax.serve.config.values`, the YAML reader in :mod:`kvtax.serve.config.file` and the
 reference page in :mod:`kvtax.serve.config.docs`. Everything public is re-exported here.
 
-Example::
+Example:
 
-    cfg = load_config({"vllm.url": "http://127.0.0.1:8000"}, env={}, file=None)
-    cfg.scrape_interval  # 5.0
+    >>> cfg = load_config({"vllm.url": "http://127.0.0.1:8000"}, env={}, file=None)
+    >>> cfg.scrape_interval
+    5.0
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 Example::
 
+    from pathlib import Path
     Path("docs/configuration.md").write_text(render_markdown())
 """
 

@@ -6,10 +6,12 @@ metavar. The field's default is that text parsed, so ``Config()``, the ``kvtax s
 their ``--help``, the ``KVTAX_*`` environment variables, the YAML keys and
 ``docs/configuration.md`` all come from this one table and cannot disagree.
 
-Example::
+Example:
 
-    Config().scrape_interval                           # 5.0, parsed from the table's default
-    next(o for o in OPTIONS if o.key == "window").flag  # "--window"
+    >>> Config().scrape_interval  # parsed from the table's default, "5s"
+    5.0
+    >>> next(o for o in OPTIONS if o.key == "window").flag
+    '--window'
 """
 
 from __future__ import annotations

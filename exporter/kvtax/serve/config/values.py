@@ -5,10 +5,12 @@ scalar) and returns the typed value, or raises ``ValueError`` with a message tha
 expected. They do not know which setting they parse: :mod:`kvtax.serve.config` adds the key, the
 source and the bad value, and raises :class:`kvtax.errors.ConfigError`.
 
-Example::
+Example:
 
-    parse_duration("500ms")  # 0.5
-    parse_address(":10059")   # ("0.0.0.0", 10059)
+    >>> parse_duration("500ms")
+    0.5
+    >>> parse_address(":10059")
+    ('0.0.0.0', 10059)
 """
 
 from __future__ import annotations

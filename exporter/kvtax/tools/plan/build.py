@@ -2,7 +2,7 @@
 
 :func:`build_plan` reads the inputs (:mod:`.inputs`), sizes the pool (:mod:`.sizing`), runs
 the scheduler simulation for each ``--what-if`` candidate (:mod:`.simulate`) and hands all of
-it to :func:`.report.plan_dict`. Bad input raises :class:`PlanError`.
+it to :func:`.summary.plan_dict`. Bad input raises :class:`PlanError`.
 """
 
 from __future__ import annotations
