@@ -78,8 +78,10 @@ def _with_parts(name: str, histogram: bool) -> Iterable[str]:
 
 
 def known_series(config: RulesConfig = DEFAULT) -> set[str]:
-    """kvtax's catalog, the vLLM vocabulary, the recording rules and Prometheus' own series."""
+    """kvtax's catalog (its process families included), the vLLM vocabulary, the recording
+    rules and Prometheus' own series."""
     known = set(PROMETHEUS_SERIES) | set(record_names(config))
+    known.update(name for name, _, _ in catalog.PROCESS_METRICS)
     for metric in catalog.METRICS.values():
         known.update(_with_parts(metric.name, metric.type == "histogram"))
     for concept in vocabulary.CONCEPTS.values():

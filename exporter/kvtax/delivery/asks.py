@@ -42,7 +42,15 @@ from typing import Any, Literal
 
 from kvtax.delivery.lax import REFUSED, lax_bool
 
-__all__ = ["SCHEMES", "Scheme", "UsageWish", "release_of", "scheme_for", "with_usage"]
+__all__ = [
+    "SCHEMES",
+    "Scheme",
+    "UsageWish",
+    "asked_everything",
+    "release_of",
+    "scheme_for",
+    "with_usage",
+]
 
 Scheme = Literal["token_ids", "usage"]
 SCHEMES: tuple[Scheme, ...] = ("token_ids", "usage")
@@ -61,6 +69,13 @@ class UsageWish:
     include_usage: bool = False
     continuous: bool = False
     token_ids: bool = False
+
+
+def asked_everything(wish: UsageWish, scheme: Scheme) -> bool:
+    """The client asked for all that kvtax asks vLLM for by ``scheme``: its stream needs no
+    cut (and can pass unread when it comes in a coding kvtax cannot inflate)."""
+    extra = wish.continuous if scheme == "usage" else wish.token_ids
+    return wish.include_usage and extra
 
 
 def release_of(version: str | None) -> tuple[int, int, int] | None:

@@ -55,7 +55,9 @@ TAX_NOW = Panel(
     "stat",
     (
         Target(
-            by("model_name, method", "max", kvtax("kvtax_preemption_tax_ratio")),
+            _estimate_labelled(
+                by("model_name, method", "max", kvtax("kvtax_preemption_tax_ratio"))
+            ),
             "{{model_name}} ({{method}})",
         ),
     ),
@@ -63,7 +65,8 @@ TAX_NOW = Panel(
     "The tax: the share of engine token work that was recompute, R / (Pc + G + R), from the "
     "exporter's gauge kvtax_preemption_tax_ratio over kvtax's --window (default 300 s), worst "
     "pod per model. In brackets, the method R came from: the best one the pod has, measured, "
-    "then estimated, then stall_estimated. The Fleet board computes the same formula with the "
+    "then estimated (an upper bound: it ignores what the prefix cache still held), then "
+    "stall_estimated. The Fleet board computes the same formula with the "
     "same method order as a 5-minute ratio of sums over pods; they differ only by window and "
     "alignment. Per-method values are in 'Tax by method' below. A token share, not time. "
     + TAX_DEFINITION,

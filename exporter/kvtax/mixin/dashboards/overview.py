@@ -39,6 +39,7 @@ from kvtax.mixin.dashboards.model import Board, Panel, Row, Target, Threshold
 from kvtax.mixin.dashboards.objective import ATTAINMENT, BUDGET_LEFT, BURN_RATE
 from kvtax.mixin.dashboards.queries import by, histogram_quantile, kvtax, rate, vllm
 from kvtax.mixin.dashboards.resumes import RESUMES_ROW
+from kvtax.mixin.dashboards.selfcost import SELF_COST_ROW
 from kvtax.mixin.rules.config import DEFAULT as RULES
 
 __all__ = ["OVERVIEW"]
@@ -419,6 +420,7 @@ OVERVIEW = Board(
             ),
         ),
         Row("Sizing and admission", (_recommended_vs_configured, _rejections, _coverage)),
+        SELF_COST_ROW,
         GATE_ROW,
     ),
     tags=("vllm", "overview"),

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 
 from kvtax.engine.vocabulary import CONCEPTS, Kind
-from kvtax.expose.catalog import METRICS
+from kvtax.expose.catalog import METRICS, PROCESS_METRICS
 from kvtax.mixin.rules.config import DEFAULT as RULES
 from kvtax.mixin.rules.config import RulesConfig
 from kvtax.mixin.rules.recording import fleet, per_pod, record_names
@@ -32,6 +32,7 @@ __all__ = [
     "histogram_quantile",
     "kvtax",
     "objective_record",
+    "process_rate",
     "rate",
     "recorded",
     "vllm",
@@ -65,6 +66,16 @@ def kvtax(
         raise ValueError(f"{name} is a {spec.type}: part {part!r} does not fit")
     selector = SELECTOR if "model_name" in spec.labels else POD_SELECTOR
     return f"{name}{part}{{{selector}{_matchers(where, regex)}}}"
+
+
+def process_rate(name: str) -> str:
+    """The rate of one of kvtax's process counters (``process_cpu_seconds_total``), kvtax's own
+    only: vLLM's /metrics in the same pod publishes the same name, so the series is kept where
+    its target (instance) also publishes ``kvtax_build_info``."""
+    if name not in {n for n, kind, _ in PROCESS_METRICS if kind == "counter"}:
+        raise ValueError(f"{name} is not one of kvtax's process counters")
+    build = kvtax("kvtax_build_info")
+    return f"({rate(f'{name}{{{POD_SELECTOR}}}')} and on (instance) {build})"
 
 
 def vllm(concept: str, *, part: str = "", where: Iterable[tuple[str, str]] = ()) -> str:

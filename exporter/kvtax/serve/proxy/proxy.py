@@ -8,7 +8,8 @@ with httptools (llhttp). A ``POST`` that vLLM will route to ``/v1/completions`` 
 route_of`) is relayed with accounting; every other request passes through untouched, its body
 streamed to vLLM as it arrives. Responses are relayed as their bytes arrive, one client write
 per read of vLLM's, never held whole (:mod:`~kvtax.serve.proxy.relay`). The proxy asks vLLM for
-usage on every chunk and trims it back to what the client asked for
+what counts each event's tokens (:mod:`kvtax.delivery.asks`: token ids, or continuous usage
+where ids are missing) and trims it back to what the client asked for
 (:mod:`kvtax.delivery.sse`); a non-streamed body's usage is read as it passes
 (:mod:`kvtax.delivery.usage`). Tokens count as delivered once the client's TCP stack
 acknowledged the bytes carrying them (:mod:`~kvtax.serve.proxy.acks`). A client that goes away
@@ -48,7 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtax.delivery.asks import UsageWish
+from kvtax.delivery.asks import UsageWish, asked_everything
 from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.sse import Fingerprint, HoldBudget
@@ -507,7 +508,7 @@ class Proxy:
         if stream and coding is not None and coding not in INFLATABLE:
             assert wish is not None
             self.encoded_streams += 1
-            if not (wish.include_usage and wish.continuous):
+            if not asked_everything(wish, facts.scheme):
                 exchange.answer(undecodable(coding.decode("latin-1")))
                 return None
             stream = False  # the client asked for all kvtax did: it passes unread

@@ -1,0 +1,64 @@
+"""The Overview's "What kvtax itself costs" row: the sidecar's own CPU and latency, live.
+
+A sidecar on the path of every event must say what it costs. kvtax publishes its own time per
+read relayed (``kvtax_proxy_relay_seconds``: a read of vLLM's bytes arriving to its write to the
+client), per request forwarded (``kvtax_proxy_forward_seconds``), and the events it relayed
+(``kvtax_proxy_events_relayed_total``), beside the standard ``process_cpu_seconds_total``; this
+row draws them (docs/delivery.md, "What kvtax itself costs"). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from kvtax.mixin.dashboards.model import Panel, Row, Target
+from kvtax.mixin.dashboards.queries import by, histogram_quantile, kvtax, process_rate, rate
+
+__all__ = ["SELF_COST_ROW"]
+
+_PER_POD = "namespace, pod"
+_cpu = by(_PER_POD, "sum", process_rate("process_cpu_seconds_total"))
+_events = by(_PER_POD, "sum", rate(kvtax("kvtax_proxy_events_relayed_total")))
+
+_cpu_per_event = Panel(
+    "kvtax CPU per event",
+    "timeseries",
+    (Target(f"1e6 * {_cpu} / {_events}", "{{pod}}"),),
+    "µs",
+    "kvtax's own CPU time (its process_cpu_seconds_total: the relay, the scrape, /metrics) over "
+    "the SSE events it relayed on accounted streams, in microseconds per event. nginx costs "
+    "about 20-35 µs to relay one on the machines bench/results/relay.md was measured on; kvtax's "
+    "scrape and /metrics are in the figure too, so it reads high when few events pass. Empty "
+    "while no stream runs.",
+    "KvtaxSidecarDown",
+    width=12,
+    min=0,
+)
+
+_latency = Panel(
+    "kvtax's own latency",
+    "timeseries",
+    (
+        Target(
+            histogram_quantile(0.5, kvtax("kvtax_proxy_relay_seconds", part="_bucket"), "pod"),
+            "per read, p50 {{pod}}",
+        ),
+        Target(
+            histogram_quantile(0.99, kvtax("kvtax_proxy_relay_seconds", part="_bucket"), "pod"),
+            "per read, p99 {{pod}}",
+        ),
+        Target(
+            histogram_quantile(0.99, kvtax("kvtax_proxy_forward_seconds", part="_bucket"), "pod"),
+            "per request, p99 {{pod}}",
+        ),
+    ),
+    "s",
+    "What kvtax adds on the path: per read of vLLM's bytes, from their arrival to their write "
+    "to the client (the parse, the count, the cut, the write call: tens of microseconds), and "
+    "per request, from the request being in kvtax whole to its write to vLLM, less any wait in "
+    "the gate's queue (the body's read, the rewrite, a connection from the pool). Neither counts "
+    "time the request or the answer spends in the network or in vLLM.",
+    "KvtaxSidecarDown",
+    width=12,
+    min=0,
+)
+
+SELF_COST_ROW = Row("What kvtax itself costs", (_cpu_per_event, _latency))
