@@ -399,9 +399,14 @@ def _importable(dotted: str) -> bool:
         except ImportError:
             continue
         for part in parts[cut:]:
-            if not (hasattr(value, part) or _has(value, part, instance=True)):
-                return False
-            value = getattr(value, part, None)
+            try:
+                if not (hasattr(value, part) or _has(value, part, instance=True)):
+                    return False
+                value = getattr(value, part, None)
+            except ImportError:
+                # A name the module builds on first use from a dependency absent here (the
+                # test bed's scheduler probe subclasses vLLM's stat logger): it exists.
+                return True
         return True
     return False
 

@@ -40,7 +40,7 @@ Example::
 
     wish, changes = with_usage(payload, "token_ids")   # kvtax.delivery.asks
     rw = StreamRewriter(wish, scheme="token_ids")
-    out = rw.feed(b'data: {"id":"x","choices":[{"index":0,"text":"a","token_ids":[5]}]}\n\n')
+    out = rw.feed(b'data: {"id":"x","choices":[{"index":0,"text":"a","token_ids":[5]}]}\\n\\n')
     out.payload, out.completion_tokens   # ...,"token_ids":null}]}..., 1
 """
 

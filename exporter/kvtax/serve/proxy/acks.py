@@ -6,10 +6,11 @@ each write, the offset its bytes end at and the tokens they bring the client up 
 the kernel's count of acknowledged bytes (Linux ``TCP_INFO.tcpi_bytes_acked``) to confirm them.
 
 The tracker reads through its own duplicate of the socket's descriptor. When a client reads
-``[DONE]`` and closes at once, aiohttp sees the FIN and closes its transport before the handler
-learns of it; the FIN carried the client's final acknowledgement, and the duplicate keeps the
-socket (and that count) readable until :meth:`AckTracker.close`. A count of acknowledged bytes,
-unlike the send queue's length, also survives a reset, which purges the queue.
+``[DONE]`` and closes at once, the connection sees the FIN and closes its transport before the
+handler learns of it; the FIN carried the client's final acknowledgement, and the duplicate
+keeps the socket (and that count) readable until :meth:`AckTracker.close`. A count of
+acknowledged bytes, unlike the send queue's length, also survives a reset, which purges the
+queue.
 
 The kernel is asked only when an answer is needed: when a scrape credits running streams, when a
 stream ends, and every :data:`CHECK_EVERY` writes to keep the list of pending writes short.
@@ -80,7 +81,7 @@ class _Probe:
     def close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
-            # Closing the duplicate sends nothing; the connection ends when aiohttp closes its own.
+            # Closing the duplicate sends nothing; the connection ends when its transport closes.
             with contextlib.suppress(OSError):
                 os.close(sock.detach())
 
@@ -159,5 +160,5 @@ class AckTracker:
             self._probe = None
 
     def close(self) -> None:
-        """Release the duplicate descriptor (the socket closes once aiohttp has closed too)."""
+        """Release the duplicate descriptor (the socket closes once the transport has too)."""
         self._drop_probe()

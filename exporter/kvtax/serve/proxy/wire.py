@@ -5,7 +5,7 @@ Headers travel as ``(name, value)`` byte pairs in the order and case they came.
 :func:`forwarded` drops the hop-by-hop headers of RFC 9110 7.6.1, the ones a ``Connection``
 header names included, since each hop frames its own message. :func:`request_head` and
 :func:`response_head` write a head in one piece, its framing chosen by the relay
-(:data:`Framing`). :func:`answer` is a whole response of kvtax's own: the proxy's errors are
+(:data:`Framing`). :class:`Answer` is a whole response of kvtax's own: the proxy's errors are
 OpenAI-style JSON (:mod:`kvtax.delivery.openai`).
 
 Example::
