@@ -115,6 +115,7 @@ class ClientConnection(asyncio.Protocol):
         self._tail = b""
         self._ended = False
         self._refused = False
+        self._method = b""  # of the request being parsed, from its line
         self._idle: asyncio.TimerHandle | None = None
         self._stalled: asyncio.TimerHandle | None = None
 
@@ -251,6 +252,8 @@ class ClientConnection(asyncio.Protocol):
             self._refuse(bad_request(400, f"a request line exceeds {MAX_LINE} bytes"))
             return len(data)
         problem = request_line_problem(line)
+        # The method is known from here: a refused HEAD gets its answer's head alone.
+        self._method = line.split(b" ", 1)[0]
         if problem is not None:
             self._refuse(problem, version=b"1.1")
             return len(data)
@@ -417,7 +420,7 @@ class ClientConnection(asyncio.Protocol):
         if exchange is not None:
             exchange.fail_body(answer)  # its body broke off: the exchange answers the refusal
         else:
-            head = RequestHead.refused(version or self._version())
+            head = RequestHead.refused(version or self._version(), self._method)
             exchange = self.handler.exchange_for(self, head)
             exchange.refusal = answer
             self.pipeline.append(exchange)

@@ -224,7 +224,9 @@ class Exchange:
         close = not self.reusable
         self.keep_alive = not close
         self.head_sent = True
-        self.conn.write(answer.encode(self.head.version, close=close))
+        # The answer to a HEAD has the head alone (RFC 9110 9.3.2), its length kept.
+        head_only = self.head.method == b"HEAD"
+        self.conn.write(answer.encode(self.head.version, close=close, head_only=head_only))
         self.finish()
 
     def write(self, data: bytes) -> None:

@@ -141,10 +141,10 @@ class RequestHead:
         )
 
     @classmethod
-    def refused(cls, version: bytes) -> RequestHead:
+    def refused(cls, version: bytes, method: bytes = b"") -> RequestHead:
         """The head of a request refused before its head was whole: nothing of it is known but
-        the version to answer in."""
-        return cls(b"", b"", version, [], False, "", b"", None, False, False)
+        the version to answer in and, once its line was read, its method."""
+        return cls(method, b"", version, [], False, "", b"", None, False, False)
 
     @property
     def has_body(self) -> bool:

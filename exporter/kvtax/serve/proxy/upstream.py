@@ -319,7 +319,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4)
-        self.headers.append((name, value))
+        if not self.status:  # trailer fields of a chunked body are dropped, never headers
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()

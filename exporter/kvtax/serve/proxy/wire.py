@@ -177,9 +177,10 @@ class Answer:
         body = json.dumps(error_body(status, message, kind)).encode()
         return cls(status, body, [(b"Content-Type", b"application/json"), *headers], close)
 
-    def encode(self, version: bytes, *, close: bool) -> bytes:
-        """The response as bytes for a client speaking HTTP/``version``."""
+    def encode(self, version: bytes, *, close: bool, head_only: bool = False) -> bytes:
+        """The response as bytes for a client speaking HTTP/``version`` (``head_only``: the
+        answer to a HEAD, its Content-Length and no body)."""
         head = response_head(
             version, self.status, b"", self.headers, "length", close=close, length=len(self.body)
         )
-        return head + self.body
+        return head if head_only else head + self.body
