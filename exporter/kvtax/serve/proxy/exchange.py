@@ -217,6 +217,12 @@ class Exchange:
             self.head.version, status, reason, headers, framing, close=close, length=length
         )
 
+    def interim(self, status: int, reason: bytes, headers: Headers) -> None:
+        """vLLM's 1xx (103 Early Hints, say), before the final answer; an HTTP/1.0 client must
+        not get one (RFC 9110 15.2)."""
+        if self.head.version == b"1.1" and not self.head_sent:
+            self.conn.write(response_head(b"1.1", status, reason, headers, "none", close=False))
+
     def answer(self, answer: Answer) -> None:
         """Write one of kvtax's own answers whole, and finish."""
         if answer.close:

@@ -85,6 +85,7 @@ from kvtax.serve.proxy.upstream import (
 )
 from kvtax.serve.proxy.wire import (
     Framing,
+    Headers,
     content_length,
     forwarded,
     header,
@@ -302,7 +303,9 @@ class Proxy:
                 body = exchange.buffered()
                 has_body = bool(body) or request.method in (b"POST", b"PUT", b"PATCH")
                 head = self._head(exchange, len(body) if has_body else None, identity=False)
-                conn = await self.upstream.send(head + body, no_body=no_body)
+                conn = await self.upstream.send(
+                    head + body, no_body=no_body, interim=self._interim(exchange)
+                )
             else:
                 # Sent on as it arrives, framed as it came: its length, or chunks.
                 chunked = request.chunked
@@ -314,6 +317,7 @@ class Proxy:
                     streamed=exchange.stream_body,
                     chunked=chunked,
                     holder=exchange.conn,
+                    interim=self._interim(exchange),
                 )
         except (Unreachable, UpstreamBroke, TimeoutError) as exc:
             self._failed(exchange, exc)
@@ -324,6 +328,11 @@ class Proxy:
         self.cost.forward.observe(conn.sent_at - began)
         framing, head = self._respond_head(exchange, conn, rewritten=False)
         await self._relay(exchange, conn, PlainSink(exchange, framing, head, self.cost))
+
+    @staticmethod
+    def _interim(exchange: Exchange) -> Callable[[int, bytes, Headers], None]:
+        """vLLM's 1xx go to the client, its hop-by-hop headers dropped."""
+        return lambda status, reason, headers: exchange.interim(status, reason, forwarded(headers))
 
     @staticmethod
     def _body_start(exchange: Exchange) -> bytes:
@@ -454,7 +463,7 @@ class Proxy:
             return
         head = self._head(exchange, len(body), identity=True)
         try:
-            conn = await self.upstream.send(head + body)
+            conn = await self.upstream.send(head + body, interim=self._interim(exchange))
         except Unreachable:
             exchange.answer(upstream_failure(False, self.settings.timeout))
             return

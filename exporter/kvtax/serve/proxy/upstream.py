@@ -143,6 +143,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.sending = False
         self.chunked = False
         self.holder: Holder | None = None
+        # Where vLLM's interim answers (1xx) go while the final one is awaited.
+        self.interim: Callable[[int, bytes, Headers], None] | None = None
         self.write_paused = False
         # kvtax paused reading (its client is full): vLLM's silence is not counted meanwhile.
         self.read_paused = False
@@ -325,6 +327,10 @@ class UpstreamConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:  # an interim answer: the real one follows
+            # A proxy forwards the 1xx it did not ask for (RFC 9110 15.2): 103 Early Hints,
+            # say. kvtax never sends vLLM an Expect, so a 100 is nobody's and goes nowhere.
+            if status != 100 and self.interim is not None:
+                self.interim(status, self.reason, self.headers)
             self.reason, self.headers = b"", []
             return
         self.status = status
@@ -459,19 +465,21 @@ class Upstream:
         streamed: Callable[[UpstreamConnection], None] | None = None,
         chunked: bool = False,
         holder: Holder | None = None,
+        interim: Callable[[int, bytes, Headers], None] | None = None,
     ) -> UpstreamConnection:
         """Send a request; the connection once vLLM's head is in. ``streamed``: ``data`` is the
         head and the body so far, and ``streamed(conn)`` hands the connection the rest (sent
         ``chunked`` or as it comes; ``holder`` pauses reading while vLLM's socket is full).
-        Raises :class:`Unreachable`, :class:`UpstreamBroke`, :class:`TimeoutError` or
-        :class:`Cut`."""
+        ``interim`` gets each 1xx answer (but 100) as it comes. Raises :class:`Unreachable`,
+        :class:`UpstreamBroke`, :class:`TimeoutError` or :class:`Cut`."""
         loop = asyncio.get_running_loop()
         if streamed is not None:
             # A body still arriving cannot be sent twice: a new connection, which is not stale.
             conn = await self._connect()
-            conn.holder = holder
+            conn.holder, conn.interim = holder, interim
             return await self._exchange(conn, data, no_body, streamed, chunked)
         conn = self._pooled() or await self._connect()
+        conn.interim = interim
         began = loop.time()
         try:
             return await self._exchange(conn, data, no_body)
@@ -480,7 +488,9 @@ class Upstream:
                 raise
             self.retries += 1
             log.debug("vLLM closed the connection before answering (%s); one more try", exc)
-        return await self._exchange(await self._connect(), data, no_body)
+        conn = await self._connect()
+        conn.interim = interim
+        return await self._exchange(conn, data, no_body)
 
     def release(self, conn: UpstreamConnection) -> None:
         """A connection whose exchange ended cleanly goes back to the pool."""
@@ -489,7 +499,7 @@ class Upstream:
             return
         conn.sink = None
         conn.head = None
-        conn.holder = None
+        conn.holder = conn.interim = None
         self._free.append(conn)
         conn.idle_for(self.idle)
 
