@@ -334,6 +334,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.reason, self.headers = b"", []
             return
         self.status = status
+        coding = header(self.headers, b"transfer-encoding")
+        if coding is not None and coding.strip().lower() != b"chunked":
+            # Read to the close, the body would reach the client still in its transfer coding
+            # (gzip, say), which kvtax does not undo: refused, as nginx does.
+            self._fail(UpstreamBroke("vLLM answered with a transfer coding other than chunked"))
+            raise _Refused()
         # A body with neither length nor chunks runs to the connection's close (HTTP/1.0 style).
         self.until_close = (
             status not in (204, 304)
