@@ -128,16 +128,19 @@ async def test_a_body_that_keeps_arriving_slowly_is_not_cut(
 ) -> None:
     # A body's reads each restart the wait (nginx's client_body_timeout): an upload slower than
     # the wait as a whole, with no pause as long, reaches vLLM.
-    monkeypatch.setattr(client_module, "KEEPALIVE", 0.3)
+    keepalive = 2.0
+    monkeypatch.setattr(client_module, "KEEPALIVE", keepalive)
     rig = await start()
     reader, writer = await rig.connect()
-    body = json.dumps(WHOLE).encode()
+    body = json.dumps({**WHOLE, "pad": " " * 3000}).encode()
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
     )
-    for i in range(0, len(body), 2):
-        writer.write(body[i : i + 2])
-        await asyncio.sleep(0.05)  # the whole body takes longer than 0.3 s
+    # 10 bytes every 10 ms: about 3 s for the whole body, longer than the wait as a whole, each
+    # read far inside it (a loaded machine only stretches the whole).
+    for i in range(0, len(body), 10):
+        writer.write(body[i : i + 10])
+        await asyncio.sleep(0.01)
     reply = await read_reply(reader)
     assert reply.status == 200
     assert len(rig.seen) == 1
@@ -192,3 +195,28 @@ async def test_a_body_that_runs_to_vllm_s_close_reaches_the_client_whole(start: 
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_client_still_sending_a_refused_body_reads_its_413(start: Start) -> None:
+    # Protection: the proxy closed on the client's unread bytes, which resets the connection;
+    # a client still sending its body then lost the 413 (seen with a 20 MiB upload). It now
+    # ends its side after the answer and drops what still comes (nginx's lingering close).
+    rig = await start(max_body=1000)
+    reader, writer = await rig.connect()
+    size = 8 * 1024**2
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+
+    async def send() -> None:
+        with contextlib.suppress(ConnectionError):
+            for _ in range(size // 65536):
+                writer.write(b"x" * 65536)
+                await writer.drain()
+
+    sending = asyncio.ensure_future(send())
+    try:
+        reply = await read_reply(reader)
+        assert reply.status == 413
+        assert await closed(reader)
+    finally:
+        sending.cancel()
+    assert rig.seen == []

@@ -48,10 +48,15 @@ import httptools
 
 from kvtax.serve.proxy.answers import bad_request, internal_error
 from kvtax.serve.proxy.exchange import Exchange
-from kvtax.serve.proxy.head import RequestHead, head_problem, request_line_problem
+from kvtax.serve.proxy.head import (
+    RequestHead,
+    asks_keep_alive,
+    head_problem,
+    request_line_problem,
+)
 from kvtax.serve.proxy.wire import Answer, Headers
 
-__all__ = ["KEEPALIVE", "MAX_HEAD", "MAX_PIPELINED", "ClientConnection", "Handler"]
+__all__ = ["KEEPALIVE", "LINGER", "MAX_HEAD", "MAX_PIPELINED", "ClientConnection", "Handler"]
 
 log = logging.getLogger("kvtax.serve.proxy")
 
@@ -64,6 +69,10 @@ MAX_PIPELINED = 8
 # Seconds a connection may wait on its client (an idle keep-alive connection, a request head or
 # body arriving too slowly) before it is closed (aiohttp's default).
 KEEPALIVE = 75.0
+# Seconds a refused client's further bytes are read and dropped after its answer, before the
+# close (nginx's lingering_timeout): closing on unread bytes resets the connection, and a reset
+# can destroy the answer before the client read it.
+LINGER = 5.0
 _END_OF_HEAD = b"\r\n\r\n"
 
 
@@ -89,6 +98,10 @@ class ClientConnection(asyncio.Protocol):
         self.handler = handler
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
+        # "5 \r\n": whitespace after a chunk's size, which nginx and h11 read (RFC 9112's
+        # chunk-ext allows it before a ';'). The body is framed anew for vLLM, so no reading of
+        # it by vLLM can differ from kvtax's.
+        self.parser.set_dangerous_leniencies(lenient_spaces_after_chunk_size=True)
         # Exchanges in arrival order; the first is the one being answered.
         self.pipeline: deque[Exchange] = deque()
         self.closed = False
@@ -116,6 +129,7 @@ class ClientConnection(asyncio.Protocol):
         self._ended = False
         self._refused = False
         self._method = b""  # of the request being parsed, from its line
+        self._lingering = False  # answered a refusal; reading only to drop, until the close
         self._idle: asyncio.TimerHandle | None = None
         self._stalled: asyncio.TimerHandle | None = None
 
@@ -151,6 +165,25 @@ class ClientConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         return None  # a FIN is the client leaving: the transport closes (see module doc)
+
+    def linger(self) -> None:
+        """Close after a refusal without losing its answer: the write side ends now (the client
+        gets the answer and a FIN), and whatever it still sends of what was refused is read and
+        dropped for at most :data:`LINGER` seconds, or until it closes too."""
+        transport = self.transport
+        if transport is None or self.closed or transport.is_closing():
+            return
+        if not transport.can_write_eof():
+            self.close()
+            return
+        transport.write_eof()
+        self._lingering = True
+        self._refused = True  # data_received drops everything from here on
+        self._holds.clear()
+        transport.resume_reading()
+        if self._idle is not None:
+            self._idle.cancel()
+        self._idle = asyncio.get_running_loop().call_later(LINGER, self.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -313,12 +346,13 @@ class ClientConnection(asyncio.Protocol):
         parser = self.parser
         version = parser.get_http_version().encode()
         problem = head_problem(version, self._headers)
+        keep_alive = parser.should_keep_alive()
+        if version == b"1.0":
+            # llhttp also takes Proxy-Connection: keep-alive; HTTP/1.0 keeps alive only on
+            # Connection: keep-alive (RFC 9112 9.3, 9.6).
+            keep_alive = keep_alive and asks_keep_alive(self._headers)
         head = RequestHead.of(
-            parser.get_method(),
-            self._target,
-            version,
-            self._headers,
-            keep_alive=parser.should_keep_alive(),
+            parser.get_method(), self._target, version, self._headers, keep_alive=keep_alive
         )
         if problem is None and head is None:
             problem = bad_request(400, "the request target is not a URL")
@@ -397,6 +431,9 @@ class ClientConnection(asyncio.Protocol):
                 if not exchange.complete:  # the handler wrote nothing: never leave it hanging
                     exchange.break_off()
                 self.pipeline.popleft()
+                if self._refused and not self.draining:
+                    self.linger()  # the client may still be sending what was refused
+                    return
                 if not exchange.keep_alive or self.draining:
                     self.close()
                     return
@@ -453,13 +490,15 @@ class ClientConnection(asyncio.Protocol):
         within that of the connection going idle (reads of its head do not restart the wait,
         so a head sent a byte at a time cannot hold the connection); a body's reads each do.
         While an answer is under way with its request read, nothing is wanted of the client."""
+        if self._lingering:
+            return  # the linger's own timer closes it
         self._disarm_idle()
         if self.closed or (self.pipeline and self._receiving is None):
             return
         self._idle = asyncio.get_running_loop().call_later(KEEPALIVE, self.close)
 
     def _disarm_idle(self) -> None:
-        if self._idle is not None:
+        if self._idle is not None and not self._lingering:
             self._idle.cancel()
             self._idle = None
 

@@ -33,7 +33,7 @@ import httptools
 from kvtax.serve.proxy.answers import bad_request, not_implemented, version_not_supported
 from kvtax.serve.proxy.wire import Answer, Headers, content_length, header
 
-__all__ = ["RequestHead", "head_problem", "request_line_problem", "route_of"]
+__all__ = ["RequestHead", "asks_keep_alive", "head_problem", "request_line_problem", "route_of"]
 
 # method SP request-target SP HTTP-version (RFC 9112 3): the method a token, the target free of
 # whitespace and controls, exactly one space between them.
@@ -78,6 +78,17 @@ def head_problem(version: bytes, headers: Headers) -> Answer | None:
     if b",".join(codings).strip().lower() != b"chunked":
         return not_implemented("only Transfer-Encoding: chunked is supported")
     return None
+
+
+def asks_keep_alive(headers: Headers) -> bool:
+    """A Connection header names keep-alive (what an HTTP/1.0 request needs to keep its
+    connection; Proxy-Connection does not count)."""
+    return any(
+        token.strip().lower() == b"keep-alive"
+        for name, value in headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+    )
 
 
 def route_of(target: bytes) -> tuple[str, bytes] | None:

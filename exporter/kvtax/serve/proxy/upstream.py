@@ -125,6 +125,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.clock = upstream.clock
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
+        # Whitespace after a chunk's size, as the client side reads it too.
+        self.parser.set_dangerous_leniencies(lenient_spaces_after_chunk_size=True)
         self.status = 0
         self.reason = b""
         self.headers: Headers = []
