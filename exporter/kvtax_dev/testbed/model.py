@@ -14,6 +14,7 @@ Usage: ``python -m kvtax_dev.testbed.model DIR`` prints DIR once the model is co
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import json
 import shutil
@@ -172,16 +173,23 @@ def make_tiny_model(directory: Path, shape: ModelShape = TINY_SHAPE) -> Path:
     directory = Path(directory).expanduser().resolve()
     if is_complete(directory, shape):
         return directory
-    # Build beside the target and rename at the end, so a concurrent reader never sees a
-    # directory that has a tokenizer but no weights.
-    staging = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    _build_tokenizer(staging)
-    _build_weights(staging, shape)
-    (staging / MARKER_NAME).write_text(json.dumps(_marker(shape)) + "\n")
-    shutil.rmtree(directory, ignore_errors=True)
-    staging.rename(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time: the suite's lanes start engines at once on a fresh machine, and
+    # two builders sharing the staging directory removed each other's half-written model.
+    with (directory.parent / (directory.name + ".lock")).open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(directory, shape):  # built by the one we waited for
+            return directory
+        # Build beside the target and rename at the end, so a concurrent reader never sees a
+        # directory that has a tokenizer but no weights.
+        staging = directory.with_name(directory.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        _build_tokenizer(staging)
+        _build_weights(staging, shape)
+        (staging / MARKER_NAME).write_text(json.dumps(_marker(shape)) + "\n")
+        shutil.rmtree(directory, ignore_errors=True)
+        staging.rename(directory)
     return directory
 
 
