@@ -19,11 +19,15 @@ from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.web.port import WebPort
 from kvtax_dev.exposition import Labels, Samples, read_samples
 
+# The front door's rig (a scriptable upstream, a proxy in front), for every unit test.
+from tests.unit.frontdoor import front_door
+
 __all__ = [
     "FakeClock",
     "Labels",
     "clock",
     "fixture_text",
+    "front_door",
     "one",
     "parse_exposition",
     "read_fixture",
