@@ -407,6 +407,12 @@ class RawUpstream:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def forget(self) -> None:
+        """Drop what was recorded so far, and the connections already closed: a long run of
+        examples (the differential) keeps only what the next one needs."""
+        self.seen.clear()
+        self.links = [link for link in self.links if not link.lost.is_set()]
+
     def then(self, *scripts: Script) -> None:
         """Answer the next requests with these scripts, one each, then ``script`` again."""
         self.queued.extend(scripts)
