@@ -8,22 +8,28 @@ Pages are read with :mod:`kvtax_dev.exposition`, the harness's one reader.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.web.port import WebPort
 from kvtax_dev.exposition import Labels, Samples, read_samples
+
+# The front door's rig (a scriptable upstream, a proxy in front), for every unit test.
+from tests.unit.frontdoor import front_door
 
 __all__ = [
     "FakeClock",
     "Labels",
     "clock",
     "fixture_text",
+    "front_door",
     "one",
     "parse_exposition",
     "read_fixture",
@@ -32,6 +38,27 @@ __all__ = [
 ]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
+
+# hypothesis, for the HTTP differential (test_http_differential.py): reproducible (derandomized,
+# no example database) and untimed (a front-door example costs a few ms, more when it fails).
+# `scripts/test --fast` sets KVTAX_SKIP_E2E=1 and gets the small run; the full suite runs
+# 10,000 examples per side; KVTAX_HYPOTHESIS_PROFILE picks one by name.
+settings.register_profile(
+    "kvtax-fast",
+    max_examples=200,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "kvtax-full", parent=settings.get_profile("kvtax-fast"), max_examples=10_000
+)
+settings.load_profile(
+    os.environ.get("KVTAX_HYPOTHESIS_PROFILE")
+    or ("kvtax-fast" if os.environ.get("KVTAX_SKIP_E2E") == "1" else "kvtax-full")
+)
 
 
 def read_fixture(name: str) -> str:

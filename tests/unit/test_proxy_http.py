@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,114 +24,36 @@ from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.testbed.engine import free_port
 from tests.unit.fake_vllm import FakeVllm
 
-# Bounds against hangs only: nothing here is expected to take more than a fraction of them.
-WAIT = 10.0
+# The raw-socket client helpers live with the front door's rig; re-exported for the modules
+# that import them from here (test_proxy_parser).
+from tests.unit.frontdoor import (
+    CHAT,
+    STREAM,
+    WAIT,
+    WHOLE,
+    Reply,
+    closed,
+    events,
+    post,
+    raw_request,
+    read_head,
+    read_reply,
+)
 
-STREAM = {"model": "m", "prompt": "x", "stream": True}
-WHOLE = {"model": "m", "prompt": "x"}
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-
-
-# -- raw HTTP/1.x ------------------------------------------------------------------------------
-def raw_request(
-    method: str,
-    path: str,
-    body: bytes = b"",
-    *,
-    version: str = "1.1",
-    headers: Sequence[tuple[str, str]] = (),
-) -> bytes:
-    """A request's bytes; a Content-Length is added for a body unless ``headers`` frame it."""
-    lines = [
-        f"{method} {path} HTTP/{version}",
-        "Host: kvtax.test",
-        *(f"{k}: {v}" for k, v in headers),
-    ]
-    framed = {k.lower() for k, _ in headers} & {"content-length", "transfer-encoding"}
-    if body and not framed:
-        lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
-def post(path: str, payload: dict[str, Any], *, version: str = "1.1", **more: str) -> bytes:
-    headers = [("Content-Type", "application/json"), *more.items()]
-    return raw_request("POST", path, json.dumps(payload).encode(), version=version, headers=headers)
-
-
-@dataclass(frozen=True)
-class Reply:
-    version: str
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes = b""
-    chunked: bool = False
-
-    def header(self, name: str) -> str | None:
-        values = [v for k, v in self.headers if k.lower() == name.lower()]
-        assert len(values) <= 1, f"{name} sent {len(values)} times"
-        return values[0] if values else None
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-async def _line(reader: asyncio.StreamReader) -> bytes:
-    line = await reader.readuntil(b"\r\n")
-    return line[:-2]
-
-
-async def read_head(reader: asyncio.StreamReader) -> Reply:
-    """A status line and headers, strictly parsed."""
-    version, code, *_ = (await _line(reader)).decode("latin-1").split(" ", 2)
-    assert version in ("HTTP/1.0", "HTTP/1.1"), version
-    headers = []
-    while line := await _line(reader):
-        name, colon, value = line.decode("latin-1").partition(":")
-        assert colon, line
-        assert name, line
-        assert name == name.strip(), line  # no space before the colon (RFC 9112 5.1)
-        headers.append((name, value.strip()))
-    return Reply(version, int(code), headers)
-
-
-async def _chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
-    while size := int((await _line(reader)).split(b";", 1)[0], 16):
-        parts.append(await reader.readexactly(size))
-        assert await reader.readexactly(2) == b"\r\n"
-    while await _line(reader):  # trailers
-        pass
-    return b"".join(parts)
-
-
-async def _reply(reader: asyncio.StreamReader) -> Reply:
-    head = await read_head(reader)
-    if 100 <= head.status < 200 or head.status in (204, 304):
-        return head
-    encoding, length = head.header("Transfer-Encoding"), head.header("Content-Length")
-    if encoding is not None:
-        assert encoding.lower() == "chunked", encoding
-        return Reply(head.version, head.status, head.headers, await _chunked(reader), True)
-    if length is not None:
-        return Reply(head.version, head.status, head.headers, await reader.readexactly(int(length)))
-    # Neither: the body runs to the end of the connection.
-    return Reply(head.version, head.status, head.headers, await reader.read())
-
-
-async def read_reply(reader: asyncio.StreamReader) -> Reply:
-    """The next response (or interim 1xx) on ``reader``, its body unframed."""
-    return await asyncio.wait_for(_reply(reader), WAIT)
-
-
-async def closed(reader: asyncio.StreamReader) -> bool:
-    """The peer closed the connection, and sent nothing more before it did."""
-    return await asyncio.wait_for(reader.read(), WAIT) == b""
-
-
-def events(body: bytes) -> list[bytes]:
-    """The SSE events of a stream's body, each without its blank line."""
-    assert body.endswith(b"\n\n"), body[-40:]
-    return body[:-2].split(b"\n\n")
+__all__ = [
+    "CHAT",
+    "STREAM",
+    "WAIT",
+    "WHOLE",
+    "Reply",
+    "Start",
+    "closed",
+    "events",
+    "post",
+    "raw_request",
+    "read_head",
+    "read_reply",
+]
 
 
 # -- the rig -----------------------------------------------------------------------------------
