@@ -431,7 +431,7 @@ class ClientConnection(asyncio.Protocol):
                 if not exchange.complete:  # the handler wrote nothing: never leave it hanging
                     exchange.break_off()
                 self.pipeline.popleft()
-                if self._refused and not self.draining:
+                if self._refused and not self.pipeline and not self.draining:
                     self.linger()  # the client may still be sending what was refused
                     return
                 if not exchange.keep_alive or self.draining:

@@ -61,14 +61,14 @@ def request_line_problem(line: bytes) -> Answer | None:
 def head_problem(version: bytes, headers: Headers) -> Answer | None:
     """The refusal of a parsed head, or None: Host and Transfer-Encoding as RFC 9112 reads them.
 
-    - HTTP/1.1 needs exactly one Host (3.2); none or several is a 400.
+    - HTTP/1.1 needs a Host, and no request may have several (3.2): a 400.
     - A transfer coding on an HTTP/1.0 request makes its framing faulty (6.1): a 400, and the
       connection closes, so no request glued behind it is ever read.
     - A coding other than ``chunked`` alone (``identity, chunked``, ``gzip, chunked``) is one
       kvtax does not implement: a 501, as nginx answers.
     """
     hosts = sum(1 for name, _ in headers if name.lower() == b"host")
-    if version == b"1.1" and hosts != 1:
+    if hosts > 1 or (version == b"1.1" and not hosts):
         return bad_request(400, "a request needs exactly one Host header")
     codings = [value for name, value in headers if name.lower() == b"transfer-encoding"]
     if not codings:
