@@ -7,8 +7,8 @@ Users of a sidecar ask what it costs them. :class:`RelayCost` holds the proxy's 
   write call): kvtax's own work on the path of every event;
 - ``forward``: the seconds from a request being in kvtax whole (its head, and for an accounted
   one its body) to its write to vLLM, less any wait in the gate's queue (published as
-  ``kvtax_gate_queue_wait_seconds``): the per-request work (routing, the body's read, the
-  rewrite, the pooled connection);
+  ``kvtax_gate_queue_wait_seconds``) and for a new connection to vLLM to open (vLLM's accept):
+  the per-request work (routing, the body's read, the rewrite, the head);
 - ``events``: SSE events relayed on accounted streams, so that
   ``rate(process_cpu_seconds_total) / rate(kvtax_proxy_events_relayed_total)`` reads as CPU
   seconds per event;

@@ -145,7 +145,7 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "kvtax_proxy_forward_seconds",
         "histogram",
         "kvtax's own time per request: from the request being in kvtax whole to its write to "
-        "vLLM, less any wait in the gate's queue.",
+        "vLLM, less any wait in the gate's queue or for a new connection to vLLM to open.",
         (),
         "delivery",
     ),

@@ -54,8 +54,9 @@ _latency = Panel(
     "What kvtax adds on the path: per read of vLLM's bytes, from their arrival to their write "
     "to the client (the parse, the count, the cut, the write call: tens of microseconds), and "
     "per request, from the request being in kvtax whole to its write to vLLM, less any wait in "
-    "the gate's queue (the body's read, the rewrite, a connection from the pool). Neither counts "
-    "time the request or the answer spends in the network or in vLLM.",
+    "the gate's queue and for a new connection to vLLM to open (the body's read, the rewrite, "
+    "the head). Neither counts time the request or the answer spends in the network or in "
+    "vLLM.",
     "KvtaxSidecarDown",
     width=12,
     min=0,

@@ -325,7 +325,7 @@ class Proxy:
         except Cut:
             exchange.answer(shutting_down())
             return
-        self.cost.forward.observe(conn.sent_at - began)
+        self.cost.forward.observe(conn.sent_at - began - conn.connecting)
         framing, head = self._respond_head(exchange, conn, rewritten=False)
         await self._relay(exchange, conn, PlainSink(exchange, framing, head, self.cost))
 
@@ -478,7 +478,7 @@ class Proxy:
             facts.sent = facts.turned_away = True
             exchange.answer(shutting_down())
             return
-        self.cost.forward.observe(conn.sent_at - began)
+        self.cost.forward.observe(conn.sent_at - began - conn.connecting)
         facts.status = conn.status
         sink = self._sink(exchange, conn, facts, wish, release=release)
         if sink is None:

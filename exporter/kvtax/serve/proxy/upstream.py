@@ -140,6 +140,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.last_read = 0.0
         self.arrived = 0.0  # when the last read arrived (perf_counter): the relay's own cost
         self.sent_at = 0.0  # when the request was written to vLLM (perf_counter)
+        # Seconds this exchange waited for the connection to vLLM to open (0: from the pool):
+        # vLLM's accept, not kvtax's work.
+        self.connecting = 0.0
         self.closed = False
         # A request body still being sent (streamed), and how: chunked or as it comes.
         self.sending = False
@@ -555,6 +558,7 @@ class Upstream:
         while self._free:
             conn = self._free.pop()
             if not conn.closed:
+                conn.connecting = 0.0
                 return conn
         return None
 
@@ -562,6 +566,7 @@ class Upstream:
         if self._cut:
             raise Cut()
         loop = asyncio.get_running_loop()
+        began = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout):
                 _, conn = await loop.create_connection(
@@ -575,4 +580,5 @@ class Upstream:
             raise
         except OSError as exc:
             raise Unreachable(str(exc)) from exc
+        conn.connecting = time.perf_counter() - began
         return conn
