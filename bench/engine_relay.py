@@ -86,6 +86,7 @@ from typing import Any
 import aiohttp
 import requests
 
+from kvtax.delivery.asks import Scheme, with_usage
 from kvtax_dev.exposition import read_samples, total
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import PROMPT, PROMPT_TOKENS
@@ -93,11 +94,21 @@ from kvtax_dev.testbed.sidecar import KvtaxProcess
 
 MODEL = "tiny-llama"
 DELIVERED = "kvtax_delivered_tokens_total"
+
+
+def kvtax_asks(scheme: Scheme) -> dict[str, Any]:
+    """The fields kvtax's proxy adds to a plain streamed completion counted by ``scheme``: B
+    measures what kvtax really asks, not a copy of it."""
+    asked = with_usage({"model": MODEL, "prompt": PROMPT, "stream": True}, scheme)
+    assert asked is not None
+    return asked[1]
+
+
 B_ARMS: dict[str, dict[str, Any]] = {
     "none": {},
     "usage": {"stream_options": {"include_usage": True}},
-    "continuous": {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-    "token_ids": {"stream_options": {"include_usage": True}, "return_token_ids": True},
+    "continuous": kvtax_asks("usage"),  # the fallback scheme, and kvtax's old default
+    "token_ids": kvtax_asks("token_ids"),  # kvtax's default on vLLM >= 0.10.2
 }
 TICK = os.sysconf("SC_CLK_TCK")
 TITLES = {
