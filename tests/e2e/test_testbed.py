@@ -9,7 +9,8 @@ import urllib.parse
 from pathlib import Path
 
 from kvtax_dev.exposition import labels_of, read_samples, total
-from kvtax_dev.testbed import VllmEngine, free_port
+from kvtax_dev.ports import refused_port
+from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import drive
 from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
 from kvtax_dev.testbed.sidecar import KvtaxProcess
@@ -70,32 +71,35 @@ def test_overload_preempts(vllm_engine: VllmEngine) -> None:
 
 def test_prometheus_scrapes_kvtax_and_every_server_stops_cleanly(tmp_path: Path) -> None:
     # No engine on purpose: kvtax serves /metrics (vllm_up 0) whether or not vLLM is there.
-    kvtax = KvtaxProcess(f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "kvtax.log")
-    am = AlertmanagerProcess(SILENT_AM, log_path=tmp_path / "am.log")
-    with kvtax, am:
-        address = urllib.parse.urlsplit(kvtax.base_url).netloc
-        config = prometheus_config({"kvtax": [address]}, alertmanager_url=am.url)
-        prom = PrometheusProcess(config, [ALERTS], log_path=tmp_path / "prom.log")
-        with prom:
-            up = prom.wait_for(lambda: prom.query('up{job="kvtax"} == 1'), what="kvtax scraped")
-            assert [r["metric"]["instance"] for r in up] == [address]
-            assert prom.values("kvtax_vllm_up") == {
-                json.dumps({"__name__": "kvtax_vllm_up", "instance": address, "job": "kvtax"}): 0.0
-            }
-            assert [t["health"] for t in prom.targets()] == ["up"]
-            # Prometheus asks for OpenMetrics and gzip by default; kvtax answers both (its own
-            # count of /metrics answers says which it gave), and Prometheus reads the page.
-            negotiated = prom.wait_for(
-                lambda: prom.query(
-                    'kvtax_metrics_requests_total{format="openmetrics",encoding="gzip"} > 0'
-                ),
-                what="an OpenMetrics, gzipped scrape",
-            )
-            assert len(negotiated) == 1
-            assert not prom.query('kvtax_metrics_requests_total{format="text"}')
-            assert {g["file"] for g in prom.rule_groups()} == {str(ALERTS)}
-            am.post_alerts([{"labels": {"alertname": "TestbedSmoke"}}])
-            posted = am.wait_for(am.alerts, what="the posted alert")
-            assert [a["labels"]["alertname"] for a in posted] == ["TestbedSmoke"]
-            assert prom.stop() == 0, prom.log_tail()
-        assert (kvtax.stop(), am.stop()) == (0, 0), kvtax.log_tail() + am.log_tail()
+    with refused_port() as down:
+        kvtax = KvtaxProcess(f"http://127.0.0.1:{down}", log_path=tmp_path / "kvtax.log")
+        am = AlertmanagerProcess(SILENT_AM, log_path=tmp_path / "am.log")
+        with kvtax, am:
+            address = urllib.parse.urlsplit(kvtax.base_url).netloc
+            config = prometheus_config({"kvtax": [address]}, alertmanager_url=am.url)
+            prom = PrometheusProcess(config, [ALERTS], log_path=tmp_path / "prom.log")
+            with prom:
+                up = prom.wait_for(lambda: prom.query('up{job="kvtax"} == 1'), what="kvtax scraped")
+                assert [r["metric"]["instance"] for r in up] == [address]
+                assert prom.values("kvtax_vllm_up") == {
+                    json.dumps(
+                        {"__name__": "kvtax_vllm_up", "instance": address, "job": "kvtax"}
+                    ): 0.0
+                }
+                assert [t["health"] for t in prom.targets()] == ["up"]
+                # Prometheus asks for OpenMetrics and gzip by default; kvtax answers both (its own
+                # count of /metrics answers says which it gave), and Prometheus reads the page.
+                negotiated = prom.wait_for(
+                    lambda: prom.query(
+                        'kvtax_metrics_requests_total{format="openmetrics",encoding="gzip"} > 0'
+                    ),
+                    what="an OpenMetrics, gzipped scrape",
+                )
+                assert len(negotiated) == 1
+                assert not prom.query('kvtax_metrics_requests_total{format="text"}')
+                assert {g["file"] for g in prom.rule_groups()} == {str(ALERTS)}
+                am.post_alerts([{"labels": {"alertname": "TestbedSmoke"}}])
+                posted = am.wait_for(am.alerts, what="the posted alert")
+                assert [a["labels"]["alertname"] for a in posted] == ["TestbedSmoke"]
+                assert prom.stop() == 0, prom.log_tail()
+            assert (kvtax.stop(), am.stop()) == (0, 0), kvtax.log_tail() + am.log_tail()

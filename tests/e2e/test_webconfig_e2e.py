@@ -14,7 +14,7 @@ from typing import Any
 import bcrypt
 import requests
 
-from kvtax_dev.testbed.engine import free_port
+from kvtax_dev.ports import refused_port
 from kvtax_dev.testbed.promstack import PrometheusProcess, prometheus_config
 from kvtax_dev.testbed.sidecar import KvtaxProcess
 from kvtax_dev.testbed.tlscerts import make_certs
@@ -38,58 +38,65 @@ def test_prometheus_scrapes_kvtax_through_tls_and_basic_auth(tmp_path: Path) -> 
         "basic_auth_users:\n"
         f"  prometheus: '{hashed}'\n"
     )
-    nothing = f"http://127.0.0.1:{free_port()}"  # no vLLM: kvtax_vllm_up 0, the page still served
-    with KvtaxProcess(
-        nothing,
-        extra_args=[f"--web.config.file={web_config}", f"--web.telemetry-path={PATH}"],
-        log_path=tmp_path / "kvtax.log",
-        tls_ca=certs.ca,
-    ) as kvtax:
-        # Straight from a client first: the page needs the password, the probe does not.
-        url = f"https://127.0.0.1:{kvtax.port}"
-        assert requests.get(url + PATH, verify=str(certs.ca), timeout=5).status_code == 401
-        page = requests.get(
-            url + PATH, verify=str(certs.ca), auth=("prometheus", PASSWORD), timeout=5
-        )
-        assert page.status_code == 200
-        assert "kvtax_build_info" in page.text
-        assert requests.get(url + "/healthz", verify=str(certs.ca), timeout=5).status_code == 200
+    # No vLLM, and nothing else on its port: kvtax_vllm_up 0, the page still served.
+    with refused_port() as down:
+        nothing = f"http://127.0.0.1:{down}"
+        with KvtaxProcess(
+            nothing,
+            extra_args=[f"--web.config.file={web_config}", f"--web.telemetry-path={PATH}"],
+            log_path=tmp_path / "kvtax.log",
+            tls_ca=certs.ca,
+        ) as kvtax:
+            # Straight from a client first: the page needs the password, the probe does not.
+            url = f"https://127.0.0.1:{kvtax.port}"
+            assert requests.get(url + PATH, verify=str(certs.ca), timeout=5).status_code == 401
+            page = requests.get(
+                url + PATH, verify=str(certs.ca), auth=("prometheus", PASSWORD), timeout=5
+            )
+            assert page.status_code == 200
+            assert "kvtax_build_info" in page.text
+            assert (
+                requests.get(url + "/healthz", verify=str(certs.ca), timeout=5).status_code == 200
+            )
 
-        target = [f"127.0.0.1:{kvtax.port}"]
-        tls = {"ca_file": str(certs.ca)}
-        secure = {"scheme": "https", "tls_config": tls, "metrics_path": PATH}
-        config = prometheus_config(
-            {"kvtax": target, "wrong-password": target, "plain-http": target},
-            job_settings={
-                "kvtax": {**secure, "basic_auth": {"username": "prometheus", "password": PASSWORD}},
-                "wrong-password": {
-                    **secure,
-                    "basic_auth": {"username": "prometheus", "password": "guess"},
+            target = [f"127.0.0.1:{kvtax.port}"]
+            tls = {"ca_file": str(certs.ca)}
+            secure = {"scheme": "https", "tls_config": tls, "metrics_path": PATH}
+            config = prometheus_config(
+                {"kvtax": target, "wrong-password": target, "plain-http": target},
+                job_settings={
+                    "kvtax": {
+                        **secure,
+                        "basic_auth": {"username": "prometheus", "password": PASSWORD},
+                    },
+                    "wrong-password": {
+                        **secure,
+                        "basic_auth": {"username": "prometheus", "password": "guess"},
+                    },
+                    "plain-http": {"metrics_path": PATH},
                 },
-                "plain-http": {"metrics_path": PATH},
-            },
-        )
-        with PrometheusProcess(config, log_path=tmp_path / "prom.log") as prom:
-            jobs = prom.wait_for(
-                lambda: (
-                    (t := _targets_by_job(prom))
-                    and len(t) == 3
-                    and all(x["health"] != "unknown" for x in t.values())
-                    and t
-                ),
-                timeout=60,
-                what="all three targets scraped once",
             )
-            assert jobs["kvtax"]["health"] == "up", jobs["kvtax"]
-            assert jobs["wrong-password"]["health"] == "down"
-            assert "401" in jobs["wrong-password"]["lastError"]
-            assert jobs["plain-http"]["health"] == "down"
-            # kvtax's own series arrived in Prometheus through the TLS, authenticated scrape.
-            series = prom.wait_for(
-                lambda: prom.query('kvtax_build_info{job="kvtax"}'),
-                timeout=30,
-                what="kvtax_build_info stored",
-            )
-            assert len(series) == 1
-            assert prom.query('kvtax_build_info{job="wrong-password"}') == []
-        assert kvtax.stop() == 0
+            with PrometheusProcess(config, log_path=tmp_path / "prom.log") as prom:
+                jobs = prom.wait_for(
+                    lambda: (
+                        (t := _targets_by_job(prom))
+                        and len(t) == 3
+                        and all(x["health"] != "unknown" for x in t.values())
+                        and t
+                    ),
+                    timeout=60,
+                    what="all three targets scraped once",
+                )
+                assert jobs["kvtax"]["health"] == "up", jobs["kvtax"]
+                assert jobs["wrong-password"]["health"] == "down"
+                assert "401" in jobs["wrong-password"]["lastError"]
+                assert jobs["plain-http"]["health"] == "down"
+                # kvtax's own series arrived in Prometheus through the TLS, authenticated scrape.
+                series = prom.wait_for(
+                    lambda: prom.query('kvtax_build_info{job="kvtax"}'),
+                    timeout=30,
+                    what="kvtax_build_info stored",
+                )
+                assert len(series) == 1
+                assert prom.query('kvtax_build_info{job="wrong-password"}') == []
+            assert kvtax.stop() == 0

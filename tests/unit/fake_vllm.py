@@ -304,3 +304,14 @@ class _Shape:
             }
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
         return {"index": index, "message": message, "finish_reason": "length"}
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on 127.0.0.1, on the port the kernel picks (port 0, so no test can race
+    another for it); the runner, to clean up, and the base URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"

@@ -20,7 +20,6 @@ from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax.serve.wiring import build
-from kvtax_dev.testbed.engine import free_port
 
 
 @dataclass
@@ -74,8 +73,8 @@ async def vllm() -> AsyncIterator[tuple[HeldVllm, str]]:
     fake = HeldVllm()
     runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = int(runner.addresses[0][1])
     yield fake, f"http://127.0.0.1:{port}"
     await runner.cleanup()
 
@@ -95,8 +94,7 @@ async def _start(started: Started, upstream: str, gate: Gate | None) -> str:
     names = ModelNames()
     names.update(["m"])
     proxy = Proxy(ProxySettings(upstream=upstream), DeliveryLedger(names), gate=gate)
-    port = free_port()
-    await proxy.start("127.0.0.1", port)
+    port = await proxy.start("127.0.0.1", 0)
     started.append(proxy)
     return f"http://127.0.0.1:{port}"
 
@@ -424,8 +422,7 @@ async def test_mode_off_is_byte_for_byte_the_plain_proxy(
     stack = build(Config(vllm_url=upstream))
     assert stack.proxy.gate is None
     assert stack.gate.settings.on is False
-    port = free_port()
-    await stack.proxy.start("127.0.0.1", port)
+    port = await stack.proxy.start("127.0.0.1", 0)
     proxies.append(stack.proxy)
     plain = await _start(proxies, upstream, None)
     body = json.dumps({**BODY, "stream": stream}).encode()
@@ -622,8 +619,8 @@ async def test_a_stream_frees_its_slot_once_its_end_is_relayed(
     app.router.add_post("/v1/completions", fake.completions)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = int(runner.addresses[0][1])
     gate = _gate(max_queue=0)  # one slot, no queue: a held slot sheds the next client
     url = await _start(proxies, f"http://127.0.0.1:{port}", gate)
     try:

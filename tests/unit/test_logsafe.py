@@ -20,7 +20,6 @@ from kvtax import cli
 from kvtax.serve import logsafe, wiring
 from kvtax.serve.config import Config, load_config
 from kvtax.serve.wiring import build
-from kvtax_dev.testbed.engine import free_port
 
 SECRET = b"SECRET-c0ffee-4711"
 
@@ -54,8 +53,7 @@ async def servers(aiohttp_server: Any) -> AsyncIterator[dict[str, tuple[str, int
     config = load_config({"proxy.listen_address": "off"}, env={}, file=None)
     delivery = build(config)
     web_port = await aiohttp_server(delivery.web.app())
-    proxy_port = free_port()
-    await delivery.proxy.start("127.0.0.1", proxy_port)
+    proxy_port = await delivery.proxy.start("127.0.0.1", 0)
     yield {"web port": (web_port.host, web_port.port), "proxy port": ("127.0.0.1", proxy_port)}
     await delivery.proxy.stop()
 

@@ -19,7 +19,7 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.delivery.openai import error_body, sse_error_event
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sources.push import PUSH_PATH, push_handler
-from kvtax_dev.testbed.engine import free_port
+from kvtax_dev.ports import refused_port
 from tests.unit.fake_vllm import FakeVllm
 
 RUNTIME = Path(__file__).resolve().parents[2] / "exporter" / "kvtax"
@@ -66,14 +66,13 @@ async def proxy_url() -> Any:
     vllm = FakeVllm(tokens=3, delay=0.2)
     runner = web.AppRunner(vllm.app(), access_log=None)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = int(runner.addresses[0][1])
     proxy = Proxy(
         ProxySettings(upstream=f"http://127.0.0.1:{port}", max_body=1000, timeout=0.1),
         DeliveryLedger(ModelNames()),
     )
-    proxy_port = free_port()
-    await proxy.start("127.0.0.1", proxy_port)
+    proxy_port = await proxy.start("127.0.0.1", 0)
     yield f"http://127.0.0.1:{proxy_port}"
     await proxy.stop()
     await runner.cleanup()
@@ -93,20 +92,20 @@ async def test_the_proxy_answers_its_own_errors_in_the_shape(proxy_url: str) -> 
 
 
 async def test_the_proxy_answers_an_unreachable_vllm_in_the_shape() -> None:
-    proxy = Proxy(
-        ProxySettings(upstream=f"http://127.0.0.1:{free_port()}"), DeliveryLedger(ModelNames())
-    )
-    port = free_port()
-    await proxy.start("127.0.0.1", port)
-    try:
-        async with (
-            aiohttp.ClientSession() as client,
-            client.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m"}) as resp,
-        ):
-            assert resp.status == 502
-            assert_openai_shaped(await resp.json(), 502, "upstream_unavailable")
-    finally:
-        await proxy.stop()
+    with refused_port() as down:
+        proxy = Proxy(
+            ProxySettings(upstream=f"http://127.0.0.1:{down}"), DeliveryLedger(ModelNames())
+        )
+        port = await proxy.start("127.0.0.1", 0)
+        try:
+            async with (
+                aiohttp.ClientSession() as client,
+                client.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m"}) as resp,
+            ):
+                assert resp.status == 502
+                assert_openai_shaped(await resp.json(), 502, "upstream_unavailable")
+        finally:
+            await proxy.stop()
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvtax_dev import EXPORTER
+from kvtax_dev.ports import refused_port
 from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until, port_open
-from kvtax_dev.testbed.engine import free_port
 from kvtax_dev.testbed.sidecar import KvtaxProcess
 
 
@@ -128,7 +128,8 @@ def test_poll_until_gives_none_or_the_last_error_at_the_deadline() -> None:
 
 
 def test_http_ok_is_false_when_nothing_listens() -> None:
-    assert http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=1) is False
+    with refused_port() as port:
+        assert http_ok(f"http://127.0.0.1:{port}/health", timeout=1) is False
 
 
 def test_port_open_sees_a_listener_and_only_while_it_listens() -> None:

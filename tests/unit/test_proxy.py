@@ -15,25 +15,17 @@ from aiohttp import web
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax_dev.testbed.engine import free_port
-from tests.unit.fake_vllm import FakeVllm
+from kvtax_dev.ports import refused_port
+from tests.unit.fake_vllm import FakeVllm, serve
 
 Start = Callable[..., Coroutine[Any, Any, tuple[str, Proxy]]]
-
-
-async def _serve(app: web.Application, port: int, **kwargs: Any) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None, **kwargs)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
 
 
 @pytest.fixture
 async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
     vllm = FakeVllm()
-    port = free_port()
-    runner = await _serve(vllm.app(), port)
-    yield vllm, f"http://127.0.0.1:{port}"
+    runner, url = await serve(vllm.app())
+    yield vllm, url
     await runner.cleanup()
 
 
@@ -45,8 +37,7 @@ async def start_proxy() -> AsyncIterator[Start]:
         names = ModelNames()
         names.update(["m"])
         proxy = Proxy(ProxySettings(upstream=upstream, **settings), DeliveryLedger(names))
-        port = free_port()
-        await proxy.start("127.0.0.1", port)
+        port = await proxy.start("127.0.0.1", 0)
         started.append(proxy)
         return f"http://127.0.0.1:{port}", proxy
 
@@ -211,13 +202,14 @@ async def test_a_4xx_from_vllm_reaches_the_client_untouched_as_upstream_4xx(
 
 
 async def test_unreachable_upstream_is_a_502_json_error(start_proxy: Start) -> None:
-    url, proxy = await start_proxy(f"http://127.0.0.1:{free_port()}")
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
-            assert resp.status == 502
-            error = await resp.json()
-        async with client.get(url + "/v1/models") as resp:
-            assert resp.status == 502
+    with refused_port() as down:
+        url, proxy = await start_proxy(f"http://127.0.0.1:{down}")
+        async with aiohttp.ClientSession() as client:
+            async with client.post(url + "/v1/completions", json={"model": "m"}) as resp:
+                assert resp.status == 502
+                error = await resp.json()
+            async with client.get(url + "/v1/models") as resp:
+                assert resp.status == 502
     assert error["error"]["type"] == "upstream_unavailable"
     assert "unreachable" in error["error"]["message"]
     assert _outcomes(proxy)["upstream_error"] == 1

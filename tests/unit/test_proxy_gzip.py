@@ -25,7 +25,6 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax_dev.testbed.engine import free_port
 from tests.unit.gzipbomb import Inflation, bomb
 
 MAX_BODY = 64 * 1024
@@ -42,8 +41,8 @@ class RawUpstream:
     server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        port = free_port()
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", port)
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = int(self.server.sockets[0].getsockname()[1])
         self.url = f"http://127.0.0.1:{port}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -82,8 +81,7 @@ async def proxy(upstream: RawUpstream) -> AsyncIterator[tuple[int, Proxy]]:
     names = ModelNames()
     names.update(["m"])
     relay = Proxy(ProxySettings(upstream=upstream.url, max_body=MAX_BODY), DeliveryLedger(names))
-    port = free_port()
-    await relay.start("127.0.0.1", port)
+    port = await relay.start("127.0.0.1", 0)
     yield port, relay
     await relay.stop()
 

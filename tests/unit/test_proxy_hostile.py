@@ -20,7 +20,6 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy import upstream as pool
-from kvtax_dev.testbed.engine import free_port
 
 Script = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -38,8 +37,8 @@ class Upstream:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        port = int(self.runner.addresses[0][1])
         self.url = f"http://127.0.0.1:{port}"
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -63,8 +62,7 @@ async def proxy(upstream: Upstream) -> AsyncIterator[tuple[str, Proxy]]:
     names = ModelNames()
     names.update(["m"])
     relay = Proxy(ProxySettings(upstream=upstream.url), DeliveryLedger(names))
-    port = free_port()
-    await relay.start("127.0.0.1", port)
+    port = await relay.start("127.0.0.1", 0)
     yield f"http://127.0.0.1:{port}", relay
     await relay.stop()
 

@@ -21,7 +21,6 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax_dev.testbed.engine import free_port
 from tests.unit.fake_vllm import FakeVllm
 
 # The raw-socket client helpers live with the front door's rig; re-exported for the modules
@@ -115,14 +114,13 @@ async def start() -> AsyncIterator[Start]:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         runners.append(runner)
-        upstream_port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", upstream_port).start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        upstream_port = int(runner.addresses[0][1])
         names = ModelNames()
         names.update(["m"])
         upstream = f"http://127.0.0.1:{upstream_port}"
         proxy = Proxy(ProxySettings(upstream=upstream, **settings), DeliveryLedger(names))
-        port = free_port()
-        await proxy.start("127.0.0.1", port)
+        port = await proxy.start("127.0.0.1", 0)
         rig = Rig(vllm, proxy, port, upstream_port, seen)
         rigs.append(rig)
         return rig

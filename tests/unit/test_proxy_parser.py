@@ -15,7 +15,6 @@ import json
 import pytest
 
 from kvtax.serve.proxy import client as client_module
-from kvtax_dev.testbed.engine import free_port
 from tests.unit.test_proxy_http import STREAM, WHOLE, Start, closed, post, raw_request, read_reply
 
 pytest_plugins = ["tests.unit.test_proxy_http"]
@@ -159,8 +158,8 @@ async def test_a_vllm_whose_answer_is_not_http_is_vllm_s_error(start: Start) -> 
         finally:
             writer.close()
 
-    port = free_port()
-    server = await asyncio.start_server(not_http, "127.0.0.1", port)
+    server = await asyncio.start_server(not_http, "127.0.0.1", 0)
+    port = int(server.sockets[0].getsockname()[1])
     try:
         rig.proxy.upstream.port = port
         reply = await rig.exchange(post("/v1/completions", STREAM))

@@ -22,7 +22,6 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
-from kvtax_dev.testbed.engine import free_port
 
 STREAM = {"model": "m", "prompt": "long", "max_tokens": 16, "stream": True}
 WHOLE = {"model": "m", "prompt": "whole", "max_tokens": 16}
@@ -67,8 +66,8 @@ async def vllm() -> AsyncIterator[tuple[SlowVllm, str]]:
     app.router.add_post("/v1/completions", fake.completions)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = int(runner.addresses[0][1])
     yield fake, f"http://127.0.0.1:{port}"
     fake.finish.set()
     await runner.cleanup()
@@ -85,8 +84,7 @@ async def start(vllm: tuple[SlowVllm, str]) -> AsyncIterator[Start]:
         names = ModelNames()
         names.update(["m"])
         proxy = Proxy(ProxySettings(upstream=vllm[1]), DeliveryLedger(names), gate=gate)
-        port = free_port()
-        await proxy.start("127.0.0.1", port)
+        port = await proxy.start("127.0.0.1", 0)
         started.append(proxy)
         return f"http://127.0.0.1:{port}", proxy
 

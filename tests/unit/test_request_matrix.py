@@ -25,8 +25,7 @@ from aiohttp import web
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sources.models import ModelsPoller
-from kvtax_dev.testbed.engine import free_port
-from tests.unit.fake_vllm import FakeVllm
+from tests.unit.fake_vllm import FakeVllm, serve
 
 ENGINE = "tiny"  # the first served name: vLLM's metrics say model_name="tiny"
 ALIAS = "tiny-chat"
@@ -144,13 +143,6 @@ class Rig:
     url: str
 
 
-async def _serve(app: web.Application, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
-
-
 Start = Callable[..., Any]
 
 
@@ -160,9 +152,7 @@ async def start() -> AsyncIterator[Start]:
 
     async def start(version: str | None = None, **knobs: Any) -> Rig:
         vllm = FakeVllm(tokens=TOKENS, served=(ENGINE, ALIAS), fail={"boom": 500}, **knobs)
-        port = free_port()
-        runner = await _serve(vllm.app(), port)
-        upstream = f"http://127.0.0.1:{port}"
+        runner, upstream = await serve(vllm.app())
         names = ModelNames()  # no scrape yet: /v1/models alone says what is served
         poller = ModelsPoller(names, url=upstream, configured=(), interval=300.0, timeout=10.0)
         async with aiohttp.ClientSession() as session:
@@ -170,8 +160,7 @@ async def start() -> AsyncIterator[Start]:
         proxy = Proxy(
             ProxySettings(upstream=upstream), DeliveryLedger(names), vllm_version=lambda: version
         )
-        proxy_port = free_port()
-        await proxy.start("127.0.0.1", proxy_port)
+        proxy_port = await proxy.start("127.0.0.1", 0)
         started.append((runner, proxy))
         return Rig(vllm, upstream, proxy, f"http://127.0.0.1:{proxy_port}")
 

@@ -15,7 +15,6 @@ from types import TracebackType
 from typing import Any
 
 from kvtax_dev.process import poll_until
-from kvtax_dev.testbed.engine import free_port
 
 __all__ = ["Notification", "WebhookReceiver"]
 
@@ -26,8 +25,6 @@ class WebhookReceiver:
     """``with WebhookReceiver() as hook:`` then point receivers at ``hook.url + "/pager"``."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
         self._received: list[Notification] = []
         receiver = self
@@ -44,7 +41,10 @@ class WebhookReceiver:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # keep test output clean
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        # Port 0: the kernel picks a free one as it binds, so no other test can take it first.
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self._server.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def __enter__(self) -> WebhookReceiver:
