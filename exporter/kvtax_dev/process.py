@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import os
@@ -70,6 +71,21 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
             return True
     except OSError:
         return False
+
+
+async def until(condition: Callable[[], bool], limit: float = 30.0) -> bool:
+    """On the running event loop, wait for ``condition``; whether it became true.
+
+    ``limit`` only guards against hangs: a test asserts the result, and nothing times anything.
+    The loop is given back between checks, so the servers a test runs on it keep going.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not condition():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
 
 
 def poll_until(

@@ -56,6 +56,7 @@ from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate
+from kvtax_dev.process import until
 
 __all__ = [
     "CHAT",
@@ -109,17 +110,6 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 
 # A request head the recorder reads whole (h11's default is 16 KiB; the proxy allows 64 KiB).
 _MAX_HEAD = 1024**2
-
-
-async def until(condition: Callable[[], bool], limit: float = WAIT) -> bool:
-    """Wait for ``condition``; whether it became true (``limit`` only guards against hangs)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not condition():
-        if loop.time() > deadline:
-            return False
-        await asyncio.sleep(0.005)
-    return True
 
 
 # -- raw HTTP/1.x on the client's side ------------------------------------------------------------

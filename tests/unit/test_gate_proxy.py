@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax.serve.wiring import build
+from kvtax_dev.process import until
 
 
 @dataclass
@@ -104,15 +105,6 @@ def _gate(**settings: Any) -> Gate:
     return Gate(GateSettings(cap=cap, **settings))
 
 
-async def _until(condition: Callable[[], bool], limit: float = 30.0) -> None:
-    """Wait for a condition that must become true; the limit only guards against hangs."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not condition() and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    assert condition()
-
-
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16}
 
 
@@ -129,9 +121,9 @@ async def test_a_full_queue_answers_429_with_retry_after_and_an_openai_error(
     url = await _start(proxies, upstream, gate)
     async with aiohttp.ClientSession() as client:
         first = asyncio.ensure_future(_post(client, url))
-        await _until(lambda: len(fake.bodies) == 1)
+        assert await until(lambda: len(fake.bodies) == 1)
         second = asyncio.ensure_future(_post(client, url))
-        await _until(lambda: gate.queued == 1)
+        assert await until(lambda: gate.queued == 1)
         status, headers, body = await _post(client, url)
         assert status == 429
         assert int(headers["Retry-After"]) >= 1
@@ -157,7 +149,7 @@ async def test_a_wait_past_max_wait_answers_429_with_retry_after(
     url = await _start(proxies, upstream, gate)
     async with aiohttp.ClientSession() as client:
         first = asyncio.ensure_future(_post(client, url))
-        await _until(lambda: len(fake.bodies) == 1)
+        assert await until(lambda: len(fake.bodies) == 1)
         status, headers, body = await _post(client, url)
         assert status == 429
         assert "Retry-After" in headers
@@ -234,16 +226,16 @@ async def test_a_queued_client_that_leaves_frees_its_place_at_once(
     url = await _start(proxies, upstream, gate)
     async with aiohttp.ClientSession() as client:
         first = asyncio.ensure_future(_post(client, url))
-        await _until(lambda: len(fake.bodies) == 1)
+        assert await until(lambda: len(fake.bodies) == 1)
         async with aiohttp.ClientSession() as leaving:
             queued = asyncio.ensure_future(_post(leaving, url))
-            await _until(lambda: gate.queued == 1)
+            assert await until(lambda: gate.queued == 1)
             queued.cancel()
         # The client closed its connection: the gate dropped it from the queue...
-        await _until(lambda: gate.queued == 0)
+        assert await until(lambda: gate.queued == 0)
         # ... so another request gets that place instead of a 429 queue_full.
         third = asyncio.ensure_future(_post(client, url))
-        await _until(lambda: gate.queued == 1)
+        assert await until(lambda: gate.queued == 1)
         fake.slots.release()
         fake.slots.release()
         assert (await first)[0] == 200
@@ -261,10 +253,10 @@ async def test_a_client_leaving_while_vllm_answers_frees_its_slot(
     url = await _start(proxies, upstream, gate)
     async with aiohttp.ClientSession() as leaving:
         running = asyncio.ensure_future(_post(leaving, url))
-        await _until(lambda: gate.in_flight == 1)
+        assert await until(lambda: gate.in_flight == 1)
         running.cancel()
-    await _until(lambda: gate.in_flight == 0)
-    await _until(lambda: fake.gone == 1)
+    assert await until(lambda: gate.in_flight == 0)
+    assert await until(lambda: fake.gone == 1)
 
 
 @pytest.mark.parametrize(("order", "first_admitted"), [("fifo", 4000), ("shortest", 8)])
@@ -276,12 +268,12 @@ async def test_queue_order(
     url = await _start(proxies, upstream, gate)
     async with aiohttp.ClientSession() as client:
         tasks = [asyncio.ensure_future(_post(client, url, {**BODY, "max_tokens": 1}))]
-        await _until(lambda: len(fake.bodies) == 1)
+        assert await until(lambda: len(fake.bodies) == 1)
         for n in (4000, 8):
             tasks.append(asyncio.ensure_future(_post(client, url, {**BODY, "max_tokens": n})))
-            await _until(lambda: gate.queued == len(tasks) - 1)
+            assert await until(lambda: gate.queued == len(tasks) - 1)
         fake.slots.release()
-        await _until(lambda: len(fake.bodies) == 2)
+        assert await until(lambda: len(fake.bodies) == 2)
         fake.slots.release()
         fake.slots.release()
         await asyncio.gather(*tasks)
@@ -467,8 +459,8 @@ async def test_cold_start_holds_the_engine_to_the_floor(
     url = await _start(proxies, upstream, gate)
     async with aiohttp.ClientSession() as client:
         tasks = [asyncio.ensure_future(_post(client, url)) for _ in range(5)]
-        await _until(lambda: gate.queued == 3)
-        await _until(lambda: len(fake.bodies) == 2)
+        assert await until(lambda: gate.queued == 3)
+        assert await until(lambda: len(fake.bodies) == 2)
         assert gate.in_flight == 2  # no figures yet: the floor, not unlimited
         for _ in range(5):
             fake.slots.release()
@@ -494,7 +486,7 @@ async def test_a_prompt_with_an_image_does_not_teach_the_estimator(
     ):
         assert resp.status == 200
         await resp.read()
-    await _until(lambda: proxies[0].in_flight == 0)
+    assert await until(lambda: proxies[0].in_flight == 0)
     assert gate.estimator == TokenEstimator()
 
 
@@ -628,7 +620,7 @@ async def test_a_stream_frees_its_slot_once_its_end_is_relayed(
             body = {**BODY, "stream": True}
             async with client.post(url + "/v1/completions", json=body) as stream:
                 assert stream.status == 200
-                await _until(lambda: gate.in_flight == 0, limit=10.0)
+                assert await until(lambda: gate.in_flight == 0, limit=10.0)
                 status, _, _ = await _post(client, url)
                 assert status == 200
                 assert gate.rejections["queue_full"] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -12,7 +13,14 @@ import pytest
 
 from kvtax_dev import EXPORTER
 from kvtax_dev.ports import refused_port
-from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until, port_open
+from kvtax_dev.process import (
+    ChildProcess,
+    ChildStartError,
+    http_ok,
+    poll_until,
+    port_open,
+    until,
+)
 from kvtax_dev.testbed.sidecar import KvtaxProcess
 
 
@@ -146,3 +154,11 @@ def test_kvtax_process_runs_this_checkouts_package(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     kvtax = KvtaxProcess("http://127.0.0.1:9")
     assert kvtax.env["PYTHONPATH"].split(os.pathsep) == [str(EXPORTER), "/somewhere/else"]
+
+
+async def test_until_waits_on_the_loop_and_says_whether_the_condition_came() -> None:
+    flag: list[bool] = []
+    asyncio.get_running_loop().call_later(0.05, flag.append, True)
+    # The loop runs meanwhile: the timer above fires while until() waits.
+    assert await until(lambda: bool(flag))
+    assert await until(lambda: False, limit=0.0) is False

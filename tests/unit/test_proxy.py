@@ -16,6 +16,7 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.ports import refused_port
+from kvtax_dev.process import until
 from tests.unit.fake_vllm import FakeVllm, serve
 
 Start = Callable[..., Coroutine[Any, Any, tuple[str, Proxy]]]
@@ -156,7 +157,7 @@ async def test_client_that_stalls_then_leaves_has_undelivered_tokens(
         await resp.content.readuntil(b"\n\n")
         await asyncio.sleep(0.3)
         resp.close()
-    await _until(lambda: proxy.in_flight == 0)
+    assert await until(lambda: proxy.in_flight == 0)
     totals = proxy.ledger.totals()["m"]
     assert _outcomes(proxy)["client_disconnected"] == 1
     assert totals.undelivered > 0
@@ -340,7 +341,7 @@ async def test_client_disconnect_closes_upstream_and_counts_undelivered(
         resp = await client.post(url + "/v1/completions", json=body)
         await resp.content.readuntil(b"\n\n")
         resp.close()
-    await _until(lambda: proxy.in_flight == 0 and vllm.active == 0)
+    assert await until(lambda: proxy.in_flight == 0 and vllm.active == 0)
     assert _outcomes(proxy)["client_disconnected"] == 1
     assert _delivered(proxy) >= 1
 
@@ -358,20 +359,11 @@ async def test_a_thousand_disconnects_leave_nothing_behind(
             resp = await client.post(url + "/v1/completions", json=body)
             await resp.content.readuntil(b"\n\n")
             resp.close()
-    await _until(lambda: proxy.in_flight == 0 and vllm.active == 0)
-    await _until(lambda: len(asyncio.all_tasks()) <= baseline)
+    assert await until(lambda: proxy.in_flight == 0 and vllm.active == 0)
+    assert await until(lambda: len(asyncio.all_tasks()) <= baseline)
     assert _outcomes(proxy)["client_disconnected"] == 1000
     assert len(asyncio.all_tasks()) <= baseline
     assert vllm.active == 0
-
-
-async def _until(condition: Callable[[], bool], limit: float = 30.0) -> None:
-    """Wait for a condition that must become true; the limit only guards against hangs."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not condition() and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    assert condition()
 
 
 async def test_shutdown_lets_short_streams_finish_and_ends_long_ones_cleanly(
@@ -456,7 +448,7 @@ async def test_streams_open_counts_running_streams_only(
             await resp.content.readline()
             assert (proxy.streams_open, proxy.in_flight) == (1, 1)
             await resp.read()
-    await _until(lambda: proxy.in_flight == 0)
+    assert await until(lambda: proxy.in_flight == 0)
     assert proxy.streams_open == 0
 
 
@@ -487,7 +479,7 @@ async def test_a_client_that_read_to_the_end_then_hung_up_completed(
             received = b""
             while b"[DONE]" not in received:
                 received += await resp.content.readany()
-    await _until(lambda: proxy.in_flight == 0)
+    assert await until(lambda: proxy.in_flight == 0)
     assert _outcomes(proxy)["completed"] == 1
     assert _outcomes(proxy)["client_disconnected"] == 0
     assert _delivered(proxy) == 6

@@ -21,6 +21,7 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax_dev.process import until
 from tests.unit.fake_vllm import FakeVllm
 
 # The raw-socket client helpers live with the front door's rig; re-exported for the modules
@@ -148,15 +149,6 @@ def _delivered(proxy: Proxy) -> float:
     return proxy.ledger.totals()["m"].delivered
 
 
-async def _until(condition: Callable[[], bool], limit: float = 30.0) -> None:
-    """Wait for a condition that must become true; the limit only guards against hangs."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not condition() and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    assert condition()
-
-
 def _assert_stream(reply: Reply, tokens: int = 5) -> None:
     assert reply.status == 200
     assert (reply.header("Content-Type") or "").startswith("text/event-stream")
@@ -182,7 +174,7 @@ async def test_http10_stream_is_raw_sse_to_the_close(start: Start) -> None:
     assert reply.body.endswith(b"data: [DONE]\n\n")
     assert reply.body == direct.body
     _assert_stream(reply)
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _outcomes(rig.proxy)["completed"] == 1
     assert _delivered(rig.proxy) == 5
 
@@ -197,7 +189,7 @@ async def test_http10_whole_answer_has_a_length_and_the_connection_closes(start:
     assert reply.header("Content-Length") == str(len(reply.body))
     assert reply.json()["usage"]["completion_tokens"] == 5
     assert await closed(reader)
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _outcomes(rig.proxy)["completed"] == 1
     assert _delivered(rig.proxy) == 5
 
@@ -228,7 +220,7 @@ async def test_keep_alive_serves_two_requests_on_one_connection(start: Start) ->
     assert first.chunked
     assert second.status == 200
     assert second.json()["usage"]["completion_tokens"] == 5
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _outcomes(rig.proxy)["completed"] == 2
     assert _delivered(rig.proxy) == 10
     assert len(rig.vllm.requests) == 2
@@ -257,7 +249,7 @@ async def test_pipelined_requests_are_answered_whole_and_in_order(start: Start) 
         "/v1/models",
     ]
     assert rig.vllm.requests[1]["messages"] == CHAT["messages"]
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _outcomes(rig.proxy)["completed"] == 2
     assert _delivered(rig.proxy) == 10
     # The connection is still good for a fourth.
@@ -278,7 +270,7 @@ async def test_expect_100_continue_then_the_body(start: Start) -> None:
     reply = await read_reply(reader)
     _assert_stream(reply)
     assert rig.vllm.requests[-1]["prompt"] == "x"
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _outcomes(rig.proxy)["completed"] == 1
 
 
@@ -301,7 +293,7 @@ async def test_expect_100_continue_over_the_limit_is_413_without_the_body(start:
     assert final.status == 413
     assert "1000 bytes" in final.json()["error"]["message"]
     assert rig.vllm.requests == []
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _outcomes(rig.proxy, "other")["too_large"] == 1
 
 
@@ -375,7 +367,7 @@ async def test_half_close_mid_stream_is_the_client_leaving(start: Start) -> None
     assert rig.vllm.active == 1
     writer.write_eof()
     # Like nginx's 499: vLLM's side is closed at once, far sooner than the stream would end.
-    await _until(lambda: rig.vllm.active == 0 and rig.proxy.in_flight == 0, limit=10.0)
+    assert await until(lambda: rig.vllm.active == 0 and rig.proxy.in_flight == 0, limit=10.0)
     rest = await asyncio.wait_for(reader.read(), WAIT)  # and the client's side is closed
     assert b"[DONE]" not in rest
     assert _outcomes(rig.proxy)["client_disconnected"] == 1
@@ -396,7 +388,7 @@ async def test_half_close_after_a_whole_request_is_all_or_nothing(start: Start) 
     writer.write(post("/v1/completions", WHOLE))
     writer.write_eof()
     got = await asyncio.wait_for(reader.read(), WAIT)  # to the close: nothing more can come
-    await _until(lambda: rig.proxy.in_flight == 0 and rig.vllm.active == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0 and rig.vllm.active == 0)
     outcomes = _outcomes(rig.proxy)
     if got:
         fed = asyncio.StreamReader()
@@ -434,7 +426,7 @@ async def test_a_body_in_several_writes_reaches_vllm_whole(start: Start) -> None
     reply = await read_reply(reader)
     _assert_stream(reply)
     assert rig.vllm.requests[-1]["prompt"] == LONG["prompt"]
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _outcomes(rig.proxy)["completed"] == 1
 
 
@@ -469,6 +461,6 @@ async def test_a_chunked_body_reaches_vllm_whole(start: Start) -> None:
     reply = await read_reply(reader)
     _assert_stream(reply)
     assert rig.vllm.requests[-1]["prompt"] == LONG["prompt"]
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _outcomes(rig.proxy)["completed"] == 1
     assert _delivered(rig.proxy) == 5

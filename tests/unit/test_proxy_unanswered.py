@@ -22,6 +22,7 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
+from kvtax_dev.process import until
 
 STREAM = {"model": "m", "prompt": "long", "max_tokens": 16, "stream": True}
 WHOLE = {"model": "m", "prompt": "whole", "max_tokens": 16}
@@ -98,13 +99,6 @@ def _gate() -> Gate:
     return Gate(GateSettings(cap=CapSettings(mode="static", static_cap=1), max_wait=600.0))
 
 
-async def _until(condition: Callable[[], bool]) -> None:
-    """Wait for a condition that must become true; the limit only guards against hangs."""
-    async with asyncio.timeout(HANG_GUARD):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 async def _post(client: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
     async with client.post(url + "/v1/completions", json=body) as resp:
         return resp.status, await resp.json(content_type=None)
@@ -117,7 +111,7 @@ async def _settled(proxy: Proxy, n: int) -> dict[str, float]:
         counts = proxy.ledger.counts()
         return {k: v for book in counts.values() for k, v in book.outcomes.items() if v}
 
-    await _until(lambda: sum(outcomes().values()) >= n)
+    assert await until(lambda: sum(outcomes().values()) >= n)
     return outcomes()
 
 
@@ -140,7 +134,7 @@ async def test_a_client_that_leaves_while_queued_is_client_disconnected(
         await running.content.readline()  # the long stream holds the one slot
         async with aiohttp.ClientSession() as leaving:
             queued = asyncio.ensure_future(_post(leaving, url, WHOLE))
-            await _until(lambda: gate.queued == 1)
+            assert await until(lambda: gate.queued == 1)
             queued.cancel()
         assert await _settled(proxy, 1) == {"client_disconnected": 1}
     assert fake.prompts == ["long"]
@@ -159,7 +153,7 @@ async def test_shutdown_turns_the_queued_away_at_once_and_sends_vllm_nothing_new
         async with client.post(url + "/v1/completions", json=STREAM) as running:
             await running.content.readline()
             queued = asyncio.ensure_future(_post(client, url, WHOLE))
-            await _until(lambda: gate.queued == 1)
+            assert await until(lambda: gate.queued == 1)
             stopping = asyncio.create_task(proxy.stop(grace=600.0))
             async with asyncio.timeout(HANG_GUARD):
                 status, body = await queued
@@ -187,13 +181,13 @@ async def test_a_request_vllm_has_not_answered_is_ended_at_the_cut(
     url, proxy = await start(None)
     async with aiohttp.ClientSession() as client:
         waiting = asyncio.ensure_future(_post(client, url, WHOLE))
-        await _until(lambda: len(fake.prompts) == 1)
+        assert await until(lambda: len(fake.prompts) == 1)
         stopping = asyncio.create_task(proxy.stop(grace=0.1))
         async with asyncio.timeout(HANG_GUARD):
             status, body = await waiting
             await stopping
     assert _is_shutdown_answer(status, body)
-    await _until(lambda: fake.gone == 1)  # vLLM saw its connection closed, and aborts
+    assert await until(lambda: fake.gone == 1)  # vLLM saw its connection closed, and aborts
     assert await _settled(proxy, 1) == {"shutdown": 1}
     assert proxy.ledger.counts()["m"].joined_requests == 1  # vLLM had it
 
@@ -212,7 +206,7 @@ async def test_a_request_arriving_while_draining_is_not_sent(
             running = await other.post(url + "/v1/completions", json=STREAM)
             await running.content.readline()  # keeps the proxy draining
             stopping = asyncio.create_task(proxy.stop(grace=600.0))
-            await _until(lambda: proxy.state == "draining")
+            assert await until(lambda: proxy.state == "draining")
             # The drain closed the idle kept-alive connection at once, as uvicorn and nginx
             # do, and accepts no new one: the request fails to be sent, or (had it raced the
             # close) gets the shutdown 503. It never reaches vLLM.

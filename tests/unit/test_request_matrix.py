@@ -11,7 +11,6 @@ is in place: only HTTP on loopback is used, so the matrix holds for any relay.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +24,7 @@ from aiohttp import web
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sources.models import ModelsPoller
+from kvtax_dev.process import until
 from tests.unit.fake_vllm import FakeVllm, serve
 
 ENGINE = "tiny"  # the first served name: vLLM's metrics say model_name="tiny"
@@ -213,15 +213,6 @@ def _header(answer: Answer, name: str) -> str:
     return next((v for k, v in answer.headers if k.lower() == name), "")
 
 
-async def _until(condition: Callable[[], bool], limit: float = 30.0) -> None:
-    """Wait for a condition that must become true; the limit only guards against hangs."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not condition() and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    assert condition()
-
-
 def _delivered(proxy: Proxy) -> dict[str, float]:
     return {label: t.delivered for label, t in proxy.ledger.totals().items()}
 
@@ -272,7 +263,7 @@ async def test_every_request_shape_gets_the_same_bytes_and_is_counted_under_the_
             direct = await _send(session, rig.upstream + path, body)
             before, ttft_before = _delivered(rig.proxy), _ttft_count(rig.proxy)
             relayed = await _send(session, rig.url + path, body)
-            await _until(lambda: rig.proxy.in_flight == 0)
+            assert await until(lambda: rig.proxy.in_flight == 0)
             assert relayed.status == direct.status, name
             assert relayed.body == direct.body, name
             assert _end_to_end(relayed.headers) == _end_to_end(direct.headers), name
@@ -313,7 +304,7 @@ async def test_a_vllm_that_sends_no_ids_is_asked_for_usage_from_then_on(start: S
     async with aiohttp.ClientSession() as session:
         for _ in range(3):
             await _send(session, rig.url + COMPLETIONS, _stream())
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert rig.proxy.cost.schemes == {"token_ids": 0, "usage": 2, "events": 1}
     assert [bool(r.get("return_token_ids")) for r in rig.vllm.requests] == [True, False, False]
     # Completed streams are exact whatever the scheme: the final usage chunk has the total.
@@ -329,7 +320,7 @@ async def test_an_upstream_that_gzips_when_allowed_is_asked_for_identity(start: 
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         direct = await _send(session, rig.upstream + COMPLETIONS, body)
         relayed = await _send(session, rig.url + COMPLETIONS, body)
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert _header(direct, "content-encoding") == "gzip"  # the client accepts gzip
     assert rig.vllm.headers[-1]["Accept-Encoding"] == "identity"
     assert _header(relayed, "content-encoding") == ""
@@ -350,7 +341,7 @@ async def test_a_stream_gzipped_anyway_is_inflated_trimmed_and_counted(
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         direct = await _send(session, rig.upstream + COMPLETIONS, body)
         relayed = await _send(session, rig.url + COMPLETIONS, body)
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert relayed.status == 200
     assert _header(relayed, "content-encoding") == ""  # inflated for the client
     assert relayed.body == zlib.decompress(direct.body, 31)  # exactly vLLM's stream, plain
@@ -365,7 +356,7 @@ async def test_a_gzip_stream_labelled_deflate_inflates_too(start: Start) -> None
     rig: Rig = await start(gzip="always", coding="deflate")
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         relayed = await _send(session, rig.url + COMPLETIONS, _stream())
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert relayed.status == 200  # zlib reads a gzip or a zlib header, whichever comes
     assert rig.proxy.ledger.counts()[ENGINE].delivered["proxy"] == TOKENS
 
@@ -376,7 +367,7 @@ async def test_a_gzip_stream_zlib_cannot_read_ends_with_an_error_event(start: St
     rig: Rig = await start(gzip="always", corrupt=True)
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         relayed = await _send(session, rig.url + COMPLETIONS, _stream())
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert relayed.status == 200  # its head went out before the bad bytes came
     events = [e for e in relayed.body.split(b"\n\n") if e]
     assert b"upstream_error" in events[-1]
@@ -394,7 +385,7 @@ async def test_a_stream_in_a_coding_kvtax_cannot_read_never_hands_unasked_usage(
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         direct = await _send(session, rig.upstream + COMPLETIONS, body)
         relayed = await _send(session, rig.url + COMPLETIONS, body)
-    await _until(lambda: rig.proxy.in_flight == 0)
+    assert await until(lambda: rig.proxy.in_flight == 0)
     assert rig.proxy.encoded_streams == 1
     counts = rig.proxy.ledger.counts()[ENGINE]
     assert counts.delivered.get("proxy", 0.0) == 0
