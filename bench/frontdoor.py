@@ -229,8 +229,8 @@ async def _gzip_bomb(
 
 
 async def _run(args: argparse.Namespace) -> list[Figure]:
-    figures = []
-    scenarios = {
+    figures: list[Figure] = []
+    scenarios: dict[str, Callable[[RawUpstream], Awaitable[Callable[[int], Awaitable[str]]]]] = {
         "flood": lambda up: _flood(up, args.seconds),
         "n2-hold": lambda up: _n2_hold(up, 64 * MiB),
         "head": lambda up: _head(up, 32 * MiB),

@@ -175,7 +175,7 @@ def estimate_seconds(plans: Sequence[ArmPlan], args: argparse.Namespace) -> floa
     if args.rate is None:
         kinds.add(SHARED)  # the rate is measured on the shared engine
     rate = 0.0 if args.rate is not None else float(args.rate_duration) + ARM_OVERHEAD_S
-    warm = WARMUP_REQUEST_S * args.warmup
+    warm: float = WARMUP_REQUEST_S * args.warmup
     per_arm = float(args.duration) + float(args.drain) / 2 + ARM_OVERHEAD_S + warm
     return len(kinds) * ENGINE_START_S + rate + len(plans) * len(args.loads) * per_arm
 

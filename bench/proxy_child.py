@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from typing import TypedDict
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.serve.proxy import Proxy, ProxySettings
@@ -24,10 +25,17 @@ from kvtax.serve.proxy import Proxy, ProxySettings
 __all__ = ["main"]
 
 
+class _Limits(TypedDict, total=False):
+    """The ProxySettings fields given on the command line (the rest keep their defaults)."""
+
+    max_body: int
+    timeout: float
+
+
 async def _serve(args: argparse.Namespace) -> None:
     names = ModelNames()
     names.update(["m"])
-    settings: dict[str, float | int] = {}
+    settings: _Limits = {}
     if args.max_body is not None:
         settings["max_body"] = args.max_body
     if args.timeout is not None:

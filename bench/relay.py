@@ -135,7 +135,7 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited:\n{log.read_text()[-2000:]}")
+            raise RuntimeError(f"{proc.args!r} exited:\n{log.read_text()[-2000:]}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
             return
         time.sleep(0.1)

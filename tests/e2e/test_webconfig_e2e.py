@@ -77,16 +77,14 @@ def test_prometheus_scrapes_kvtax_through_tls_and_basic_auth(tmp_path: Path) -> 
                 },
             )
             with PrometheusProcess(config, log_path=tmp_path / "prom.log") as prom:
-                jobs = prom.wait_for(
-                    lambda: (
-                        (t := _targets_by_job(prom))
-                        and len(t) == 3
-                        and all(x["health"] != "unknown" for x in t.values())
-                        and t
-                    ),
-                    timeout=60,
-                    what="all three targets scraped once",
-                )
+
+                def scraped() -> dict[str, dict[str, Any]]:
+                    # The targets once all three have a health; until then none (falsy: poll again).
+                    t = _targets_by_job(prom)
+                    done = len(t) == 3 and all(x["health"] != "unknown" for x in t.values())
+                    return t if done else {}
+
+                jobs = prom.wait_for(scraped, timeout=60, what="all three targets scraped once")
                 assert jobs["kvtax"]["health"] == "up", jobs["kvtax"]
                 assert jobs["wrong-password"]["health"] == "down"
                 assert "401" in jobs["wrong-password"]["lastError"]

@@ -164,11 +164,11 @@ async def _line(reader: asyncio.StreamReader) -> bytes:
 async def read_head(reader: asyncio.StreamReader) -> Reply:
     """A status line and headers, strictly parsed: an HTTP/1.0 or 1.1 status line, a three-digit
     code, well-formed header lines."""
-    line = (await _line(reader)).decode("latin-1")
-    version, code, *_ = line.split(" ", 2)
-    assert version in ("HTTP/1.0", "HTTP/1.1"), line
-    assert len(code) == 3, line
-    assert code.isdigit(), line
+    status = (await _line(reader)).decode("latin-1")
+    version, code, *_ = status.split(" ", 2)
+    assert version in ("HTTP/1.0", "HTTP/1.1"), status
+    assert len(code) == 3, status
+    assert code.isdigit(), status
     headers = []
     while line := await _line(reader):
         name, colon, value = line.decode("latin-1").partition(":")
@@ -613,7 +613,9 @@ def completion_event(
     return chunk
 
 
-def usage_event(prompt: int, completion: int, *, chat: bool = False, model: str = "m") -> dict:
+def usage_event(
+    prompt: int, completion: int, *, chat: bool = False, model: str = "m"
+) -> dict[str, Any]:
     """The trailing usage-only chunk (``include_usage``)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {

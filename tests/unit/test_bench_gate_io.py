@@ -15,8 +15,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 from bench import gate
-from bench.gate_arrivals import Spec
+from bench.gate_arrivals import WORKLOADS, Spec
 from bench.gate_gie import GieProxy
+from bench.gate_stats import summarize
 from bench.sse_upstream import completions
 
 
@@ -75,7 +76,7 @@ async def test_open_loop_records_streams_and_refusals(upstream: str) -> None:
     assert not by[1].events
     assert (by[3].error or "").startswith("HTTP 500")
     assert not by[3].admitted
-    summary = gate.summarize(records, window=60.0, cutoff=cutoff, slo_ttft=60.0, slo_gap=60.0)
+    summary = summarize(records, window=60.0, cutoff=cutoff, slo_ttft=60.0, slo_gap=60.0)
     assert (summary.admitted, summary.completed, summary.refused_429, summary.refused_503) == (
         2,
         2,
@@ -227,7 +228,7 @@ async def test_warm_up_sends_its_requests_one_at_a_time_in_the_workloads_sizes()
     app = web.Application()
     app.router.add_post("/v1/completions", count)
     runner, url = await _serve(app)
-    workload = gate.WORKLOADS["long"]
+    workload = WORKLOADS["long"]
     try:
         records = await gate.warm_up(url, workload, "test", 3)
     finally:

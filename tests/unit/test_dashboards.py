@@ -224,7 +224,8 @@ def _glance() -> list[dict[str, Any]]:
     board = dashboards()["kvtax-overview.json"]["panels"]
     headers = [i for i, p in enumerate(board) if p["type"] == "row"]
     assert board[headers[0]]["title"] == "At a glance"
-    return board[headers[0] + 1 : headers[1]]
+    glance: list[dict[str, Any]] = board[headers[0] + 1 : headers[1]]
+    return glance
 
 
 def test_at_a_glance_shows_one_tax_figure_from_the_exporter_gauge_naming_its_method() -> None:

@@ -28,6 +28,12 @@ from tests.unit.conftest import read_fixture
 INF = float("inf")
 
 
+def approx_method(method: str, value: float) -> MethodValue:
+    """A MethodValue equal to any of ``method`` whose value is ``value``, as pytest.approx."""
+    # pytest.approx stands where the float goes: the dataclass's __eq__ compares it with one.
+    return MethodValue(method, pytest.approx(value))  # type: ignore[arg-type]
+
+
 def point(
     t: float,
     counters: Mapping[str, float] | None = None,
@@ -125,13 +131,13 @@ def test_tax_and_recompute_rate_over_a_window() -> None:
     )
     f = derive_model([first, last], EngineSettings())
     # Measured is there, so it is the tax: one value, named by its method.
-    assert f.tax == MethodValue("measured", pytest.approx(100 / (300 + 600 + 100)))
+    assert f.tax == approx_method("measured", 100 / (300 + 600 + 100))
     without_measured = [
         point(p.t, {k: v for k, v in p.counters.items() if k != "recomputed_measured"})
         for p in (first, last)
     ]
     f = derive_model(without_measured, EngineSettings())
-    assert f.tax == MethodValue("estimated", pytest.approx(300 / (300 + 600 + 300)))
+    assert f.tax == approx_method("estimated", 300 / (300 + 600 + 300))
 
 
 def test_the_best_method_is_the_first_available_in_a_fixed_order() -> None:
@@ -357,7 +363,7 @@ def test_v0_window_takes_the_measured_tax() -> None:
     f = derive_model(h.points("mistralai/Mistral-7B-Instruct-v0.3"), EngineSettings())
     first, last = h.points("mistralai/Mistral-7B-Instruct-v0.3")
     g = last.counters["generation_tokens"] - first.counters["generation_tokens"]
-    assert f.tax == MethodValue("measured", pytest.approx(2_600 / (6_400 + g + 2_600)))
+    assert f.tax == approx_method("measured", 2_600 / (6_400 + g + 2_600))
     assert f.kv_capacity_tokens == 2127 * 16
     assert f.thrash_state is ThrashState.THRASHING
 
@@ -392,8 +398,8 @@ def test_goodput_coverage_and_waste_over_a_window() -> None:
     assert f.coverage == pytest.approx(1.0)
     assert f.served_requests_total == 60
     # Full coverage: U = G - D = 200; the estimate is the best method (R = 200).
-    assert f.tax == MethodValue("estimated", pytest.approx(200 / (200 + 1000 + 200)))
-    assert f.waste == MethodValue("estimated", pytest.approx((200 + 200) / (200 + 1000 + 200)))
+    assert f.tax == approx_method("estimated", 200 / (200 + 1000 + 200))
+    assert f.waste == approx_method("estimated", (200 + 200) / (200 + 1000 + 200))
 
 
 def test_the_stall_estimate_is_the_tax_only_when_nothing_better_exists() -> None:
@@ -404,7 +410,7 @@ def test_the_stall_estimate_is_the_tax_only_when_nothing_better_exists() -> None
         5.0, {"generation_tokens": 100, "recomputed_stall_estimated": 50}, LedgerTotals(), 0, 0
     )
     f = derive_model([first, last], EngineSettings())
-    assert f.tax == MethodValue("stall_estimated", pytest.approx(50 / 150))
+    assert f.tax == approx_method("stall_estimated", 50 / 150)
 
 
 def test_coverage_below_one_leaves_undelivered_to_the_ledger() -> None:
@@ -414,7 +420,7 @@ def test_coverage_below_one_leaves_undelivered_to_the_ledger() -> None:
     f = derive_model([first, last], EngineSettings())
     assert f.coverage == pytest.approx(0.5)
     # Partial join: U is the ledger's own 5, not G - D = 150.
-    assert f.waste == MethodValue("estimated", pytest.approx(5 / 210))
+    assert f.waste == approx_method("estimated", 5 / 210)
 
 
 def test_no_served_requests_in_the_window_means_no_coverage() -> None:

@@ -114,6 +114,7 @@ def test_bad_input_is_an_input_error_a_kvtax_error_and_a_value_error(cls: type) 
 
 
 def test_the_other_branches() -> None:
+    cls: type[Exception]
     for cls in (PushError, BodyTooLarge):
         assert issubclass(cls, RequestError)
     for cls in (ParseError, AdapterError, GatewayError, Redirected):

@@ -123,7 +123,11 @@ async def test_every_choice_of_an_n2_stream_reaches_the_client_as_vllm_sends_it(
             # vLLM is generating the next token: the client must have this one meanwhile.
             # (Once one was late, the rest are not waited for: the test has failed.)
             wait = 0.0 if late else GUARD
-            if not await until(lambda k=k: f'"b{k}"'.encode() in received, wait):
+
+            def arrived(k: int = k) -> bool:
+                return f'"b{k}"'.encode() in received
+
+            if not await until(arrived, wait):
                 late.append(k)
         await link.send(chunk(sse(usage_event(3, 5)) + sse("[DONE]")), LAST_CHUNK)
 

@@ -160,7 +160,7 @@ def test_adaptive_holds_still_under_noisy_usage_inside_the_band() -> None:
 def test_cap_never_leaves_its_bounds() -> None:
     rng = random.Random(7)
     for mode in ("auto", "adaptive"):
-        settings = CapSettings(mode=mode, floor=3, ceiling=12)  # type: ignore[arg-type]
+        settings = CapSettings(mode=mode, floor=3, ceiling=12)
         seq = [
             Signals(
                 rng.choice([None, POOL, 10 * POOL]),

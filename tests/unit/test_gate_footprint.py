@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -112,7 +113,7 @@ def test_the_learned_ratio_stays_in_its_band() -> None:
     assert est.tokens_per_byte == MAX_TOKENS_PER_BYTE
 
 
-def _chat(*parts: dict[str, object]) -> Shape:
+def _chat(*parts: Mapping[str, object]) -> Shape:
     return _shape({"messages": [{"role": "user", "content": list(parts)}]}, CHAT_PATH)
 
 

@@ -14,7 +14,7 @@ import pytest
 from kvtax.figures.derive import ModelFigures
 from kvtax.gate.cap import CapSettings
 from kvtax.gate.footprint import MAX_FOOTPRINT
-from kvtax.gate.order import RATE_RECENT, RATE_SPAN, CompletionRate, Order
+from kvtax.gate.order import RATE_RECENT, RATE_SPAN, CompletionRate, Order, queue_key
 from kvtax.serve.proxy import gate as gate_module
 from kvtax.serve.proxy.gate import CLOSED, Gate, GateSettings
 
@@ -100,7 +100,7 @@ class _Key:
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> type[_Key]:
-    real = gate_module.queue_key
+    real = queue_key  # the gate's own, which the patch below replaces in its module
     monkeypatch.setattr(gate_module, "queue_key", lambda *a, **k: _Key(real(*a, **k)))
     _Key.calls = 0
     return _Key

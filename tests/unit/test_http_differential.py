@@ -50,8 +50,9 @@ import itertools
 import random
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import h11
 import httptools
@@ -68,6 +69,8 @@ from tests.unit.frontdoor import (
     start_front,
     stop_front,
 )
+
+T = TypeVar("T")
 
 # -- what may differ ------------------------------------------------------------------------------
 # Rules kvtax may apply where h11 is lenient: refusing a request that breaks one is no mismatch.
@@ -132,7 +135,9 @@ ACCOUNTED = (b"/v1/completions", b"/v1/chat/completions")
 SETTLE = 1.0
 
 
-def end_to_end(headers: Sequence[tuple[bytes, bytes]], *, accounted: bool) -> dict[bytes, list]:
+def end_to_end(
+    headers: Sequence[tuple[bytes, bytes]], *, accounted: bool
+) -> dict[bytes, list[bytes]]:
     """Header values by lower-case name, less the hop-by-hop ones and those Connection names;
     an accounted request's Accept-Encoding is kvtax's (identity), so it is left out too."""
     named = {
@@ -459,7 +464,7 @@ class Rig:
         self.runner = asyncio.Runner()
         self.front: Front = self.runner.run(start_front(differential_echo))
 
-    def run(self, coro):  # type: ignore[no-untyped-def]
+    def run(self, coro: Awaitable[T]) -> T:
         return self.runner.run(asyncio.wait_for(coro, 30))
 
     def close(self) -> None:
@@ -848,9 +853,10 @@ def h11_answer(data: bytes, method: bytes) -> Read:
     return read
 
 
-# How long the client waits for the next bytes of an answer before calling it cut. Against hangs
-# only: beside CI's engine lanes (load average 6 on 2 cores) one of 10,000 examples got nothing
-# within GUARD's 5 s and its replay passed; a relay that never answers still fails here.
+# How long the client waits for the next bytes of an answer before calling it cut: a guard against
+# hangs, not a timing. With GUARD's 5 s it was one: beside CI's engine lanes one example in
+# 10,000 got nothing within 5 s (its replay passed), and at load average 10 here one answer came
+# whole, and right, after 4.1 s. A relay that never answers still fails here.
 ANSWER_GUARD = 30.0
 
 

@@ -74,6 +74,7 @@ def one(kind: str) -> Obj:
 
 def container(name: str) -> Obj:
     pod = one("Deployment")["spec"]["template"]["spec"]
+    found: Obj
     (found,) = [c for c in pod["containers"] if c["name"] == name]
     return found
 
@@ -84,6 +85,7 @@ def port_number(c: Obj, name: str) -> int:
 
 
 def vllm_flag(name: str) -> str:
+    arg: str
     for arg in container("vllm")["args"]:
         flag, _, value = arg.partition("=")
         if flag == name:
@@ -354,6 +356,7 @@ def _joined_shell_lines(markdown: str) -> list[str]:
 
 def _doc_overlay() -> str:
     blocks = re.findall(r"```yaml\n(.*?)```", DEPLOY_DOC.read_text(), flags=re.DOTALL)
+    overlay: str
     (overlay,) = [b for b in blocks if b.startswith("# my-overlay/kustomization.yaml")]
     return overlay
 

@@ -10,7 +10,13 @@ import pytest
 from kvtax.errors import InputError
 from kvtax.tools.loadtest.distributions import parse_distribution
 from kvtax.tools.loadtest.knees import Knee, gate_cap, preemption_knee, throughput_knee
-from kvtax.tools.loadtest.measure import EngineStep, RequestRecord, measure_step, quantile
+from kvtax.tools.loadtest.measure import (
+    EngineStep,
+    RequestRecord,
+    StepResult,
+    measure_step,
+    quantile,
+)
 from kvtax.tools.loadtest.plan import LoadPlan, check_plan, parse_levels
 from kvtax.tools.loadtest.table import loadtest_json, loadtest_table, markdown
 
@@ -117,7 +123,7 @@ def test_quantile_interpolates() -> None:
     assert quantile([5.0], 0.99) == 5.0
 
 
-def _step(index: int, level: float, preemptions: float, generated: float) -> object:
+def _step(index: int, level: float, preemptions: float, generated: float) -> StepResult:
     records = [
         RequestRecord(0.0, 1.0, True, 50, ttft=0.1, gaps=(0.01, 0.02), slo_met=True),
         RequestRecord(0.0, 1.0, True, 50, ttft=0.3, gaps=(0.01, 0.9), stalls=1),
@@ -137,14 +143,14 @@ def _step(index: int, level: float, preemptions: float, generated: float) -> obj
 def test_a_step_and_its_report() -> None:
     steps = [_step(0, 1, 0, 1000), _step(1, 2, 0, 1950), _step(2, 4, 3, 2000), _step(3, 8, 7, 2010)]
     s = steps[0]
-    assert s.ok == 2  # type: ignore[attr-defined]
-    assert s.failed == 1  # type: ignore[attr-defined]
-    assert s.goodput == 10.0  # type: ignore[attr-defined]
-    assert s.slo_goodput == 5.0  # type: ignore[attr-defined]
-    assert s.throughput == 100.0  # type: ignore[attr-defined]
-    assert s.stalls == 1  # type: ignore[attr-defined]
-    assert s.errors == ("HTTP 400: too long",)  # type: ignore[attr-defined]
-    table = loadtest_table("concurrency", steps)  # type: ignore[arg-type]
+    assert s.ok == 2
+    assert s.failed == 1
+    assert s.goodput == 10.0
+    assert s.slo_goodput == 5.0
+    assert s.throughput == 100.0
+    assert s.stalls == 1
+    assert s.errors == ("HTTP 400: too long",)
+    table = loadtest_table("concurrency", steps)
     assert table.preemption_knee == Knee(2)
     assert table.throughput_knee == Knee(1)
     report = loadtest_json(
@@ -154,7 +160,7 @@ def test_a_step_and_its_report() -> None:
         plan=_plan(levels=(1.0, 2.0, 4.0, 8.0)),
         steps=steps,
         recommended_max_num_seqs=3,
-        interrupted=False,  # type: ignore[arg-type]
+        interrupted=False,
     )
     assert report["knees"]["preemption"] == {"step": 2, "level": 4, "confirmed": True}
     assert report["recommendations"] == {"max_num_seqs": 3, "gate_cap": 2}

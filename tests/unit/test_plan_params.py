@@ -115,6 +115,7 @@ def test_a_number_the_estimate_needs_is_named(change: dict[str, Any], words: str
     config = {**MIXTRAL_8X7B, **change}
     with pytest.raises(PlanError) as caught:
         estimate_weights({k: v for k, v in config.items() if v is not None}, "m/config.json")
+    assert caught.value.field is not None
     assert caught.value.field.startswith("m/config.json")
     assert words in str(caught.value)
 

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import pytest
 
 from kvtax.errors import PlanError
 from kvtax.tools.plan.profile import LengthProfile, arrivals, trace
 from kvtax.tools.plan.simulate import Request, Settings, simulate
 
+
+class Pool(TypedDict):
+    """The pool's share of Settings, spread into it (typed, so each key meets its field)."""
+
+    num_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+
+
 # The testbed's pool: 16 blocks of 128 tokens, one of them vLLM's null block.
-POOL = {"num_blocks": 16, "block_size": 128, "max_num_batched_tokens": 4096}
+POOL: Pool = {"num_blocks": 16, "block_size": 128, "max_num_batched_tokens": 4096}
 
 
 def overload(n: int = 64, content: int | None = None) -> list[Request]:

@@ -137,7 +137,7 @@ def test_without_vllm_the_entry_point_attribute_raises_import_error() -> None:
 
 def test_unknown_module_attributes_still_raise_attribute_error() -> None:
     with pytest.raises(AttributeError):
-        _ = plugin.NoSuchThing  # type: ignore[attr-defined]
+        _ = plugin.NoSuchThing
 
 
 def test_pyproject_declares_the_entry_point() -> None:
@@ -215,7 +215,7 @@ def test_any_integer_type_is_a_count() -> None:
             AttributeError,
         ),
         (types.SimpleNamespace(), AttributeError),
-        (resumed(queries=True, hits=0), TypeError),  # type: ignore[arg-type]
+        (resumed(queries=True, hits=0), TypeError),
         (resumed(queries=1.5, hits=0), TypeError),  # type: ignore[arg-type]
         (resumed(queries=10, hits=11), ValueError),
         (resumed(queries=-1, hits=0), ValueError),

@@ -45,7 +45,8 @@ def test_a_chat_request_s_image_is_never_decoded(monkeypatch: pytest.MonkeyPatch
         decoded.append(len(data))
         return real(data)
 
-    monkeypatch.setattr(prepare_module.orjson, "loads", counting)
+    # The orjson module prepare reads with is this one (prepare_module.orjson is orjson).
+    monkeypatch.setattr(orjson, "loads", counting)
     prepared = prepare(body)
     assert max(decoded) < 1024  # only the fields kvtax reads, never the image
     assert prepared.wish is not None

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -121,7 +122,7 @@ pathlib.Path(sys.argv[1] + ".pid").write_text(str(grand.pid))
 
 
 def test_poll_until_returns_the_first_truthy_value() -> None:
-    answers = iter([None, [], 0, "yes"])
+    answers: Iterator[object] = iter([None, [], 0, "yes"])
     assert poll_until(lambda: next(answers), timeout=30, interval=0) == "yes"
 
 

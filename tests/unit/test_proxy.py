@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
+from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.ports import refused_port
 from kvtax_dev.process import until
@@ -51,7 +52,7 @@ def _outcomes(proxy: Proxy, model: str = "m") -> dict[str, float]:
     return {
         s.labels[1]: s.value
         for s in ledger_samples(proxy.ledger.counts())
-        if getattr(s, "metric", "") == "kvtax_requests_total" and s.labels[0] == model
+        if isinstance(s, Sample) and s.metric == "kvtax_requests_total" and s.labels[0] == model
     }
 
 

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
+from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy import upstream as pool
 
@@ -71,7 +72,10 @@ def _outcomes(proxy: Proxy) -> dict[str, float]:
     return {
         s.labels[1]: s.value
         for s in ledger_samples(proxy.ledger.counts())
-        if getattr(s, "metric", "") == "kvtax_requests_total" and s.labels[0] == "m" and s.value
+        if isinstance(s, Sample)
+        and s.metric == "kvtax_requests_total"
+        and s.labels[0] == "m"
+        and s.value
     }
 
 
@@ -79,7 +83,7 @@ def _counter(proxy: Proxy, metric: str) -> float:
     return sum(
         s.value
         for s in ledger_samples(proxy.ledger.counts())
-        if getattr(s, "metric", "") == metric and s.labels[0] == "m"
+        if isinstance(s, Sample) and s.metric == metric and s.labels[0] == "m"
     )
 
 
@@ -96,7 +100,10 @@ def completion_body(size: int, tokens: int) -> bytes:
     """A vLLM-shaped non-streamed completion of about ``size`` bytes, usage last."""
     head = {"id": "cmpl-1", "object": "text_completion", "model": "m"}
     usage = {"prompt_tokens": 3, "total_tokens": 3 + tokens, "completion_tokens": tokens}
-    skeleton = {**head, "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    skeleton: dict[str, Any] = {
+        **head,
+        "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+    }
     filler = max(0, size - len(json.dumps({**skeleton, "usage": usage})))
     skeleton["choices"][0]["text"] = "x" * filler
     return json.dumps({**skeleton, "usage": usage}, separators=(",", ":")).encode()

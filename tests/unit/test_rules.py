@@ -22,8 +22,15 @@ from kvtax.mixin.rules import (
     short_profile,
 )
 from kvtax.mixin.rules.alertmanager import alertmanager_config
-from kvtax.mixin.rules.alerts import THRESHOLD_ALERT, alert_names, alert_rules, every_alert_name
+from kvtax.mixin.rules.alerts import (
+    THRESHOLD_ALERT,
+    AlertRule,
+    alert_names,
+    alert_rules,
+    every_alert_name,
+)
 from kvtax.mixin.rules.configfile import from_mapping, read
+from kvtax.mixin.rules.recording import RecordingRule
 from kvtax.mixin.rules.render import render_files
 from kvtax.mixin.rules.slo import ALERT as BURN
 from kvtax.mixin.rules.slo import UNITS
@@ -172,7 +179,8 @@ def test_every_recompute_counter_of_the_catalog_feeds_the_recording_rule() -> No
 
 def test_no_rule_reads_a_method_label_of_a_counter() -> None:
     # 0.2 split the counter; a method matcher on any input series would select nothing.
-    for rule in (*recording_rules(), *alert_rules()):
+    rules: tuple[RecordingRule | AlertRule, ...] = (*recording_rules(), *alert_rules())
+    for rule in rules:
         assert 'method="' not in rule.expr.replace('"method", "', ""), rule
 
 

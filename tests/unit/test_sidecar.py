@@ -569,7 +569,9 @@ async def test_metrics_answers_the_format_and_encoding_the_scraper_asks_for(
     text = (gzip.decompress(raw) if gzipped else raw).decode()
     if kind == "application/openmetrics-text":
         assert text.endswith("# EOF\n")
-        families = {f.name: f for f in text_fd_to_metric_families(io.StringIO(text))}
+        # prometheus_client's OpenMetrics parser has no annotations.
+        parsed = text_fd_to_metric_families(io.StringIO(text))  # type: ignore[no-untyped-call]
+        families = {f.name: f for f in parsed}
         assert families["kvtax_vllm_up"].samples[0].value == 1.0
     else:
         assert one(parse_exposition(text), "kvtax_vllm_up") == 1.0

@@ -33,7 +33,7 @@ def _completion(
         "token_ids": ids,
     }
     chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
-    chunk["choices"] = [choice]  # type: ignore[assignment]
+    chunk["choices"] = [choice]
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
