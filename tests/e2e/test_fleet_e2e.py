@@ -303,12 +303,17 @@ class _Prober:
         return dict(self.longest)
 
 
+def _span(seconds: float) -> str:
+    """A PromQL range covering the last ``seconds`` whole (at least 1 s)."""
+    return f"[{max(1, int(seconds) + 1)}s]"
+
+
 def _alerts_over(api: PrometheusApi, pod: str, seconds: float) -> dict[str, set[str]]:
     """Every alert Prometheus held for ``pod``, pending or firing, over the last ``seconds``:
     the ALERTS series it writes at each evaluation, so no state is missed between polls."""
     selector = f'ALERTS{{namespace="{NAMESPACE}",pod="{pod}"}}'
     seen: dict[str, set[str]] = {}
-    for s in api.query(f"{selector}[{max(1, int(seconds) + 1)}s]", time.time()):
+    for s in api.query(f"{selector}{_span(seconds)}", time.time()):
         seen.setdefault(s.labels["alertname"], set()).add(s.labels["alertstate"])
     return seen
 
@@ -318,7 +323,7 @@ def _lows_over(api: PrometheusApi, pod: str, seconds: float) -> dict[str, float]
     ``seconds``, from the series Prometheus stored (the gauge and the test profile's record)."""
     rate = f"ratio_rate{TEST_PROFILE.rate_window}"
     selector = f'{{namespace="{NAMESPACE}",pod="{pod}"}}'
-    span = f"[{max(1, int(seconds) + 1)}s]"
+    span = _span(seconds)
     lows: dict[str, float] = {}
     for name, series in (
         ("coverage", "kvtax_join_coverage_ratio"),
@@ -336,7 +341,7 @@ def _failed_scrapes_over(api: PrometheusApi, pod: str, seconds: float) -> dict[s
     series stale at once, which is exactly the condition of KvtaxVllmMetricsAbsent."""
     selector = f'up{{namespace="{NAMESPACE}",pod="{pod}"}}'
     failed: dict[str, int] = {}
-    for s in api.query(f"{selector}[{max(1, int(seconds) + 1)}s]", time.time()):
+    for s in api.query(f"{selector}{_span(seconds)}", time.time()):
         failed[s.labels["job"]] = sum(1 for _, value in s.points if value == 0)
     return failed
 
@@ -347,7 +352,7 @@ def _slowest_scrapes_over(api: PrometheusApi, pod: str, seconds: float) -> dict[
     second client of the same /metrics, timed by Prometheus, not by kvtax or by the test's
     once-a-second prober, which can miss the one slow page that kvtax's fetch met."""
     selector = f'scrape_duration_seconds{{namespace="{NAMESPACE}",pod="{pod}"}}'
-    span = f"[{max(1, int(seconds) + 1)}s]"
+    span = _span(seconds)
     slowest: dict[str, float] = {}
     for s in api.query(f"max by (job) (max_over_time({selector}{span}))", time.time()):
         if s.points:

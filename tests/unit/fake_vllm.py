@@ -306,12 +306,17 @@ class _Shape:
         return {"index": index, "message": message, "finish_reason": "length"}
 
 
-async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on 127.0.0.1, on the port the kernel picks (port 0, so no test can race
-    another for it); the runner, to clean up, and the base URL."""
-    runner = web.AppRunner(app, access_log=None)
+async def listen(runner: web.AppRunner) -> str:
+    """Set ``runner`` up on 127.0.0.1, on the port the kernel picks (port 0, so no test can race
+    another for it); its base URL."""
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
+    return f"http://{host}:{port}"
+
+
+async def serve(app: web.Application, **runner_kwargs: Any) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` as :func:`listen` does (``runner_kwargs`` go to its ``AppRunner``, such as
+    ``handler_cancellation``); the runner, to clean up, and the base URL."""
+    runner = web.AppRunner(app, access_log=None, **runner_kwargs)
+    return runner, await listen(runner)

@@ -21,6 +21,7 @@ from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax.serve.wiring import build
 from kvtax_dev.process import until
+from tests.unit.fake_vllm import serve
 
 
 @dataclass
@@ -72,11 +73,8 @@ class HeldVllm:
 @pytest.fixture
 async def vllm() -> AsyncIterator[tuple[HeldVllm, str]]:
     fake = HeldVllm()
-    runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = int(runner.addresses[0][1])
-    yield fake, f"http://127.0.0.1:{port}"
+    runner, url = await serve(fake.app(), handler_cancellation=True)
+    yield fake, url
     await runner.cleanup()
 
 
@@ -609,12 +607,9 @@ async def test_a_stream_frees_its_slot_once_its_end_is_relayed(
     fake = OpenAfterDone(done=done)
     app = web.Application()
     app.router.add_post("/v1/completions", fake.completions)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = int(runner.addresses[0][1])
+    runner, upstream = await serve(app)
     gate = _gate(max_queue=0)  # one slot, no queue: a held slot sheds the next client
-    url = await _start(proxies, f"http://127.0.0.1:{port}", gate)
+    url = await _start(proxies, upstream, gate)
     try:
         async with aiohttp.ClientSession() as client:
             body = {**BODY, "stream": True}

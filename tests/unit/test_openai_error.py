@@ -20,7 +20,7 @@ from kvtax.delivery.openai import error_body, sse_error_event
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sources.push import PUSH_PATH, push_handler
 from kvtax_dev.ports import refused_port
-from tests.unit.fake_vllm import FakeVllm
+from tests.unit.fake_vllm import FakeVllm, serve
 
 RUNTIME = Path(__file__).resolve().parents[2] / "exporter" / "kvtax"
 FIELDS = {"message", "type", "param", "code"}
@@ -64,12 +64,9 @@ def test_the_shape_is_spelled_in_one_module_only() -> None:
 @pytest.fixture
 async def proxy_url() -> Any:
     vllm = FakeVllm(tokens=3, delay=0.2)
-    runner = web.AppRunner(vllm.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = int(runner.addresses[0][1])
+    runner, upstream = await serve(vllm.app())
     proxy = Proxy(
-        ProxySettings(upstream=f"http://127.0.0.1:{port}", max_body=1000, timeout=0.1),
+        ProxySettings(upstream=upstream, max_body=1000, timeout=0.1),
         DeliveryLedger(ModelNames()),
     )
     proxy_port = await proxy.start("127.0.0.1", 0)

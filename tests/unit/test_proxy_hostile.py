@@ -21,6 +21,7 @@ from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy import upstream as pool
+from tests.unit.fake_vllm import serve
 
 Script = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -36,11 +37,7 @@ class Upstream:
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024**2)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        port = int(self.runner.addresses[0][1])
-        self.url = f"http://127.0.0.1:{port}"
+        self.runner, self.url = await serve(app)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

@@ -22,7 +22,7 @@ from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.process import until
-from tests.unit.fake_vllm import FakeVllm
+from tests.unit.fake_vllm import FakeVllm, serve
 
 # The raw-socket client helpers live with the front door's rig; re-exported for the modules
 # that import them from here (test_proxy_parser).
@@ -112,14 +112,11 @@ async def start() -> AsyncIterator[Start]:
 
         app = vllm.app()
         app.middlewares.append(record)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
+        runner, upstream = await serve(app)
         runners.append(runner)
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
         upstream_port = int(runner.addresses[0][1])
         names = ModelNames()
         names.update(["m"])
-        upstream = f"http://127.0.0.1:{upstream_port}"
         proxy = Proxy(ProxySettings(upstream=upstream, **settings), DeliveryLedger(names))
         port = await proxy.start("127.0.0.1", 0)
         rig = Rig(vllm, proxy, port, upstream_port, seen)

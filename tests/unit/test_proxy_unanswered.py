@@ -23,6 +23,7 @@ from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gate import Gate, GateSettings
 from kvtax_dev.process import until
+from tests.unit.fake_vllm import serve
 
 STREAM = {"model": "m", "prompt": "long", "max_tokens": 16, "stream": True}
 WHOLE = {"model": "m", "prompt": "whole", "max_tokens": 16}
@@ -65,11 +66,8 @@ async def vllm() -> AsyncIterator[tuple[SlowVllm, str]]:
     fake = SlowVllm()
     app = web.Application()
     app.router.add_post("/v1/completions", fake.completions)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = int(runner.addresses[0][1])
-    yield fake, f"http://127.0.0.1:{port}"
+    runner, url = await serve(app, handler_cancellation=True)
+    yield fake, url
     fake.finish.set()
     await runner.cleanup()
 

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, unused_port
+from aiohttp.test_utils import TestClient
 
 from kvtax.serve.config import load_config
 from kvtax.serve.sources.push import MAX_PUSH_BODY, PUSH_PATH
 from kvtax.serve.wiring import Stack, build
+from tests.unit.fake_vllm import listen
 from tests.unit.gzipbomb import Inflation, bomb
 
 TOKEN = "s3cret-token"
@@ -133,10 +134,8 @@ async def web_port() -> AsyncIterator[Callable[..., Awaitable[tuple[int, Stack]]
         delivery = build(config)
         runner = delivery.web.runner()
         runners.append(runner)
-        await runner.setup()
-        port = unused_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return port, delivery
+        url = await listen(runner)
+        return int(url.rsplit(":", 1)[1]), delivery
 
     yield start
     for runner in runners:
