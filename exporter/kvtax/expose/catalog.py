@@ -407,10 +407,11 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     _S(
         "kvtax_join_delivered_tokens_total",
         "counter",
-        "kvtax_delivered_tokens_total over every source, as of kvtax's last scrape of vLLM (read "
-        "as vLLM's page arrived), like the kvtax_engine_* counters: the numerator of the "
-        "delivery yield. The source-labelled counter is live and leads the engine's counters "
-        "between scrapes.",
+        "kvtax_delivered_tokens_total over every source, as of kvtax's last scrape of vLLM, "
+        "like the kvtax_engine_* counters: the numerator of the delivery yield. The ledger is "
+        "read as the fetch began and as the page arrived; between the two, the count grows by no "
+        "more than vLLM generated since the last scrape. The source-labelled counter is live "
+        "and leads the engine's counters between scrapes.",
         (M,),
         "join",
     ),

@@ -9,7 +9,8 @@ The ledger's tokens appear twice. ``kvtax_delivered_tokens_total`` and
 ``kvtax_undelivered_tokens_total`` (:func:`ledger_samples`) are live: goodput keeps counting
 while vLLM's /metrics is down or slow. ``kvtax_join_delivered_tokens_total`` and
 ``kvtax_join_undelivered_tokens_total`` (:func:`model_samples`) are the ledger's totals in the
-window's last point, as of the same scrape of vLLM as the ``kvtax_engine_*`` counters: a rule
+window's last point, as of the same scrape of vLLM as the ``kvtax_engine_*`` counters (the
+delivered one kept to the page's count by :func:`kvtax.figures.window.delivered_at_page`): a rule
 that divides ledger tokens by engine tokens reads these, or the live ones would lead the engine's
 by whatever streams delivered since that scrape.
 

@@ -172,7 +172,7 @@ def coverage(first: Point, last: Point) -> float | None:
 
 def undelivered(first: Point, last: Point, generated: float | None, covered: float | None) -> float:
     """U over the window: G - D when the join covers all traffic, else the ledger's own count."""
-    delivered = last.ledger.delivered - first.ledger.delivered
+    delivered = last.delivered_paired - first.delivered_paired
     if generated is not None and covered is not None and covered >= FULL_COVERAGE:
         return max(0.0, generated - delivered)
     return last.ledger.undelivered - first.ledger.undelivered
@@ -221,7 +221,7 @@ def derive_model(points: Sequence[Point], settings: EngineSettings) -> ModelFigu
         slo_goodput_tokens=per_second(last.ledger.slo_met_tokens - first.ledger.slo_met_tokens),
         coverage=coverage(first, last),
         served_requests_total=last.served_requests,
-        delivered_total=last.ledger.delivered if last.booked else None,
+        delivered_total=last.delivered_paired if last.booked else None,
         undelivered_total=last.ledger.undelivered if last.booked else None,
         tax=tax,
         waste=waste,

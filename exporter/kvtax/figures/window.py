@@ -44,6 +44,7 @@ __all__ = [
     "Point",
     "Window",
     "candidates",
+    "delivered_at_page",
     "served_requests",
 ]
 
@@ -98,6 +99,43 @@ class Point:
     joined_requests: float = 0.0
     # None: read at the same instant as joined_requests.
     joined_before: float | None = None
+    # The ledger's delivered tokens as of vLLM's page (delivered_at_page): what kvtax publishes
+    # beside the engine's counters. None: ledger.delivered, read as the page arrived.
+    delivered_at_page: float | None = None
+
+    @property
+    def delivered_paired(self) -> float:
+        """Delivered tokens to divide by the engine's: as of the page where known."""
+        return self.ledger.delivered if self.delivered_at_page is None else self.delivered_at_page
+
+
+def delivered_at_page(
+    previous: float | None, generated: float | None, before: float | None, arrived: float
+) -> float:
+    """The ledger's delivered tokens as of vLLM's page, from its reads on either side of it.
+
+    The count at the page's render lies between ``before`` (read as the fetch began) and
+    ``arrived`` (read once the page was in). A starved sidecar, woken after vLLM rendered the
+    page, relays the tokens vLLM generated meanwhile before it gets to read the ledger, so
+    ``arrived`` can lead the page by seconds of tokens; a short window whose base point carries
+    that lead reads a yield below 1 for nothing (the calm pod of the fleet test, at a load's
+    end). A token is generated before it is delivered, so the count can have grown since the
+    last point (``previous``) by about what vLLM generated in between (``generated``, the
+    reset-corrected increase): the estimate is that, kept inside the bracket. Tokens still in
+    flight at the last page are the "about": the floor ``before`` takes them in at the next
+    scrape. A real shortfall (clients gone, traffic around the proxy) is never hidden: the
+    estimate never exceeds ``arrived``. Without a previous point or the engine's increase it is
+    ``arrived``.
+
+    >>> delivered_at_page(100.0, 50.0, before=120.0, arrived=190.0)  # 40 tokens led the page
+    150.0
+    >>> delivered_at_page(100.0, 50.0, before=110.0, arrived=130.0)  # 20 never delivered
+    130.0
+    """
+    if previous is None or generated is None:
+        return arrived
+    floor = arrived if before is None else min(before, arrived)
+    return min(arrived, max(floor, previous + generated))
 
 
 def served_requests(snap: VllmSnapshot) -> float:
@@ -174,12 +212,14 @@ class Window:
         *,
         joined_before: float | None = None,
         joined_after: float | None = None,
+        before: Mapping[str, LedgerTotals] | None = None,
     ) -> VllmSnapshot:
         """Fold one scrape and the ledger's totals; returns the snapshot cut to tracked models.
 
         ``joined_before`` and ``joined_after`` are the ledger's joined requests, every label
         together, read just before vLLM's page was fetched and after it was parsed (see
-        :class:`Point`); each defaults to the count in ``ledger``.
+        :class:`Point`); each defaults to the count in ``ledger``. ``before`` is the ledger's
+        totals read just before the fetch, the floor of :func:`delivered_at_page`.
         """
         books = {label: t for label, t in (ledger or {}).items() if label != OTHER}
         self._served.update("served", served_requests(snap))
@@ -187,7 +227,7 @@ class Window:
         # Requests the ledger could not attribute (label "other") still reached vLLM.
         read = sum(t.joined_requests for t in (ledger or {}).values())
         after = read if joined_after is None else max(read, joined_after)
-        before = read if joined_before is None else min(read, joined_before)
+        joined = read if joined_before is None else min(read, joined_before)
         kept = self._admit(snap, books)
         restarted = False
         for model, state in self._models.items():
@@ -197,6 +237,7 @@ class Window:
             state.last_present = snap.timestamp
             booked = model in books
             book = books[model] if booked else LedgerTotals()
+            previous = state.points[-1] if state.points else None
             resets_before = state.tracker.resets
             engine = self._engine_part(state, metrics, snap, book)
             restarted |= state.tracker.resets > resets_before
@@ -206,7 +247,10 @@ class Window:
                 booked=booked,
                 served_requests=served,
                 joined_requests=after,
-                joined_before=before,
+                joined_before=joined,
+                delivered_at_page=_paired(
+                    previous, engine if metrics is not None else None, before, model, book
+                ),
             )
             state.points.append(point)
             horizon = snap.timestamp - self.window_seconds
@@ -275,6 +319,31 @@ class Window:
         info = prev.info if prev is not None and prev.info == m.info else dict(m.info)
         gauges = {name: m.values[name] for name in _GAUGES if name in m.values}
         return Point(snap.timestamp, state.tracker.totals(), gauges, histograms, info)
+
+
+def _paired(
+    previous: Point | None,
+    engine: Point | None,
+    before: Mapping[str, LedgerTotals] | None,
+    model: str,
+    arrived: LedgerTotals,
+) -> float:
+    """:func:`delivered_at_page` for one model's new point: ``engine`` is its engine half (None
+    when the page lacked the model), ``before`` and ``arrived`` the ledger's reads on either
+    side of the page (``before`` None when there was no read before the fetch)."""
+    generated = None
+    if previous is not None and engine is not None:
+        old = previous.counters.get("generation_tokens")
+        new = engine.counters.get("generation_tokens")
+        if old is not None and new is not None:
+            generated = max(0.0, new - old)  # reset-corrected totals
+    floor = (before or {}).get(model)
+    return delivered_at_page(
+        None if previous is None else previous.delivered_paired,
+        generated,
+        None if floor is None else floor.delivered,
+        arrived.delivered,
+    )
 
 
 def _fold_counters(state: _ModelState, m: ModelMetrics, v0: bool) -> dict[str, float]:

@@ -144,7 +144,7 @@ class ScrapeJob:
         self.on_figures = tuple(on_figures)
         self._lock = asyncio.Lock()
         # The models of the last page folded: while a page has the same ones, the ledger's
-        # labels are already right when the page arrives (see _read_on_arrival).
+        # labels are already right when the page arrives (see _read_ledger).
         self._page_models: frozenset[str] = frozenset()
         self._first: asyncio.Task[None] | None = None
         # Moves whenever what samples() returns changed (see revision()).
@@ -171,18 +171,26 @@ class ScrapeJob:
         *,
         joined_before: float | None = None,
         arrived: Mapping[str, LedgerTotals] | None = None,
+        before: Mapping[str, LedgerTotals] | None = None,
     ) -> VllmSnapshot:
         """The one state change of a scrape: the window, then the figures derived from it.
 
         ``joined_before`` is the ledger's joined requests read before the page was fetched,
-        ``arrived`` its totals read as the page arrived (:meth:`scrape_once`); without them
-        (:meth:`ingest`) the ledger is read here. Returns the snapshot cut to the models tracked.
+        ``before`` and ``arrived`` its totals read before the fetch and as the page arrived
+        (:meth:`scrape_once`); without them (:meth:`ingest`) the ledger is read here. Returns
+        the snapshot cut to the models tracked.
         """
         for reason, count in parsed.rejected.items():
             self.health.rejected[reason] += count
         totals, joined_after = self._ledger_totals(parsed, arrived)
+        # The bracket's floor holds only for the totals it brackets: not for a re-read ledger.
+        floor = before if totals is arrived else None
         snap = self.window.observe(
-            parsed, totals, joined_before=joined_before, joined_after=joined_after
+            parsed,
+            totals,
+            joined_before=joined_before,
+            joined_after=joined_after,
+            before=floor,
         )
         self.figures = derive_all(self.window, self.settings)
         self._revision += 1  # the next GET of /metrics shows the new figures
@@ -224,8 +232,9 @@ class ScrapeJob:
         """The ledger's joined requests, every label together (None without a ledger)."""
         return None if self.feed is None else _joined(self.feed.ledger.totals())
 
-    def _read_on_arrival(self) -> Mapping[str, LedgerTotals] | None:
-        """The ledger's totals as vLLM's page arrives, running streams credited, or None.
+    def _read_ledger(self) -> Mapping[str, LedgerTotals] | None:
+        """The ledger's totals now, running streams credited, or None: read as the fetch of
+        vLLM's page begins and as it arrives, the two sides of the page's render.
 
         None before a page was folded: the labels of the running streams are learned from the
         page, so the fold reads the ledger then.
@@ -242,9 +251,10 @@ class ScrapeJob:
             started = time.perf_counter()
             self.health.scrapes += 1
             try:
-                joined_before = self._joined_now()
+                before = self._read_ledger()
+                joined_before = _joined(before) if before is not None else self._joined_now()
                 text = await self.scraper.fetch_metrics()
-                arrived = self._read_on_arrival()
+                arrived = self._read_ledger()
                 if not self.health.up:
                     # (Re)connected: the server may have been upgraded in between.
                     self.health.version = await self.scraper.fetch_version()
@@ -257,7 +267,9 @@ class ScrapeJob:
                     max_models=self.window.max_models,
                 )
                 del text  # the page can be megabytes: do not hold it while folding
-                snap = self._fold(parsed, joined_before=joined_before, arrived=arrived)
+                snap = self._fold(
+                    parsed, joined_before=joined_before, arrived=arrived, before=before
+                )
                 self._note_metrics_missing(not snap.models)
                 if not snap.models:
                     raise ScrapeError("no_models", "no vllm: series with a model_name label")
