@@ -164,7 +164,41 @@ async def test_a_vllm_whose_answer_is_not_http_is_vllm_s_error(start: Start) -> 
         rig.proxy.upstream.port = port
         reply = await rig.exchange(post("/v1/completions", STREAM))
         assert reply.status == 502
-        assert reply.json()["error"]["type"] == "upstream_unavailable"
+        error = reply.json()["error"]
+        # vLLM answered: the message names its answer, not its address.
+        assert error["type"] == "upstream_error"
+        assert "not HTTP" in error["message"]
+        assert "unreachable" not in error["message"]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("answer", "named"),
+    [
+        (b"HTTP/1.1 200 OK\r\nX-A: 1\r\n folded\r\nContent-Length: 2\r\n\r\nok", "not HTTP"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"2\r\nok\r\n0\r\n\r\n",
+            "not HTTP",
+        ),
+    ],
+    ids=["obs-fold", "both-framings"],
+)
+async def test_a_malformed_answer_from_vllm_is_named_as_one(
+    start: Start, answer: bytes, named: str
+) -> None:
+    # Protection: both were 502s saying "vLLM is unreachable", which sends an operator to
+    # vLLM's address and port instead of its answer.
+    rig = await start()
+    server = await _raw_upstream(answer)
+    try:
+        rig.proxy.upstream.port = server.sockets[0].getsockname()[1]
+        reply = await rig.exchange(raw_request("GET", "/version"))
+        assert reply.status == 502
+        error = reply.json()["error"]
+        assert (error["type"], named in error["message"]) == ("upstream_error", True), error
     finally:
         server.close()
         await server.wait_closed()

@@ -67,10 +67,18 @@ def version_not_supported() -> Answer:
     )
 
 
-def upstream_failure(timed_out: bool, timeout: float) -> Answer:
-    """The 504 when vLLM did not answer in ``timeout`` seconds, else the 502."""
+def upstream_failure(timed_out: bool, timeout: float, broke: str | None = None) -> Answer:
+    """The 504 when vLLM did not answer in ``timeout`` seconds, else the 502: vLLM is
+    unreachable, or (``broke``, what was wrong) its answer broke off or was not HTTP kvtax
+    can relay. An operator reading the second must look at vLLM's answer, not its address.
+
+    >>> upstream_failure(False, 600, broke="vLLM's answer is not HTTP: HttpParserError").status
+    502
+    """
     if timed_out:
         return Answer.error(504, f"vLLM did not answer within {timeout:g}s", "upstream_timeout")
+    if broke is not None:
+        return Answer.error(502, f"{broke}; kvtax cannot relay that answer", "upstream_error")
     return Answer.error(502, "vLLM is unreachable", "upstream_unavailable")
 
 

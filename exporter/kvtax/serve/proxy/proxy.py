@@ -349,7 +349,8 @@ class Proxy:
             exchange.answer(exchange.refusal)
             return
         timed_out = isinstance(exc, TimeoutError)
-        exchange.answer(upstream_failure(timed_out, self.settings.timeout))
+        broke = str(exc) if isinstance(exc, UpstreamBroke) else None
+        exchange.answer(upstream_failure(timed_out, self.settings.timeout, broke=broke))
 
     async def _accounted(self, exchange: Exchange) -> None:
         facts = exchange.facts = Facts(started=self.clock())
@@ -467,10 +468,13 @@ class Proxy:
         except Unreachable:
             exchange.answer(upstream_failure(False, self.settings.timeout))
             return
-        except (UpstreamBroke, TimeoutError) as exc:
+        except TimeoutError:
             facts.sent = True  # vLLM had the request: its HTTP counter counts it
-            timed_out = isinstance(exc, TimeoutError)
-            exchange.answer(upstream_failure(timed_out, self.settings.timeout))
+            exchange.answer(upstream_failure(True, self.settings.timeout))
+            return
+        except UpstreamBroke as exc:
+            facts.sent = True
+            exchange.answer(upstream_failure(False, self.settings.timeout, broke=str(exc)))
             return
         except Cut:
             # The cut came before vLLM's status line; the connection is closed, so vLLM, which
