@@ -42,7 +42,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 # hypothesis, for the HTTP differential (test_http_differential.py): reproducible (derandomized,
 # no example database) and untimed (a front-door example costs a few ms, more when it fails).
 # `scripts/test --fast` sets KVTAX_SKIP_E2E=1 and gets the small run; the full suite runs
-# 10,000 examples per side; KVTAX_HYPOTHESIS_PROFILE picks one by name.
+# 10,000 examples per side; KVTAX_HYPOTHESIS_PROFILE picks one by name. Every other property
+# test sets its own max_examples: the full count is sized for the differential alone.
 settings.register_profile(
     "kvtax-fast",
     max_examples=200,
