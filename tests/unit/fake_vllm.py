@@ -69,6 +69,14 @@ def _gzip(data: bytes) -> bytes:
     return packer.compress(data) + packer.flush()
 
 
+# For a test of vLLM going silent mid-stream: the proxy's read timeout (STALL_TIMEOUT) is long
+# enough that the head, written at once, beats it even on a machine whose load deschedules the
+# test for seconds (4.1 s was seen at load average 10), and the fake's silence (STALL) is far
+# longer. Serve the fake with handler_cancellation, so the silence ends when kvtax hangs up.
+STALL_TIMEOUT = 5.0
+STALL = 120.0
+
+
 @dataclass
 class FakeVllm:
     tokens: int = 5

@@ -20,7 +20,7 @@ from kvtax.delivery.openai import error_body, sse_error_event
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sources.push import PUSH_PATH, push_handler
 from kvtax_dev.ports import refused_port
-from tests.unit.fake_vllm import FakeVllm, serve
+from tests.unit.fake_vllm import STALL, STALL_TIMEOUT, FakeVllm, serve
 
 RUNTIME = Path(__file__).resolve().parents[2] / "exporter" / "kvtax"
 FIELDS = {"message", "type", "param", "code"}
@@ -63,10 +63,10 @@ def test_the_shape_is_spelled_in_one_module_only() -> None:
 
 @pytest.fixture
 async def proxy_url() -> Any:
-    vllm = FakeVllm(tokens=3, delay=0.2)
-    runner, upstream = await serve(vllm.app())
+    vllm = FakeVllm(tokens=3, delay=STALL)
+    runner, upstream = await serve(vllm.app(), handler_cancellation=True)
     proxy = Proxy(
-        ProxySettings(upstream=upstream, max_body=1000, timeout=0.1),
+        ProxySettings(upstream=upstream, max_body=1000, timeout=STALL_TIMEOUT),
         DeliveryLedger(ModelNames()),
     )
     proxy_port = await proxy.start("127.0.0.1", 0)
@@ -80,7 +80,7 @@ async def test_the_proxy_answers_its_own_errors_in_the_shape(proxy_url: str) -> 
         async with client.post(proxy_url + "/v1/completions", data="x" * 2000) as resp:
             assert resp.status == 413
             assert_openai_shaped(await resp.json(), 413, "invalid_request_error")
-        # vLLM takes 0.2 s per chunk; the proxy waits 0.1 s between reads.
+        # vLLM writes its head, then goes silent for longer than the proxy waits between reads.
         body = {"model": "m", "prompt": "hi", "stream": True}
         async with client.post(proxy_url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
