@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvtax import cli
@@ -16,6 +17,7 @@ from kvtax.tools.loadtest.distributions import parse_distribution
 from kvtax.tools.loadtest.knees import preemption_knee
 from kvtax.tools.loadtest.measure import StepResult
 from kvtax.tools.loadtest.plan import LoadPlan
+from tests.unit.fake_vllm import serve
 from tests.unit.loadtest_fake import PreemptingServer
 
 
@@ -177,3 +179,29 @@ def test_ctrl_c_still_writes_the_measured_steps(
     assert report["interrupted"] is True
     assert [s["level"] for s in report["steps"]] == [1, 2]
     assert "Stopped by Ctrl-C" in (tmp_path / "report.md").read_text()
+
+
+async def test_an_idle_connection_is_dropped_before_vllm_would_close_it() -> None:
+    # vLLM closes a connection idle for 5 s; aiohttp's default keeps one 15 s, so a request
+    # after a pause of 5 s could go out on a connection vLLM is closing ("Server disconnected").
+    # After a pause past KEEPALIVE_SECONDS (below vLLM's 5 s) the sweep opens a fresh one.
+    peers: list[object] = []
+
+    async def hello(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    runner, url = await serve(app)
+    try:
+        async with driver.load_session(4) as session:
+            for pause in (0.0, 0.0, driver.KEEPALIVE_SECONDS + 0.5):
+                await asyncio.sleep(pause)
+                async with session.get(url + "/") as resp:
+                    assert await resp.text() == "ok"
+    finally:
+        await runner.cleanup()
+    assert driver.KEEPALIVE_SECONDS < 5.0
+    assert peers[0] == peers[1], "back-to-back requests should share a connection"
+    assert peers[2] != peers[1], "an idle connection was kept past KEEPALIVE_SECONDS"

@@ -41,6 +41,12 @@ Progress = Callable[[str], None]
 # Token ids of a prompt: low ids exist in every vocabulary, the tiny test model's included.
 _TOKEN_IDS = (10, 500)
 _CONNECT_TIMEOUT = 10.0
+# vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
+# aiohttp keeps one for 15 s. A request sent on a connection vLLM is closing at that moment
+# fails with "Server disconnected", which the sweep would count against the engine (CI saw two
+# at one step, the first requests after the previous step's streams went idle). Dropping idle
+# connections well before vLLM does means a reused one is never the one it is closing.
+KEEPALIVE_SECONDS = 2.0
 # A progress line this often inside a step.
 _TICK_SECONDS = 10.0
 
@@ -72,6 +78,14 @@ class _Engine:
 
     def points(self, start: float, end: float) -> list[Point]:
         return [p for p in self.window.points(self.target.model) if start <= p.t <= end]
+
+
+def load_session(max_in_flight: int) -> aiohttp.ClientSession:
+    """The sweep's one session: at most ``max_in_flight`` connections, none kept idle past
+    KEEPALIVE_SECONDS, no total timeout (a stream lasts as long as its tokens take)."""
+    connector = aiohttp.TCPConnector(limit=max_in_flight, keepalive_timeout=KEEPALIVE_SECONDS)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_TIMEOUT)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 async def _get_text(session: aiohttp.ClientSession, url: str) -> str:
@@ -127,9 +141,7 @@ async def run_sweep(
     Returns the whole run's points (for the run-wide recommendation)."""
     settings = settings or EngineSettings()
     rng = random.Random(plan.seed)
-    limit = aiohttp.TCPConnector(limit=plan.max_in_flight)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_TIMEOUT)
-    async with aiohttp.ClientSession(connector=limit, timeout=timeout) as session:
+    async with load_session(plan.max_in_flight) as session:
         engine = _Engine(target, session)
         for index, level in enumerate(plan.levels):
             if index:
