@@ -5,12 +5,12 @@ an OpenAI-style ``server_shutdown`` error event and a proper end of stream, neve
 process exits 0 and its last log line accounts for every request.
 
 Which stream outlives the grace period must not depend on how fast the engine is, nor on how
-late a starved kvtax's timer fires. So the engine is frozen (:meth:`VllmEngine.freeze`) while
-the requests reach vLLM and SIGTERM comes, runs in short slices until the short streams have
-ended, and is frozen again until kvtax has exited: the long ones are barely begun. Before, with
-the engine left running, CI once saw every long stream finish ("the test proves nothing"); here,
-beside three busy processes, a 1 s grace period ended 6.7 s after SIGTERM, and in other runs the
-client read the first tokens only after every stream had ended.
+late a starved kvtax's timer fires. So the engine is frozen (:mod:`kvtax_dev.testbed.freeze`)
+while the requests reach vLLM and SIGTERM comes, runs in short slices until the short streams
+have ended, and stays frozen until kvtax has exited: the long ones are barely begun. Before,
+with the engine left running, CI once saw every long stream finish ("the test proves
+nothing"); here, beside three busy processes, a 1 s grace period ended 6.7 s after SIGTERM,
+and in other runs the client read the first tokens only after every stream had ended.
 """
 
 from __future__ import annotations
@@ -36,11 +36,6 @@ STREAMS = SHORT_STREAMS + LONG_STREAMS
 # Long enough for the short streams' slices however starved the machine; the long streams are
 # frozen meanwhile, so it need not be short.
 GRACE_S = 5
-# The engine runs for SLICE_S at a time, then the client reads what came for up to SLICE_READ_S;
-# SLICES only guards against a hang (the short streams then fail the assertions).
-SLICE_S = 0.02
-SLICE_READ_S = 0.2
-SLICES = 200
 
 
 @dataclass
@@ -94,8 +89,7 @@ async def _run(kvtax: KvtaxProcess, engine: VllmEngine) -> tuple[list[StreamEnd]
     assert kvtax.proxy_url is not None
     ends = [StreamEnd() for _ in range(STREAMS)]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        engine.freeze()
-        try:
+        with engine.freezer() as freezer:
             tasks = [
                 asyncio.create_task(
                     _stream(
@@ -121,15 +115,8 @@ async def _run(kvtax: KvtaxProcess, engine: VllmEngine) -> tuple[list[StreamEnd]
             # steps, each long one 900, so the long ones are barely begun when it stops for
             # good. However late kvtax's grace period then ends, they cannot finish first.
             shorts = tasks[:SHORT_STREAMS]
-            for _ in range(SLICES):
-                engine.thaw()
-                await asyncio.sleep(SLICE_S)
-                engine.freeze()
-                if await until(lambda: all(t.done() for t in shorts), limit=SLICE_READ_S):
-                    break
+            await freezer.run_until(lambda: all(t.done() for t in shorts), limit=60)
             code = await stopping
-        finally:
-            engine.thaw()
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
     return ends, code
 

@@ -6,8 +6,8 @@ from :mod:`kvtax_dev.testbed.model`, with a KV pool shrunk to a few blocks so th
 load preempts. The engine runs in its own process group so that stopping it also stops
 every worker it spawned.
 
-Light imports only (the standard library, requests and psutil): this module is imported by
-the sidecar's test suite, whose venv has neither torch nor vLLM. The process itself is a
+Light imports only (the standard library and requests): this module is imported by the
+sidecar's test suite, whose venv has neither torch nor vLLM. The process itself is a
 :class:`~kvtax_dev.process.ChildProcess`.
 """
 
@@ -22,17 +22,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-import psutil
 import requests
 
 from kvtax_dev import dev_env, repo_root
 from kvtax_dev.exposition import read_samples, total
 from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, tail
+from kvtax_dev.testbed.freeze import Freezer
 
 # The vLLM CPU backend's KV block size, in tokens. The pool holds blocks * this.
 BLOCK_SIZE_TOKENS = 128
@@ -254,7 +254,6 @@ class VllmEngine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = num_gpu_blocks * BLOCK_SIZE_TOKENS
-        self._frozen: list[psutil.Process] = []  # what freeze() stopped
         self.extra_args: tuple[str, ...] = tuple(extra_args)
         self.extra_env: dict[str, str] = dict(extra_env or {})
         # The cores the engine's worker (its OpenMP threads) runs on, as vLLM's
@@ -376,46 +375,24 @@ class VllmEngine:
 
     def stop(self) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL after a grace. Idempotent."""
-        self.thaw()  # a stopped worker would sit out the SIGTERM and wait for the SIGKILL
         child, self._child = self._child, None
         if child is not None:
+            # A worker a freezer left stopped would sit out the SIGTERM until the SIGKILL (the
+            # group's id is the leader's pid: own_group).
+            if child.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGCONT)
             child.stop(grace=self.stop_grace_s)
             if self.core_lock is not None:
                 self.core_lock.release()
 
-    def freeze(self) -> None:
-        """From here the engine computes nothing: the API server's children (the engine core and
-        whatever it spawned) are stopped with SIGSTOP until :meth:`thaw`.
-
-        The API server itself keeps running, so ``/metrics`` and ``/health`` answer, requests
-        are taken (they wait in the engine core's input) and a client that hangs up is still
-        seen; a request vLLM holds stays exactly where it was, however long the caller takes.
-        A test uses it where an outcome must not depend on how fast the engine is, which on a
-        shared machine wins or loses any race with a timer.
-        """
+    def freezer(self) -> Freezer:
+        """A :class:`~kvtax_dev.testbed.freeze.Freezer` of this engine: inside it the engine
+        computes only in the slices the caller lets it run. Use as a context manager."""
         pid = self._child.pid if self._child is not None else None
         if pid is None:
             raise RuntimeError("the engine is not running")
-        for worker in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.send_signal(signal.SIGSTOP)
-                self._frozen.append(worker)
-
-    def thaw(self) -> None:
-        """Continue what :meth:`freeze` stopped (SIGCONT). Idempotent."""
-        frozen, self._frozen = self._frozen, []
-        for worker in frozen:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.send_signal(signal.SIGCONT)
-
-    @contextlib.contextmanager
-    def frozen(self) -> Iterator[None]:
-        """:meth:`freeze` inside, :meth:`thaw` on the way out, whatever happens."""
-        self.freeze()
-        try:
-            yield
-        finally:
-            self.thaw()
+        return Freezer(pid)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines of the engine log, for error messages."""
