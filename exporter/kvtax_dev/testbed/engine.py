@@ -400,8 +400,9 @@ class VllmEngine:
 
     # -- convenience ---------------------------------------------------------------------
 
-    def get(self, path: str, timeout: float = 10.0) -> str:
-        """GET ``path`` from the engine and return the body as text."""
+    def get(self, path: str, timeout: float = 30.0) -> str:
+        """GET ``path`` from the engine and return the body as text. ``timeout`` guards against
+        hangs: vLLM's busy API server took 5.5 s for a ``/metrics`` page in the gate e2e."""
         resp = requests.get(f"{self.url}{path}", timeout=timeout)
         resp.raise_for_status()
         return resp.content.decode()
