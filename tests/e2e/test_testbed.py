@@ -10,8 +10,9 @@ from pathlib import Path
 
 from kvtax_dev.exposition import labels_of, read_samples, total
 from kvtax_dev.ports import refused_port
+from kvtax_dev.process import until
 from kvtax_dev.testbed import VllmEngine
-from kvtax_dev.testbed.load import drive
+from kvtax_dev.testbed.load import RequestResult, drive
 from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
 from kvtax_dev.testbed.sidecar import KvtaxProcess
 
@@ -47,18 +48,29 @@ def test_cache_config_reports_the_small_pool(vllm_engine: VllmEngine) -> None:
 
 
 def test_overload_preempts(vllm_engine: VllmEngine) -> None:
-    # 32 x (41 + 300) tokens want ~10,900 KV tokens from a 2,048-token pool.
+    # 32 x (41 + 300) tokens want ~10,900 KV tokens from a 2,048-token pool. The engine is held
+    # still until every request is in: beside CI's other lanes the requests once came slower
+    # than a fast engine finished them, and none was preempted.
     before = _preemptions(vllm_engine)
-    results = asyncio.run(
-        drive(
-            vllm_engine.url,
-            vllm_engine.model_name,
-            concurrency=OVERLOAD_REQUESTS,
-            max_tokens=OVERLOAD_MAX_TOKENS,
-            stream=True,
-            include_usage=True,
-        )
-    )
+
+    async def overload() -> list[RequestResult]:
+        heads: set[int] = set()
+        with vllm_engine.freezer():
+            load = asyncio.create_task(
+                drive(
+                    vllm_engine.url,
+                    vllm_engine.model_name,
+                    concurrency=OVERLOAD_REQUESTS,
+                    max_tokens=OVERLOAD_MAX_TOKENS,
+                    stream=True,
+                    include_usage=True,
+                    on_head=heads.add,
+                )
+            )
+            assert await until(lambda: len(heads) == OVERLOAD_REQUESTS or load.done(), 60)
+        return await load
+
+    results = asyncio.run(overload())
     after = _preemptions(vllm_engine)
 
     assert [r.error for r in results if not r.ok] == []

@@ -169,6 +169,7 @@ async def _one(
     index: int,
     chat: bool,
     disconnect_after_chunks: int | None,
+    on_head: Callable[[int], None] | None = None,
 ) -> RequestResult:
     seen = _Seen(began=time.monotonic(), chat=chat)
     status = 0
@@ -177,6 +178,8 @@ async def _one(
     try:
         async with session.post(url, json=body) as resp:
             status = resp.status
+            if on_head is not None:
+                on_head(index)
             if status != 200:
                 error = (await resp.text())[:500]
             elif body["stream"]:
@@ -221,6 +224,7 @@ async def drive(
     continuous_usage: bool = False,
     timeout_s: float = 600.0,
     for_seconds: float | None = None,
+    on_head: Callable[[int], None] | None = None,
 ) -> list[RequestResult]:
     """Send ``requests`` (default: ``concurrency``) requests, ``concurrency`` at a time; or,
     with ``for_seconds``, keep ``concurrency`` in flight until that many seconds have passed,
@@ -235,6 +239,10 @@ async def drive(
 
     A load for a time, not a count, holds its overload for as long on a fast machine as on a
     slow one: a test that compares seconds of steady overload gets the same number of them.
+
+    ``on_head(i)`` is called as request *i*'s response head arrives: vLLM sends a stream's head
+    as it takes the request, before any token, so a test holding the engine still
+    (:mod:`kvtax_dev.testbed.freeze`) knows when every request is in.
     """
     total = concurrency if requests is None else requests
     endpoint = url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -266,6 +274,7 @@ async def drive(
                 index=index,
                 chat=chat,
                 disconnect_after_chunks=disconnect_after_chunks,
+                on_head=on_head,
             )
 
         if for_seconds is not None:
