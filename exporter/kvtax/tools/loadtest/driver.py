@@ -41,12 +41,6 @@ Progress = Callable[[str], None]
 # Token ids of a prompt: low ids exist in every vocabulary, the tiny test model's included.
 _TOKEN_IDS = (10, 500)
 _CONNECT_TIMEOUT = 10.0
-# vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default);
-# aiohttp keeps one for 15 s. A request sent on a connection vLLM is closing at that moment
-# fails with "Server disconnected", which the sweep would count against the engine (CI saw two
-# at one step, the first requests after the previous step's streams went idle). Dropping idle
-# connections well before vLLM does means a reused one is never the one it is closing.
-KEEPALIVE_SECONDS = 2.0
 # A progress line this often inside a step.
 _TICK_SECONDS = 10.0
 
@@ -81,9 +75,17 @@ class _Engine:
 
 
 def load_session(max_in_flight: int) -> aiohttp.ClientSession:
-    """The sweep's one session: at most ``max_in_flight`` connections, none kept idle past
-    KEEPALIVE_SECONDS, no total timeout (a stream lasts as long as its tokens take)."""
-    connector = aiohttp.TCPConnector(limit=max_in_flight, keepalive_timeout=KEEPALIVE_SECONDS)
+    """The sweep's one session: at most ``max_in_flight`` connections, each closed after its
+    answer (never reused), no total timeout (a stream lasts as long as its tokens take)."""
+    # A connection of its own for every request, never a pooled one. vLLM's server arms its keep-
+    # alive close (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) when it has written an answer's end. If the
+    # sweep reads that end late, or vLLM's loop is busy when the next request comes so that the
+    # timer falls due before the request is read, a reused connection is closed under the request:
+    # "Server disconnected" before vLLM reads it. CI saw it twice: with aiohttp's 15 s keep-alive,
+    # and again with idle connections dropped at 2 s, where a step beside CI's other lanes lost 1 of
+    # 8 and 2 of 12 requests (TTFTs of 5.5 s showed how late the loops ran). A load generator must
+    # not invent failures, and a loopback connect costs microseconds beside a generation.
+    connector = aiohttp.TCPConnector(limit=max_in_flight, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_TIMEOUT)
     return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
