@@ -3,10 +3,14 @@
 The session engine's pool holds 2,048 tokens (16 blocks of 128). Each request here is 40 prompt
 tokens and 500 generated (``ignore_eos``): 5 blocks at its end, so two fit with room to spare
 and four cannot all fit while they run in step (three would fill the pool to the last block,
-too close to call, so the sweep skips it). Four out of step hold about 3 blocks each and may
-fit: beside CI's other lanes the clients drifted apart and 4 did not preempt, leaving the
-knee at the last step, unconfirmed. Six cannot fit either way, and eight confirms it. The
-sweep runs concurrency 1, 2, 4, 6, 8. While it runs, the test samples the engine's own
+too close to call, so the sweep skips it). The sweep runs concurrency 1, 2, 4, 6, 8.
+
+Each step's first requests start in step whatever the machine's load: the test holds the
+engine still (:mod:`kvtax_dev.testbed.freeze`) from the end of one step until vLLM has taken
+every request the next one opens with, then lets it go. Without that, beside CI's other lanes
+vLLM's API server took the requests in one by one while it streamed the others, the engine
+finished some before the last came in, and 6 and 8 clients ran without a preemption (4 did once
+too, leaving the knee unconfirmed). While it runs, the test samples the engine's own
 ``vllm:num_preemptions_total`` from its /metrics with a regular expression (not kvtax's
 parser), and checks against those samples that no step below the knee kvtax reports preempted
 and every step from the knee on did.
@@ -21,48 +25,135 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
+from functools import partial
+from itertools import pairwise
 from pathlib import Path
+from typing import IO
 
 import requests
 
 from kvtax_dev import dev_env
+from kvtax_dev.process import poll_until
 from kvtax_dev.testbed import VllmEngine
+from kvtax_dev.testbed.freeze import Freezer
 
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", re.MULTILINE)
 _PNG = b"\x89PNG\r\n\x1a\n"
+LEVELS = (1, 2, 4, 6, 8)
+HANG_GUARD_S = 120.0  # fails a hung run; not a performance claim
+_RECEIVED = re.compile(r"\bbytes_received:(\d+)")
 
 
 class _Sampler(threading.Thread):
-    """(time, preemptions) of the engine every 0.2 s, read straight from its page."""
+    """The engine's preemptions every 0.2 s, read straight from its page, each sample with the
+    times its page was asked for and came: a page that came before a step began counts as
+    before it, one asked for after it ended as after (a slow page counts as neither)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
         self.url = url
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float, float]] = []  # asked, came, preemptions
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.is_set():
+            asked = time.time()
             try:
                 page = requests.get(f"{self.url}/metrics", timeout=10).text
             except requests.RequestException:
                 continue
             values = [float(v) for v in _PREEMPTIONS.findall(page)]
-            self.samples.append((time.time(), sum(values)))
+            self.samples.append((asked, time.time(), sum(values)))
             self.done.wait(0.2)
 
+    def asked_since(self, moment: float) -> bool:
+        return any(asked >= moment for asked, _, _ in self.samples)
+
     def increase(self, start: float, end: float) -> float:
-        before = [v for t, v in self.samples if t <= start]
-        after = [v for t, v in self.samples if t >= end]
+        before = [v for _, came, v in self.samples if came <= start]
+        after = [v for asked, _, v in self.samples if asked >= end]
         assert before, "no sample before the step began"
         assert after, "no sample after the step ended"
         return after[0] - before[-1]
 
 
+class _Lines(threading.Thread):
+    """A process's stderr, line by line as it comes, for a test to wait on."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.lines: list[str] = []
+        self.ended = False
+        self.changed = threading.Condition()
+
+    def run(self) -> None:
+        for line in self.stream:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.ended = True
+            self.changed.notify_all()
+
+    def wait_for(self, prefix: str, after: int) -> int:
+        """The index of the first line from ``after`` on that starts with ``prefix``."""
+        with self.changed:
+            found = self.changed.wait_for(
+                lambda: self.ended or any(line.startswith(prefix) for line in self.lines[after:]),
+                timeout=HANG_GUARD_S,
+            )
+            for index in range(after, len(self.lines)):
+                if self.lines[index].startswith(prefix):
+                    return index
+        raise AssertionError(
+            f"the sweep printed no line {prefix!r} ({'ended' if found else 'hung'}): "
+            + "".join(self.lines)
+        )
+
+
+def _answered(pid: int, port: int) -> int:
+    """How many of process ``pid``'s open connections to ``port`` have had bytes back. vLLM
+    sends a stream's head as it takes the request, before any token, so with its engine held
+    still this counts the requests vLLM holds (and a metrics scrape in flight, if any: the
+    count may run one ahead, the last request then taken a moment after the engine goes)."""
+    listing = subprocess.run(
+        ["ss", "-H", "-t", "-i", "-p", "state", "established", "dport", "=", f":{port}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    # Each connection is a line naming its process, then an indented line of its counters.
+    return sum(
+        1
+        for head, info in pairwise(listing)
+        if f"pid={pid}," in head and (m := _RECEIVED.search(info)) and int(m.group(1)) > 0
+    )
+
+
+def _hold_each_step_until_its_requests_are_in(
+    freezer: Freezer, lines: _Lines, pid: int, port: int
+) -> None:
+    """The engine is held still from the end of one step until vLLM has taken each request
+    the next step opens with (as many as its clients), then let go for the step."""
+    seen = 0
+    for index, level in enumerate(LEVELS):
+        seen = lines.wait_for(f"step {index + 1}/{len(LEVELS)}:", seen) + 1
+        taken = partial(lambda n: _answered(pid, port) >= n, level)
+        assert poll_until(taken, timeout=HANG_GUARD_S), (
+            f"vLLM did not take the {level} requests of step {index + 1}"
+        )
+        freezer.go()
+        # The step's own line ("  concurrency 4: ..."), printed before the rest between steps.
+        seen = lines.wait_for(f"  concurrency {level}:", seen) + 1
+        freezer.halt()
+
+
 def test_loadtest_finds_the_preemption_knee(vllm_engine: VllmEngine, tmp_path: Path) -> None:
     sampler = _Sampler(vllm_engine.url)
     sampler.start()
-    time.sleep(0.5)
+    assert poll_until(lambda: sampler.samples, timeout=HANG_GUARD_S), "vLLM's page never came"
     cmd = [
         sys.executable,
         "-m",
@@ -70,11 +161,13 @@ def test_loadtest_finds_the_preemption_knee(vllm_engine: VllmEngine, tmp_path: P
         "loadtest",
         vllm_engine.url,
         "--levels",
-        "1,2,4,6,8",
+        ",".join(map(str, LEVELS)),
         "--step-duration",
         "5",
         "--scrape-interval",
         "0.5",
+        "--rest",
+        "2",
         "--prompt-tokens",
         "const:40",
         "--output-tokens",
@@ -82,20 +175,43 @@ def test_loadtest_finds_the_preemption_knee(vllm_engine: VllmEngine, tmp_path: P
         "--out",
         str(tmp_path),
     ]
+    port = urllib.parse.urlsplit(vllm_engine.url).port
+    assert port is not None
     try:
-        run = subprocess.run(
-            cmd, env=dev_env(os.environ), check=False, capture_output=True, text=True, timeout=300
-        )
-        time.sleep(0.5)
+        with vllm_engine.freezer() as freezer:
+            proc = subprocess.Popen(
+                cmd,
+                env=dev_env(os.environ),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            assert proc.stderr is not None
+            lines = _Lines(proc.stderr)
+            lines.start()
+            try:
+                _hold_each_step_until_its_requests_are_in(freezer, lines, proc.pid, port)
+            finally:
+                freezer.go()
+                try:
+                    proc.wait(300)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                lines.join(15)
+                proc.stderr.close()
+        ended = time.time()
+        assert poll_until(lambda: sampler.asked_since(ended), timeout=HANG_GUARD_S)
     finally:
         sampler.done.set()
         sampler.join(timeout=15)
-    assert run.returncode == 0, run.stderr
+    stderr = "".join(lines.lines)
+    assert proc.returncode == 0, stderr
     # Progress went to the terminal while it ran: one line per step at least.
-    assert run.stderr.count("step ") >= 5, run.stderr
+    assert stderr.count("step ") >= 5, stderr
     report = json.loads((tmp_path / "report.json").read_text())
     steps = report["steps"]
-    assert [s["level"] for s in steps] == [1, 2, 4, 6, 8]
+    assert [s["level"] for s in steps] == list(LEVELS)
     knee = report["knees"]["preemption"]
     assert knee is not None, [s["engine"]["preemptions"] for s in steps]
     assert knee["confirmed"] is True

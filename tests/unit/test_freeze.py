@@ -104,6 +104,15 @@ def test_a_slice_lets_the_child_run_and_it_is_stopped_after(stand: Stand) -> Non
     assert stand.moves(stand.child)
 
 
+def test_go_lets_the_child_run_until_halt(stand: Stand) -> None:
+    with Freezer(stand.proc.pid) as freezer:
+        freezer.go()
+        assert stand.moves(stand.child)
+        freezer.halt()
+        assert _stopped(stand)
+    assert stand.moves(stand.child)
+
+
 def test_the_child_goes_on_when_the_test_side_dies(stand: Stand) -> None:
     freezer = Freezer(stand.proc.pid).__enter__()
     assert _stopped(stand)

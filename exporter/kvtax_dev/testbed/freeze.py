@@ -128,6 +128,14 @@ class Freezer:
             assert helper.stdout is not None
             helper.stdout.close()
 
+    def go(self) -> None:
+        """Let the engine compute freely, until :meth:`halt` or the way out."""
+        self._command("cont")
+
+    def halt(self) -> None:
+        """Stop the engine again (and any process it started meanwhile)."""
+        self._command("stop")
+
     def _command(self, line: str) -> None:
         helper = self._helper
         if helper is None:
