@@ -90,11 +90,18 @@ def test_a_child_never_ready_is_stopped_and_the_error_is_the_callers(tmp_path: P
         pass
 
     child = ready_child(tmp_path, error=MineError)
-    child._ready = lambda: False  # the marker appears, but the probe never says yes
-    # 5 s, not 1: the child's Python must start and print its marker before the timeout, and
-    # beside the suite's engine lane a start took over 1 s (the log tail was still empty).
-    with pytest.raises(MineError, match=r"(?s)child not ready after 5 s.*hello from the child"):
-        child.start(timeout=5)
+    marker = tmp_path / "ready"
+
+    def never_ready() -> bool:
+        # The child has printed its line and made its marker, but the probe never says yes.
+        # The probe waits for the marker rather than the test racing the timeout against the
+        # child's start: beside CI's lanes a start took over 5 s, and the log tail was empty.
+        assert poll_until(marker.exists, timeout=60), "the child never started"
+        return False
+
+    child._ready = never_ready
+    with pytest.raises(MineError, match=r"(?s)child not ready after 1 s.*hello from the child"):
+        child.start(timeout=1)
     assert not child.running
     assert child.returncode == -signal.SIGTERM
 
