@@ -29,7 +29,6 @@ import urllib.parse
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
-from typing import IO
 
 import requests
 
@@ -78,39 +77,21 @@ class _Sampler(threading.Thread):
         return after[0] - before[-1]
 
 
-class _Lines(threading.Thread):
-    """A process's stderr, line by line as it comes, for a test to wait on."""
+def _after_line(proc: subprocess.Popen[bytes], log: Path, prefix: str, after: int) -> int | None:
+    """Where the sweep's output goes on past its first line from ``after`` on that starts with
+    ``prefix`` (the line's index + 1); None while there is none. The sweep ending without it
+    fails at once, with what it printed."""
+    ended = proc.poll() is not None  # before the read: an ended sweep's output is all there
+    lines = log.read_text().splitlines()
+    found = next((i + 1 for i in range(after, len(lines)) if lines[i].startswith(prefix)), None)
+    assert found or not ended, f"the sweep ended without a line {prefix!r}:\n{log.read_text()}"
+    return found
 
-    def __init__(self, stream: IO[str]) -> None:
-        super().__init__(daemon=True)
-        self.stream = stream
-        self.lines: list[str] = []
-        self.ended = False
-        self.changed = threading.Condition()
 
-    def run(self) -> None:
-        for line in self.stream:
-            with self.changed:
-                self.lines.append(line)
-                self.changed.notify_all()
-        with self.changed:
-            self.ended = True
-            self.changed.notify_all()
-
-    def wait_for(self, prefix: str, after: int) -> int:
-        """The index of the first line from ``after`` on that starts with ``prefix``."""
-        with self.changed:
-            found = self.changed.wait_for(
-                lambda: self.ended or any(line.startswith(prefix) for line in self.lines[after:]),
-                timeout=HANG_GUARD_S,
-            )
-            for index in range(after, len(self.lines)):
-                if self.lines[index].startswith(prefix):
-                    return index
-        raise AssertionError(
-            f"the sweep printed no line {prefix!r} ({'ended' if found else 'hung'}): "
-            + "".join(self.lines)
-        )
+def _wait_line(proc: subprocess.Popen[bytes], log: Path, prefix: str, after: int) -> int:
+    found = poll_until(partial(_after_line, proc, log, prefix, after), timeout=HANG_GUARD_S)
+    assert found, f"the sweep printed no line {prefix!r}:\n{log.read_text()}"
+    return found
 
 
 def _answered(pid: int, port: int) -> int:
@@ -132,21 +113,24 @@ def _answered(pid: int, port: int) -> int:
     )
 
 
+def _taken(pid: int, port: int, count: int) -> bool:
+    return _answered(pid, port) >= count
+
+
 def _hold_each_step_until_its_requests_are_in(
-    freezer: Freezer, lines: _Lines, pid: int, port: int
+    freezer: Freezer, proc: subprocess.Popen[bytes], log: Path, port: int
 ) -> None:
     """The engine is held still from the end of one step until vLLM has taken each request
     the next step opens with (as many as its clients), then let go for the step."""
     seen = 0
     for index, level in enumerate(LEVELS):
-        seen = lines.wait_for(f"step {index + 1}/{len(LEVELS)}:", seen) + 1
-        taken = partial(lambda n: _answered(pid, port) >= n, level)
-        assert poll_until(taken, timeout=HANG_GUARD_S), (
+        seen = _wait_line(proc, log, f"step {index + 1}/{len(LEVELS)}:", seen)
+        assert poll_until(partial(_taken, proc.pid, port, level), timeout=HANG_GUARD_S), (
             f"vLLM did not take the {level} requests of step {index + 1}"
         )
         freezer.go()
         # The step's own line ("  concurrency 4: ..."), printed before the rest between steps.
-        seen = lines.wait_for(f"  concurrency {level}:", seen) + 1
+        seen = _wait_line(proc, log, f"  concurrency {level}:", seen)
         freezer.halt()
 
 
@@ -177,38 +161,29 @@ def test_loadtest_finds_the_preemption_knee(vllm_engine: VllmEngine, tmp_path: P
     ]
     port = urllib.parse.urlsplit(vllm_engine.url).port
     assert port is not None
+    log = tmp_path / "sweep.log"
     try:
-        with vllm_engine.freezer() as freezer:
-            proc = subprocess.Popen(
-                cmd,
-                env=dev_env(os.environ),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            assert proc.stderr is not None
-            lines = _Lines(proc.stderr)
-            lines.start()
+        with vllm_engine.freezer() as freezer, log.open("wb") as out:
+            proc = subprocess.Popen(cmd, env=dev_env(os.environ), stdout=out, stderr=out)
             try:
-                _hold_each_step_until_its_requests_are_in(freezer, lines, proc.pid, port)
+                _hold_each_step_until_its_requests_are_in(freezer, proc, log, port)
             finally:
                 freezer.go()
                 try:
                     proc.wait(300)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                lines.join(15)
-                proc.stderr.close()
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
         ended = time.time()
         assert poll_until(lambda: sampler.asked_since(ended), timeout=HANG_GUARD_S)
     finally:
         sampler.done.set()
         sampler.join(timeout=15)
-    stderr = "".join(lines.lines)
-    assert proc.returncode == 0, stderr
+    printed = log.read_text()
+    assert proc.returncode == 0, printed
     # Progress went to the terminal while it ran: one line per step at least.
-    assert stderr.count("step ") >= 5, stderr
+    assert printed.count("step ") >= 5, printed
     report = json.loads((tmp_path / "report.json").read_text())
     steps = report["steps"]
     assert [s["level"] for s in steps] == list(LEVELS)
