@@ -4,7 +4,7 @@ kvtax computes "the tax" twice, by one definition (docs/tax.md, "The one definit
 ``kvtax_preemption_tax_ratio`` is the exporter's own window (``--window``), and
 ``namespace_pod_model_name:kvtax_preemption_tax:ratio_rate<W>`` is the recording rule, a ratio of
 ``rate()`` over the same counters with the same method order. Here both run with W = 30 s on the
-session's real vLLM CPU engine while 64 streams of 300 tokens at a time, for a minute, overload
+session's real vLLM CPU engine while 64 streams of 300 tokens at a time, for 73 s, overload
 its 2,048-token pool, and Prometheus (scraping vLLM and kvtax every second) records both. They
 must agree within :data:`TOLERANCE_MEDIAN` at the median second, and within :data:`TOLERANCE` at
 every second of steady overload.
