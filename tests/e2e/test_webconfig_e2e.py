@@ -15,7 +15,6 @@ import bcrypt
 import requests
 
 from kvtax_dev.ports import refused_port
-from kvtax_dev.process import poll_until
 from kvtax_dev.testbed.promstack import PrometheusProcess, prometheus_config
 from kvtax_dev.testbed.sidecar import KvtaxProcess
 from kvtax_dev.testbed.tlscerts import make_certs
@@ -95,8 +94,9 @@ def test_prometheus_scrapes_kvtax_through_tls_and_basic_auth(tmp_path: Path) -> 
                     )
                     return t if done else {}
 
-                jobs = poll_until(settled, timeout=60)
-                assert jobs, f"the targets' verdicts after 60 s: {seen[0]}"
+                prom.wait_for(
+                    settled, timeout=60, what=lambda: f"each target's verdict (last: {seen[0]})"
+                )
                 # kvtax's own series arrived in Prometheus through the TLS, authenticated scrape.
                 series = prom.wait_for(
                     lambda: prom.query('kvtax_build_info{job="kvtax"}'),

@@ -154,9 +154,16 @@ class _Server(abc.ABC):
         return tail(self.log_path, lines)
 
     def wait_for(
-        self, probe: Callable[[], T], timeout: float = 120.0, what: str = "condition"
+        self,
+        probe: Callable[[], T],
+        timeout: float = 120.0,
+        what: str | Callable[[], str] = "condition",
     ) -> T:
-        """Poll ``probe`` until it returns something truthy; raise with the log tail if never."""
+        """Poll ``probe`` until it returns something truthy; raise with the log tail if never.
+
+        ``what`` names the condition in that error; a callable is asked only then, so it can
+        say what the probe saw last.
+        """
         last_error: Exception | None = None
         try:
             value = poll_until(
@@ -166,8 +173,9 @@ class _Server(abc.ABC):
             value, last_error = None, exc
         if value:
             return value
+        named = what() if callable(what) else what
         raise AssertionError(
-            f"{self.name}: {what} not met in {timeout}s (last error: {last_error}); "
+            f"{self.name}: {named} not met in {timeout}s (last error: {last_error}); "
             f"log tail:\n{self.log_tail()}"
         )
 
