@@ -41,6 +41,10 @@ Flags:
   ``--kvtax-arg=--scrape.interval=1h``.
 - ``--unpinned``: pin nothing, so the relays, the upstream and the load share both cores, as
   in a pod where kvtax and vLLM's API server share a CPU limit (default: pinned as above).
+- ``--kvtax-before DIR``: one more relay, ``kvtax-before``: ``kvtax serve`` run from another
+  checkout (``DIR/exporter`` first on its path), interleaved with the others round by round,
+  so that a change's before and after are measured in one run. ``git worktree add DIR REV``
+  makes one.
 
 Run from the repository root (nginx from Debian's nginx-light), alone on the machine: take the
 end-to-end lock so no vLLM engine competes for the two cores::
@@ -77,8 +81,7 @@ ROUNDS = 3
 PACED_CHUNKS, PACED_INTERVAL = 100, 0.010
 # Token chunks of a short stream: with [DONE], 4 events.
 SHORT_CHUNKS = 3
-MODES = ("direct", "kvtax", "nginx", "passthrough")
-RELAYS = MODES[1:]
+MODES = ("direct", "kvtax", "kvtax-before", "nginx", "passthrough")
 NGINX_CONF = """
 daemon off;
 worker_processes 1;
@@ -121,11 +124,13 @@ def _more_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _spawn(args: list[str], core: int | None, log: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    args: list[str], core: int | None, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     # The open-files limit is inherited from this process (raised in main()). core None: not
     # pinned, the scheduler's to place (every process shares the machine's cores).
     with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
     if core is not None:
         os.sched_setaffinity(proc.pid, {core})
     return proc
@@ -177,15 +182,34 @@ class Relay:
     pids: Callable[[], list[int]]
 
 
+def _kvtax_serve(upstream: int, port: int, web: int, args: tuple[str, ...]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "kvtax.cli.main",
+        "serve",
+        f"--vllm.url=http://127.0.0.1:{upstream}",
+        f"--proxy.listen-address=127.0.0.1:{port}",
+        f"--web.listen-address=127.0.0.1:{web}",
+        "--log.level=warning",
+        *args,
+    ]
+
+
 @contextlib.contextmanager
-def relays(kvtax_args: tuple[str, ...] = (), *, pinned: bool = True) -> Iterator[list[Relay]]:
-    """Start the upstream and the three relays; yield the four modes, in MODES' order.
-    ``pinned``: each relay on RELAY_CORE, the upstream on LOAD_CORE; else none pinned."""
+def relays(
+    kvtax_args: tuple[str, ...] = (), *, pinned: bool = True, before: Path | None = None
+) -> Iterator[list[Relay]]:
+    """Start the upstream and the relays; yield the modes, in MODES' order (``kvtax-before``
+    only with ``before``, a checkout whose kvtax it runs). ``pinned``: each relay on
+    RELAY_CORE, the upstream on LOAD_CORE; else none pinned."""
     work = Path(tempfile.mkdtemp(prefix="kvtax-bench-relay-"))
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(name: str, args: list[str], port: int, core: int) -> subprocess.Popen[bytes]:
-        proc = _spawn(args, core if pinned else None, work / f"{name}.log")
+    def start(
+        name: str, args: list[str], port: int, core: int, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        proc = _spawn(args, core if pinned else None, work / f"{name}.log", env)
         procs.append(proc)
         _wait_port(port, proc, work / f"{name}.log")
         return proc
@@ -201,20 +225,26 @@ def relays(kvtax_args: tuple[str, ...] = (), *, pinned: bool = True) -> Iterator
         kvtax_port, web_port = _port(), _port()
         kvtax = start(
             "kvtax",
-            [
-                sys.executable,
-                "-m",
-                "kvtax.cli.main",
-                "serve",
-                f"--vllm.url=http://127.0.0.1:{upstream_port}",
-                f"--proxy.listen-address=127.0.0.1:{kvtax_port}",
-                f"--web.listen-address=127.0.0.1:{web_port}",
-                "--log.level=warning",
-                *kvtax_args,
-            ],
+            _kvtax_serve(upstream_port, kvtax_port, web_port, kvtax_args),
             kvtax_port,
             RELAY_CORE,
         )
+        modes = [
+            Relay("direct", f"http://127.0.0.1:{upstream_port}", lambda: []),
+            Relay("kvtax", f"http://127.0.0.1:{kvtax_port}", lambda: [kvtax.pid]),
+        ]
+        if before is not None:
+            old_port, old_web = _port(), _port()
+            # The other checkout's package first on the path: its kvtax, this one's libraries.
+            env = {**os.environ, "PYTHONPATH": str(before / "exporter")}
+            old = start(
+                "kvtax-before",
+                _kvtax_serve(upstream_port, old_port, old_web, kvtax_args),
+                old_port,
+                RELAY_CORE,
+                env,
+            )
+            modes.append(Relay("kvtax-before", f"http://127.0.0.1:{old_port}", lambda: [old.pid]))
         nginx_port = _port()
         (work / "nginx.conf").write_text(
             NGINX_CONF.format(dir=work, upstream=upstream_port, port=nginx_port)
@@ -240,8 +270,7 @@ def relays(kvtax_args: tuple[str, ...] = (), *, pinned: bool = True) -> Iterator
             RELAY_CORE,
         )
         yield [
-            Relay("direct", f"http://127.0.0.1:{upstream_port}", lambda: []),
-            Relay("kvtax", f"http://127.0.0.1:{kvtax_port}", lambda: [kvtax.pid]),
+            *modes,
             Relay(
                 "nginx",
                 f"http://127.0.0.1:{nginx_port}",
@@ -463,8 +492,15 @@ def _spread(values: tuple[float, ...], fmt: str) -> str:
     return "/".join(format(v, fmt) for v in values)
 
 
+def _relays(results: Results) -> list[str]:
+    """The relays that ran, in MODES' order."""
+    ran = {name for name, _ in results}
+    return [name for name in MODES[1:] if name in ran]
+
+
 def report(results: Results, rounds: int) -> str:
     ran = sorted({s for _, s in results})
+    relays_ran = _relays(results)
     lines = [
         f"Medians of {rounds} interleaved rounds; percentiles of all rounds' samples pooled.",
         "",
@@ -475,7 +511,7 @@ def report(results: Results, rounds: int) -> str:
     ]
     for streams in ran:
         nginx = results[("nginx", streams)]
-        for name in RELAYS:
+        for name in relays_ran:
             r = results[(name, streams)]
             lines.append(
                 f"| {streams} | {name} | {r.cpu_us_per_event:.1f} "
@@ -497,12 +533,22 @@ def report(results: Results, rounds: int) -> str:
         )
     lines += ["", "Per round (CPU µs per event / ms per request / events per CPU-s):"]
     for streams in ran:
-        for name in RELAYS:
+        for name in relays_ran:
             r = results[(name, streams)]
             lines.append(
                 f"- {streams} {name}: {_spread(r.cpu_us_per_event_rounds, '.1f')}; "
                 f"{_spread(r.cpu_ms_per_request_rounds, '.3f')}; "
                 f"{_spread(r.events_per_cpu_s_rounds, ',.0f')}"
+            )
+    if "kvtax-before" in relays_ran:
+        lines += ["", "This checkout's kvtax against kvtax-before's (after / before):"]
+        for streams in ran:
+            now, old = results[("kvtax", streams)], results[("kvtax-before", streams)]
+            lines.append(
+                f"- {streams} streams: CPU per event "
+                f"{now.cpu_us_per_event / old.cpu_us_per_event:.3f}x, CPU per request "
+                f"{now.cpu_ms_per_request / old.cpu_ms_per_request:.3f}x, events per CPU-s "
+                f"{now.events_per_cpu_s / old.events_per_cpu_s:.3f}x"
             )
     return "\n".join([*lines, "", *_targets(results, ran)])
 
@@ -571,9 +617,10 @@ async def main_async(
     rounds: int = ROUNDS,
     *,
     pinned: bool = True,
+    before: Path | None = None,
 ) -> str:
     turns: dict[tuple[str, int], list[Turn]] = {}
-    with relays(kvtax_args, pinned=pinned) as modes:
+    with relays(kvtax_args, pinned=pinned, before=before) as modes:
         for streams in sorted(concurrency):
             plan = Plan.of(streams, rounds, quick)
             for r in range(rounds):
@@ -658,7 +705,16 @@ def main() -> None:
         help="Pin nothing: the relays, the upstream and the load share every core (default: "
         f"each relay on core {RELAY_CORE}, the upstream and the load on core {LOAD_CORE}).",
     )
+    parser.add_argument(
+        "--kvtax-before",
+        type=Path,
+        metavar="DIR",
+        help="Also run `kvtax serve` from the checkout DIR (e.g. `git worktree add DIR REV`), "
+        "interleaved with the others: a change's before and after in one run.",
+    )
     args = parser.parse_args()
+    if args.kvtax_before is not None and not (args.kvtax_before / "exporter/kvtax").is_dir():
+        parser.error(f"--kvtax-before: {args.kvtax_before} holds no exporter/kvtax")
     _more_files()
     if not args.unpinned:
         os.sched_setaffinity(0, {LOAD_CORE})
@@ -669,6 +725,7 @@ def main() -> None:
             tuple(args.kvtax_arg),
             args.rounds,
             pinned=not args.unpinned,
+            before=args.kvtax_before,
         )
     )
     print(table)

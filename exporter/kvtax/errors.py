@@ -22,14 +22,14 @@ imports nothing from kvtax, so every layer, the pure engine included, can raise 
     │   ├── AdapterError        /v1/models is no model list (kvtax.delivery.adapters)
     │   ├── GatewayError        the gateway's /metrics answer (kvtax.serve.sources.push)
     │   │   └── Redirected      the gateway answered with a redirect, which kvtax does not follow
-    │   ├── Unreachable         the proxy could not reach vLLM (kvtax.serve.proxy.upstream)
+    │   ├── Unreachable         the proxy could not reach vLLM (kvtax.serve.proxy.client)
     │   └── UpstreamBroke       vLLM's connection broke before its answer was whole (same module)
     └── PlotsUnavailable        matplotlib, the extra kvtax[report], is not installed
                                 (kvtax.tools.loadtest.plots); a RuntimeError too
 
 ``except InputError`` is the one catch of the command line (:func:`kvtax.cli.main.main`); the
 server answers a :class:`RequestError` itself and counts an :class:`UpstreamError` in its own
-metrics, so neither reaches it. ``Cut`` in :mod:`kvtax.serve.proxy.upstream` is not in the tree:
+metrics, so neither reaches it. ``Cut`` in :mod:`kvtax.serve.proxy.client` is not in the tree:
 it is the proxy's shutdown signal, not an error. ``tests/unit/test_errors.py`` checks that the
 drawing names exactly the subclasses of :class:`KvtaxError`.
 """

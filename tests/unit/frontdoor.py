@@ -55,7 +55,7 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax.serve.proxy.gate import Gate
+from kvtax.serve.proxy.gatekeeper import Gate
 from kvtax_dev.process import until
 
 __all__ = [

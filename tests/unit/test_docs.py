@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from pathlib import Path
@@ -134,3 +135,43 @@ def test_vllm_rejections_are_503s_and_active_seqs_is_advised_beside_max_num_seqs
     panels_advising = {t for t, d in described.items() if "--max-num-seqs" in d}
     assert "max_num_seqs: recommended / configured" in panels_advising
     assert {t for t in panels_advising if "--max-num-active-seqs" not in described[t]} == set()
+
+
+# The package's top-level modules: a backticked name under one of them is a Python name (the
+# Helm chart's values, `kvtax.proxy.enabled` say, are not).
+_TOP = {path.stem for path in (ROOT / "exporter/kvtax").iterdir() if not path.stem.startswith("_")}
+_DOTTED = re.compile(r"`(kvtax(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`")
+
+
+def resolves(name: str) -> bool:
+    """``name`` is a module of kvtax, or an attribute (a class, function, constant) of one."""
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target: object = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            if not hasattr(target, attribute):
+                return False
+            target = getattr(target, attribute)
+        return True
+    return False
+
+
+def test_every_dotted_name_in_the_docs_resolves() -> None:
+    named = {
+        (page.name, name)
+        for page in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", ROOT / "SECURITY.md"]
+        for name in _DOTTED.findall(page.read_text())
+        if name.split(".")[1] in _TOP
+    }
+    assert named, "no dotted name found: the pattern no longer matches the docs"
+    unresolved = sorted(f"{page}: {name}" for page, name in named if not resolves(name))
+    assert not unresolved, unresolved
+
+
+def test_a_name_that_moved_does_not_resolve() -> None:
+    assert resolves("kvtax.serve.proxy.outcome.outcome_of")
+    assert not resolves("kvtax.serve.proxy.exchange.outcome_of")
+    assert not resolves("kvtax.serve.proxy.outcome.no_such_function")

@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from kvtax.gate.cap import CapSettings
-from kvtax.serve.proxy.gate import Gate, GateSettings
+from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from tests.unit.frontdoor import (
     GUARD,
     LAST_CHUNK,

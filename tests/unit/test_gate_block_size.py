@@ -16,7 +16,7 @@ from kvtax.figures.derive import EngineSettings, ModelFigures, derive_all, kv_bl
 from kvtax.figures.window import Window
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.config import load_config
-from kvtax.serve.proxy.gate import Gate, GateSettings
+from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax.serve.wiring import gate_settings
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"

@@ -27,7 +27,7 @@ from kvtax.gate.order import (
     ServiceTime,
     expected_wait,
 )
-from kvtax.serve.proxy.gate import REASONS, Gate, GateSettings, Ticket
+from kvtax.serve.proxy.gatekeeper import REASONS, Gate, GateSettings, Ticket
 
 T0 = 1000.0
 

@@ -8,23 +8,33 @@ from typing import Any
 
 import pytest
 
+from kvtax.delivery.dialects import CHAT, Shape, dialect_for
+from kvtax.delivery.dialects.base import MAX_COUNT
 from kvtax.gate.footprint import (
-    CHAT_PATH,
-    MAX_COUNT,
     MAX_FOOTPRINT,
     MAX_TOKENS_PER_BYTE,
     MIN_TOKENS_PER_BYTE,
-    Shape,
     TokenEstimator,
     blocks_of,
     check_budget,
     footprint_of,
-    shape_of,
-    with_max_tokens,
 )
 from kvtax.gate.order import queue_key, retry_after
 
 COMPLETIONS = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+
+def shape_of(body: Any, path: str, *, whole: int) -> Shape:
+    """The shape the gate reads of ``body`` sent to ``path``: its dialect's."""
+    dialect = dialect_for(path)
+    assert dialect is not None
+    return dialect.shape(body, whole=whole)
+
+
+def with_max_tokens(payload: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The body as the gate's clamp writes it (an OpenAI dialect's limit fields)."""
+    return {**payload, **CHAT.limit_fields(payload, limit)}
 
 
 def _shape(body: Any, path: str) -> Shape:

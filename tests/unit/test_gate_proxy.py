@@ -18,7 +18,7 @@ from kvtax.gate.cap import CapSettings
 from kvtax.gate.footprint import TokenEstimator
 from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax.serve.proxy.gate import Gate, GateSettings
+from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax.serve.wiring import build
 from kvtax_dev.process import until
 from tests.unit.fake_vllm import serve

@@ -15,8 +15,8 @@ from kvtax.figures.derive import ModelFigures
 from kvtax.gate.cap import CapSettings
 from kvtax.gate.footprint import MAX_FOOTPRINT
 from kvtax.gate.order import RATE_RECENT, RATE_SPAN, CompletionRate, Order, queue_key
-from kvtax.serve.proxy import gate as gate_module
-from kvtax.serve.proxy.gate import CLOSED, Gate, GateSettings
+from kvtax.serve.proxy import gatekeeper as gate_module
+from kvtax.serve.proxy.gatekeeper import CLOSED, Gate, GateSettings
 
 
 def _budget_gate(order: Order, blocks: int) -> Gate:

@@ -6,7 +6,7 @@ from kvtax.expose.exposition import build_families
 from kvtax.figures.derive import ModelFigures
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.config import Config
-from kvtax.serve.proxy.gate import Gate, GateSettings
+from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax.serve.wiring import build
 
 

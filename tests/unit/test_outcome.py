@@ -111,7 +111,7 @@ def _stream(tokens: int, upstream: int) -> StreamRewriter:
 
 def test_a_stream_cut_by_shutdown_delivers_what_its_waiting_client_was_written() -> None:
     # Ended with the error event and a clean end of stream while the client was there.
-    ex = finished(wrote_all=False, upstream_broke=True, acks=acked(7, 3), rewriter=_stream(7, 9))
+    ex = finished(wrote_all=False, upstream_broke=True, acks=acked(7, 3), counter=_stream(7, 9))
     record = record_of(ex, outcome_of(ex, "cutting"), ended=1.5, slo=SLO)
     assert record.outcome == "shutdown"
     assert (record.delivered_tokens, record.undelivered_tokens) == (7, 2)
@@ -122,7 +122,7 @@ def test_a_stream_cut_by_shutdown_delivers_what_its_waiting_client_was_written()
 
 def test_a_client_that_left_has_only_what_it_acknowledged() -> None:
     ex = finished(wrote_all=False, eof=False, client_gone=True, acks=acked(7, 3))
-    ex.rewriter = _stream(7, 9)
+    ex.counter = _stream(7, 9)
     record = record_of(ex, outcome_of(ex, "serving"), ended=1.0, slo=SLO)
     assert record.outcome == "client_disconnected"
     assert (record.delivered_tokens, record.undelivered_tokens) == (3, 6)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtax.gate.footprint import shape_of
+from kvtax.delivery.dialects import CHAT, COMPLETIONS, Dialect
 from kvtax.serve.proxy import prepare as prepare_module
 from kvtax.serve.proxy.prepare import Prepared, prepare
 
@@ -47,7 +47,7 @@ def test_a_chat_request_s_image_is_never_decoded(monkeypatch: pytest.MonkeyPatch
 
     # The orjson module prepare reads with is this one (prepare_module.orjson is orjson).
     monkeypatch.setattr(orjson, "loads", counting)
-    prepared = prepare(body)
+    prepared = prepare(body, CHAT)
     assert max(decoded) < 1024  # only the fields kvtax reads, never the image
     assert prepared.wish is not None
     assert prepared.model == "m"
@@ -58,9 +58,9 @@ def test_a_chat_request_s_image_is_never_decoded(monkeypatch: pytest.MonkeyPatch
 
 
 def test_the_gate_sizes_the_text_and_knows_the_image_is_there() -> None:
-    prepared = prepare(orjson.dumps(_chat()))
-    shape = shape_of(prepared.payload, "/v1/chat/completions", whole=len(prepared.body))
-    whole = shape_of(_chat(), "/v1/chat/completions", whole=len(prepared.body))
+    prepared = prepare(orjson.dumps(_chat()), CHAT)
+    shape = CHAT.shape(prepared.payload, whole=len(prepared.body))
+    whole = CHAT.shape(_chat(), whole=len(prepared.body))
     assert shape == whole
     assert shape.media
     assert shape.prompt_bytes < 200
@@ -68,7 +68,7 @@ def test_the_gate_sizes_the_text_and_knows_the_image_is_there() -> None:
 
 def test_a_clamp_changes_the_limit_and_nothing_else() -> None:
     body = orjson.dumps(_chat(max_tokens=5000, stream=True))
-    prepared = prepare(body)
+    prepared = prepare(body, CHAT)
     clamped = prepared.with_fields({"max_tokens": 50})
     assert clamped is not None
     sent = json.loads(clamped)
@@ -80,7 +80,8 @@ def test_a_clamp_changes_the_limit_and_nothing_else() -> None:
 def test_a_key_sent_twice_is_read_and_sent_as_vllm_reads_it() -> None:
     # vLLM's parser (json.loads) keeps the last of two equal keys; so does kvtax, and the body
     # it writes back has that one only.
-    prepared = prepare(b'{"model": "a", "stream": false, "model": "b", "stream": true}')
+    body = b'{"model": "a", "stream": false, "model": "b", "stream": true}'
+    prepared = prepare(body, COMPLETIONS)
     assert prepared.model == "b"
     assert prepared.wish is not None
     assert json.loads(prepared.body)["model"] == "b"
@@ -140,7 +141,7 @@ _bodies = st.fixed_dictionaries(
 )
 
 
-def _whole(body: bytes) -> Prepared:
+def _whole(body: bytes, dialect: Dialect) -> Prepared:
     """prepare() as it read bodies before: whole, by orjson or Python's parser."""
     real = prepare_module._TOP
 
@@ -150,7 +151,7 @@ def _whole(body: bytes) -> Prepared:
 
     prepare_module._TOP = Refusing()  # type: ignore[assignment]
     try:
-        return prepare(body)
+        return prepare(body, dialect)
     finally:
         prepare_module._TOP = real
 
@@ -161,12 +162,12 @@ def test_the_field_by_field_read_agrees_with_the_whole_read(
     payload: dict[str, Any], chat: bool
 ) -> None:
     body = json.dumps(payload).encode()
-    fields, whole = prepare(body), _whole(body)
+    dialect = CHAT if chat else COMPLETIONS
+    fields, whole = prepare(body, dialect), _whole(body, dialect)
     assert fields.model == whole.model
     assert fields.wish == whole.wish
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    assert shape_of(fields.payload, path, whole=len(body)) == shape_of(
-        whole.payload, path, whole=len(body)
+    assert dialect.shape(fields.payload, whole=len(body)) == dialect.shape(
+        whole.payload, whole=len(body)
     )
     # vLLM reads the same request from both bodies.
     assert json.loads(fields.body) == json.loads(whole.body)

@@ -20,7 +20,6 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax.serve.proxy import upstream as pool
 from tests.unit.fake_vllm import serve
 
 Script = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
@@ -525,13 +524,13 @@ async def test_an_answered_request_and_a_refused_connect_are_never_sent_twice(
 
 
 async def test_a_request_that_breaks_off_after_vllm_ran_it_is_never_sent_twice(
-    upstream: Upstream, proxy: tuple[str, Proxy], monkeypatch: pytest.MonkeyPatch
+    upstream: Upstream, proxy: tuple[str, Proxy]
 ) -> None:
     # Protection: only a break soon after sending is a stale pooled connection. vLLM sends a
     # non-streamed answer's status line when the generation ends, so a later break met a vLLM
     # that had the request and ran it; it was sent again, and run twice.
-    monkeypatch.setattr(pool, "STALE_WITHIN", 0.05)
     url, relay = proxy
+    relay.upstream.stale_within = 0.05
     upstream.script, seen = _closes_first_then(sse(3), after=0.3)  # later than the bound
     async with aiohttp.ClientSession() as session:
         body = {"model": "m", "prompt": "x"}

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from kvtax.serve.proxy import client as client_module
+from kvtax.serve.proxy.server import ServerSettings
 from tests.unit.test_proxy_http import STREAM, WHOLE, Start, closed, post, raw_request, read_reply
 
 pytest_plugins = ["tests.unit.test_proxy_http"]
@@ -81,17 +81,16 @@ async def test_a_client_that_pipelines_without_reading_is_stopped_being_read(
         await asyncio.sleep(0.005)
     [conn] = list(rig.proxy._clients)
     assert conn.read_paused
-    assert len(conn.pipeline) <= client_module.MAX_PIPELINED + 1
+    assert len(conn.pipeline) <= ServerSettings().max_pipelined + 1
     rig.vllm.hang = 0.0
     replies = [await read_reply(reader) for _ in range(40)]  # reading resumes as they drain
     assert {r.status for r in replies} == {200}
 
 
 async def test_a_connection_that_completes_no_request_is_closed(
-    start: Start, monkeypatch: pytest.MonkeyPatch
+    start: Start,
 ) -> None:
-    monkeypatch.setattr(client_module, "KEEPALIVE", 0.2)
-    rig = await start()
+    rig = await start(keepalive=0.2)
     reader, writer = await rig.connect()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
     assert await closed(reader)
@@ -99,12 +98,11 @@ async def test_a_connection_that_completes_no_request_is_closed(
 
 
 async def test_a_head_sent_a_byte_at_a_time_cannot_hold_the_connection(
-    start: Start, monkeypatch: pytest.MonkeyPatch
+    start: Start,
 ) -> None:
     # Protection: the reads of a head do not restart the wait for it (a slowloris client that
     # sends one byte now and then would otherwise keep its connection for good).
-    monkeypatch.setattr(client_module, "KEEPALIVE", 0.3)
-    rig = await start()
+    rig = await start(keepalive=0.3)
     reader, writer = await rig.connect()
     head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
 
@@ -123,13 +121,12 @@ async def test_a_head_sent_a_byte_at_a_time_cannot_hold_the_connection(
 
 
 async def test_a_body_that_keeps_arriving_slowly_is_not_cut(
-    start: Start, monkeypatch: pytest.MonkeyPatch
+    start: Start,
 ) -> None:
     # A body's reads each restart the wait (nginx's client_body_timeout): an upload slower than
     # the wait as a whole, with no pause as long, reaches vLLM.
     keepalive = 2.0
-    monkeypatch.setattr(client_module, "KEEPALIVE", keepalive)
-    rig = await start()
+    rig = await start(keepalive=keepalive)
     body = json.dumps({**WHOLE, "pad": " " * 3000}).encode()
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
     loop = asyncio.get_running_loop()

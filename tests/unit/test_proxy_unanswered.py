@@ -21,7 +21,7 @@ from aiohttp import web
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax.serve.proxy.gate import Gate, GateSettings
+from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax_dev.process import until
 from tests.unit.fake_vllm import serve
 

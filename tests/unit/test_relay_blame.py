@@ -9,16 +9,23 @@ loaded machine in tests/e2e/test_delivery_e2e.py::test_client_disconnect_aborts_
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import cast
 
 from kvtax.delivery.asks import UsageWish
 from kvtax.delivery.cost import RelayCost
+from kvtax.delivery.dialects import COMPLETIONS
 from kvtax.delivery.sse import Fingerprint, HoldBudget
-from kvtax.serve.proxy.exchange import Exchange
+from kvtax.delivery.timing import StreamTiming
+from kvtax.serve.proxy.acks import AckTracker
+from kvtax.serve.proxy.client import UpstreamBroke
+from kvtax.serve.proxy.flow import FlowControl
 from kvtax.serve.proxy.head import RequestHead
 from kvtax.serve.proxy.outcome import Facts, outcome_of
 from kvtax.serve.proxy.relay import BodySink, RelaySettings, StreamSink
-from kvtax.serve.proxy.upstream import UpstreamBroke
+from kvtax.serve.proxy.request import noted
+from kvtax.serve.proxy.server import Exchange
 
 
 def _event(i: int) -> bytes:
@@ -33,10 +40,7 @@ def _event(i: int) -> bytes:
 
 
 class _Client:
-    """The client's side of a relay: what was written, and whether it left."""
-
-    transport = None
-    draining = False
+    """The client's side of a relay, as its transport: what was written, and whether it left."""
 
     def __init__(self) -> None:
         self.written: list[bytes] = []
@@ -46,16 +50,33 @@ class _Client:
         if not self.closed:
             self.written.append(data)
 
+    def is_closing(self) -> bool:
+        return self.closed
+
     def close(self) -> None:
         self.closed = True
 
+    def pause_reading(self) -> None:
+        pass
 
-def _exchange(client: _Client, facts: Facts) -> Exchange:
+    def resume_reading(self) -> None:
+        pass
+
+
+def _exchange(client: _Client) -> Exchange:
     head = RequestHead.of(b"POST", b"/v1/completions", b"1.1", [(b"Host", b"x")], keep_alive=True)
     assert head is not None
-    exchange = Exchange(client, head, accounted=True, limit=None)  # type: ignore[arg-type]
-    exchange.facts = facts
-    return exchange
+    transport = cast(asyncio.Transport, client)
+    flow = FlowControl(transport, send_timeout=60.0, on_resume=lambda: None)
+    return Exchange(
+        head,
+        transport,
+        flow,
+        limit=None,
+        body_buffer=256 * 1024,
+        draining=False,
+        stop_reading=lambda: None,
+    )
 
 
 def _settings() -> RelaySettings:
@@ -71,8 +92,28 @@ def _settings() -> RelaySettings:
 
 
 def _stream(client: _Client, ex: Facts) -> StreamSink:
+    """A stream's sink as the request's owner makes it, its counting parts noted in ``ex``."""
     wish = UsageWish(include_usage=False, continuous=False)
-    return StreamSink(_exchange(client, ex), "chunked", b"", wish=wish, relay=_settings())
+    ex.counter = counter = COMPLETIONS.counter(wish, "usage")
+    ex.timing = timing = StreamTiming(ex.started, 5.0, 0.05)
+    ex.acks = acks = AckTracker(None)
+    return StreamSink(
+        _exchange(client),
+        "chunked",
+        b"",
+        counter=counter,
+        timing=timing,
+        acks=acks,
+        relay=_settings(),
+        dialect=COMPLETIONS,
+    )
+
+
+def _body(client: _Client, ex: Facts) -> BodySink:
+    ex.acks = acks = AckTracker(None)
+    return BodySink(
+        _exchange(client), "length", b"", acks=acks, scan=True, clock=lambda: 0.0, cost=RelayCost()
+    )
 
 
 async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
@@ -83,6 +124,7 @@ async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
         sink.feed(_event(i), 0.0)
     client.closed = True  # the client left; its connection cancels the request
     ex.client_gone = True
+    noted(ex, sink)  # the request's owner, as the cancelled request settles
     assert not ex.upstream_broke
     assert not sink.done.done()
     assert outcome_of(ex, "serving") == "client_disconnected"
@@ -91,10 +133,11 @@ async def test_a_client_that_hung_up_mid_stream_is_not_blamed_on_vllm() -> None:
 async def test_a_client_that_hung_up_mid_body_is_not_blamed_on_vllm() -> None:
     ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
-    sink = BodySink(_exchange(client, ex), "length", b"", lambda: 0.0, RelayCost())
+    sink = _body(client, ex)
     sink.feed(b'{"id":"c","choices":[', 0.0)
     client.closed = True
     ex.client_gone = True
+    noted(ex, sink)
     assert not ex.upstream_broke
     assert outcome_of(ex, "serving") == "client_disconnected"
 
@@ -106,6 +149,7 @@ async def test_vllm_breaking_off_mid_stream_is_vllm_s_doing_and_ends_the_stream_
     for i in range(3):
         sink.feed(_event(i), 0.0)
     sink.broke(UpstreamBroke("vLLM went away"))
+    noted(ex, sink)
     assert ex.upstream_broke
     assert sink.done.done()
     sent = b"".join(client.written)
@@ -128,9 +172,10 @@ async def test_vllm_breaking_off_mid_body_breaks_the_client_connection() -> None
     # A body cut short must never look complete: the client's connection is closed mid-body.
     ex = Facts(started=0.0, model="m", status=200)
     client = _Client()
-    sink = BodySink(_exchange(client, ex), "length", b"", lambda: 0.0, RelayCost())
+    sink = _body(client, ex)
     sink.feed(b'{"id":"c","choices":[', 0.0)
     sink.broke(UpstreamBroke("vLLM went away"))
+    noted(ex, sink)
     assert client.closed
     assert ex.upstream_broke
     assert not ex.wrote_all

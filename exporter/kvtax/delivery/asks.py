@@ -10,8 +10,9 @@ credited exactly what it received. Two schemes give a count per event (:data:`Sc
 - ``usage``: ``include_usage`` and ``continuous_usage_stats``: a cumulative usage object in
   every event. Exact everywhere, and the fallback.
 
-:func:`scheme_for` decides per request, from vLLM's version (``GET /version``) and the request's
-fields, where ids are known to be missing or wrong:
+:meth:`Dialect.scheme <kvtax.delivery.dialects.openai.OpenAIDialect.scheme>` decides per
+request, from vLLM's version (``GET /version``) and the request's fields, where ids are known to
+be missing or wrong:
 
 - a vLLM before 0.10.2 has no ``return_token_ids`` (it would ignore the field);
 - chat before 0.12.0 drops ids of tool calls (vLLM issue 27482) and of reasoning models;
@@ -29,8 +30,7 @@ for. Pure: no I/O.
 
 Example::
 
-    scheme = scheme_for(payload, chat=False, version="0.32.0")      # "token_ids"
-    wish, changes = with_usage(payload, scheme)
+    wish, changes = with_usage(payload, "token_ids")
     # changes == {"stream_options": {"include_usage": True}, "return_token_ids": True}
 """
 
@@ -48,16 +48,11 @@ __all__ = [
     "UsageWish",
     "asked_everything",
     "release_of",
-    "scheme_for",
     "with_usage",
 ]
 
 Scheme = Literal["token_ids", "usage"]
 SCHEMES: tuple[Scheme, ...] = ("token_ids", "usage")
-# The first releases whose streams carry every token's id: completions, then chat (tool-call and
-# reasoning ids fixed: vLLM PRs 29074 and 28256).
-_IDS_COMPLETIONS = (0, 10, 2)
-_IDS_CHAT = (0, 12, 0)
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -85,25 +80,6 @@ def release_of(version: str | None) -> tuple[int, int, int] | None:
         return None
     major, minor, patch = match.groups()
     return int(major), int(minor), int(patch or 0)
-
-
-def scheme_for(
-    payload: dict[str, Any], *, chat: bool, version: str | None, ids_missing: bool = False
-) -> Scheme:
-    """How to count this streamed request's tokens; see the module docstring for the rules.
-    ``ids_missing``: a stream of this vLLM came without ids when asked for them."""
-    release = release_of(version)
-    first = _IDS_CHAT if chat else _IDS_COMPLETIONS
-    if ids_missing or release is None or release < first:
-        return "usage"
-    options = payload.get("stream_options")
-    if isinstance(options, dict) and lax_bool(options.get("continuous_usage_stats"), False):
-        return "usage"  # the client pays for continuous usage anyway: read it
-    if chat and lax_bool(payload.get("include_reasoning"), True) is not True:
-        return "usage"
-    if not chat and lax_bool(payload.get("echo"), False) is not False:
-        return "usage"
-    return "token_ids"
 
 
 def with_usage(

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
+from kvtax.delivery.dialects import HANDLERS
 from kvtax.delivery.ledger import OTHER, LedgerTotals
 from kvtax.engine.counters import CounterTracker
 from kvtax.engine.snapshot import Histogram, ModelMetrics, VllmSnapshot
@@ -69,8 +70,9 @@ _GAUGES = (
     "v0_prompt_throughput",
     "v0_generation_throughput",
 )
-# The vLLM handlers the proxy accounts for; vLLM's http_requests_total is split by handler.
-SERVED_HANDLERS = ("/v1/completions", "/v1/chat/completions")
+# The vLLM handlers the proxy accounts for, every generation API's routes (its dialects');
+# vLLM's http_requests_total is split by handler.
+SERVED_HANDLERS = HANDLERS
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ quotes the offending bytes: the header value, token and all. :func:`install` put
 aiohttp's loggers that rewrites such records to the error's class and the peer, with no
 exception text and no traceback. It is installed once, at start, and covers every aiohttp
 server in the process: the web port, and aiohttp's client (the scrape). The proxy port is not
-aiohttp's: its own parser (:mod:`kvtax.serve.proxy.client`) never logs a request's bytes, only
+aiohttp's: its own parser (:mod:`kvtax.serve.proxy.server`) never logs a request's bytes, only
 the peer and the status it answered. :func:`redact_url` strips the parts of a URL that can carry
 credentials before kvtax logs it.
 

@@ -16,9 +16,9 @@
 
 Each part is built after the parts it reads, so nothing is connected after the fact.
 
-The gate (:mod:`kvtax.serve.proxy.gate`) follows the scrape's figures: the scrape hands each
+The gate (:mod:`kvtax.serve.proxy.gatekeeper`) follows the scrape's figures: the scrape hands each
 fold's figures to its ``on_figures`` subscribers, :meth:`Gate.on_figures
-<kvtax.serve.proxy.gate.Gate.on_figures>` among them; the proxy holds the gate only when
+<kvtax.serve.proxy.gatekeeper.Gate.on_figures>` among them; the proxy holds the gate only when
 ``--gate.mode`` is not ``off``, and ``/metrics`` shows its advice either way.
 
 Periodic work has one mechanism: the APScheduler scheduler made here
@@ -62,7 +62,7 @@ from kvtax.gate.footprint import OverBudget
 from kvtax.gate.order import Order
 from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax.serve.proxy.gate import Gate, GateSettings
+from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax.serve.schedule import new_scheduler
 from kvtax.serve.scrape.job import LedgerFeed, ScrapeJob
 from kvtax.serve.scrape.parsepool import ParsePool

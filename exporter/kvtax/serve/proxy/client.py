@@ -1,512 +1,579 @@
-"""One client connection to the proxy: an asyncio Protocol that parses bytes into exchanges.
+"""The proxy's HTTP/1.1 client side: a keep-alive pool of connections to vLLM, asyncio Protocols
+with httptools parsers.
 
-:class:`ClientConnection` feeds the client's bytes to an httptools (llhttp) parser and makes an
-:class:`~kvtax.serve.proxy.exchange.Exchange` of each request as soon as its head is complete;
-the exchange owns the rest (its body, the 100-continue wait, keep-alive, the answer). Exchanges
-queue in arrival order, and one task per busy connection hands the queue's head to the proxy
-(:class:`Handler`), so that pipelined requests are answered in order.
+:meth:`Upstream.send` writes one request on a pooled connection or a new one, and returns once
+vLLM's status line and headers arrived. A request whose body is still arriving from the client
+goes on a new connection, its body streamed on as it comes (``streamed``: the connection is the
+body's :class:`~kvtax.serve.proxy.flow.BodyWriter`, and a full socket to vLLM pauses
+reading the client through its :class:`Holder`). From then on the response's body goes, read
+by read, to the :class:`Sink` the relay attaches: the parser's ``on_body`` pieces of one read
+are handed over together, so one read of vLLM's makes one write to the client. Nothing is
+awaited per read.
 
-The parser is fed in pieces that end where a message can end (after a blank line, or at a
-Content-Length body's last byte), so the connection always knows where the next request line
-starts. That gives three things llhttp alone does not:
+What the pool keeps from the aiohttp client it replaces:
 
-- the request line is checked before the parser sees it (:func:`~kvtax.serve.proxy.head.
-  request_line_problem`: one space between its parts, a version of 1.0 or 1.1);
-- parsing stops at a message boundary once :data:`MAX_PIPELINED` requests wait behind the one
-  being answered: the bytes after it wait unparsed (at most one read of them, since reading
-  pauses too), so a read carrying thousands of pipelined requests costs their bytes, not
-  thousands of parsed requests;
-- trailer fields of a chunked body are never taken for headers.
+- Idle connections are dropped after ``idle`` seconds, before vLLM drops them (uvicorn closes
+  after 5 s): reusing one vLLM is closing at that instant fails the request.
+- vLLM can still close a pooled connection just as it is reused (its event loop late under
+  load); the request then fails before vLLM read it. nginx gives a cached connection's failure
+  a second try for this reason, and so does :meth:`Upstream.send`, once, when the break came
+  within ``stale_within`` seconds of sending and before any byte of an answer. Such a
+  connection fails on the write or on the first read, at once; a break that comes later met a
+  vLLM that had the request and ran it (for a non-streamed request the status line comes only
+  when the generation ends), and sending it again would run it twice. A refused connect,
+  a later break, a streamed body or any answer at all is never sent twice (``retries`` counts
+  the second tries).
+- ``timeout`` bounds connecting and vLLM's silence: the wait for its next byte while kvtax is
+  reading it, and for it to take the next bytes of a body kvtax is sending. Time during which
+  kvtax itself holds vLLM paused (its client's socket full) or waits for the client's own
+  body bytes is not vLLM's silence, and does not count. A whole stream is unbounded.
+- Shutdown's cut (:meth:`Upstream.cut`): vLLM sends a non-streamed answer's status line only
+  when the generation ends, so every request still waiting for one when the grace period is
+  over has its connection closed, which makes vLLM abort it; ``send`` raises :class:`Cut`.
 
-What one connection may hold is bounded: :data:`MAX_HEAD` of head, :data:`MAX_PIPELINED`
-parsed requests waiting, :data:`~kvtax.serve.proxy.exchange.BODY_BUFFER` of a streamed body
-not yet sent on, and the answer bytes the client has not read: the next request is not
-answered while the client's socket is full (``pause_writing``), and vLLM's side of the one
-being answered is paused until it drains. A client that leaves its socket full for
-``send_timeout`` seconds (nginx's ``send_timeout``) has gone away.
-
-Reading pauses while any reason holds it (:meth:`hold`, :meth:`release`): the pipeline bound, a
-streamed body waiting for vLLM, vLLM's socket full. A request the parser refuses is answered 400
-in its turn, its bytes never logged, and the connection closes. A client's FIN, a half-close
-included, counts as the client leaving, as nginx counts it (its 499): the exchange being
-answered is cancelled, which closes vLLM's side so that vLLM aborts it. :meth:`shutdown` closes
-an idle connection at once and lets a busy one finish its answer with ``Connection: close``.
+And what a front door must not take from an upstream: a head over
+:data:`~kvtax.serve.proxy.wire.MAX_HEAD` (502, and
+the connection dropped unread), a ``101`` (no upgrades are relayed), and any byte after the
+answer's end (a second, unrequested answer, leftovers): the answer already complete goes out
+as it was, and the connection is closed, never pooled, so nothing of it reaches this client or
+the next request.
 
 Example::
 
-    server = await loop.create_server(lambda: ClientConnection(proxy), host, port)
+    upstream = Upstream("http://127.0.0.1:8000", timeout=300.0, idle=2.0, stale_within=0.5)
+    conn = await upstream.send(head + body)
+    conn.attach(sink)       # sink.feed(...) per read, then sink.end() or sink.broke(exc)
+    ...
+    upstream.release(conn)  # back to the pool, or conn.close()
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+import ssl
+import time
+from collections.abc import Callable
 from typing import Protocol, cast
+from urllib.parse import urlsplit
 
 import httptools
 
-from kvtax.serve.proxy.answers import bad_request, internal_error
-from kvtax.serve.proxy.exchange import Exchange
-from kvtax.serve.proxy.head import (
-    RequestHead,
-    asks_keep_alive,
-    head_problem,
-    request_line_problem,
-)
-from kvtax.serve.proxy.wire import Answer, Headers
+from kvtax.errors import UpstreamError
+from kvtax.serve.proxy.wire import MAX_HEAD, Headers, header
 
-__all__ = ["KEEPALIVE", "LINGER", "MAX_HEAD", "MAX_PIPELINED", "ClientConnection", "Handler"]
+__all__ = [
+    "Cut",
+    "Holder",
+    "Sink",
+    "Unreachable",
+    "Upstream",
+    "UpstreamBroke",
+    "UpstreamConnection",
+]
 
 log = logging.getLogger("kvtax.serve.proxy")
 
-# Bytes of request line and headers one request may have, and of one line of them (aiohttp's
-# and nginx's 8 KiB buffers).
-MAX_HEAD = 64 * 1024
-MAX_LINE = 8190
-# Requests parsed and waiting behind the one being answered before parsing stops.
-MAX_PIPELINED = 8
-# Seconds a connection may wait on its client (an idle keep-alive connection, a request head or
-# body arriving too slowly) before it is closed (aiohttp's default).
-KEEPALIVE = 75.0
-# Seconds a refused client's further bytes are read and dropped after its answer, before the
-# close (nginx's lingering_timeout): closing on unread bytes resets the connection, and a reset
-# can destroy the answer before the client read it.
-LINGER = 5.0
-_END_OF_HEAD = b"\r\n\r\n"
+
+class Unreachable(UpstreamError):
+    """vLLM refused or could not be reached: it never had the request."""
 
 
-class Handler(Protocol):
-    """What answers a request: the proxy."""
-
-    def exchange_for(self, conn: ClientConnection, head: RequestHead) -> Exchange: ...
-
-    async def handle(self, exchange: Exchange) -> None: ...
-
-    def connected(self, conn: ClientConnection) -> None: ...
-
-    def disconnected(self, conn: ClientConnection) -> None: ...
-
-    @property
-    def send_timeout(self) -> float: ...
+class UpstreamBroke(UpstreamError):
+    """vLLM's connection closed or broke before its answer was complete."""
 
 
-class ClientConnection(asyncio.Protocol):
-    """One client's connection: parse, queue, answer in order. See the module docstring."""
+class Cut(Exception):
+    """Shutdown's cut came before vLLM's status line."""
 
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
+
+class Sink(Protocol):
+    """Where a response body goes, read by read: ``feed`` and ``end`` gather, ``flush`` writes
+    what one read brought; ``broke`` ends the body and writes. ``arrived`` is when the read that
+    brought ``data`` arrived (``time.perf_counter``), for the relay's own cost."""
+
+    def feed(self, data: bytes, arrived: float) -> None: ...
+
+    def end(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def broke(self, cause: BaseException) -> None: ...
+
+
+class Holder(Protocol):
+    """The client's reading, paused while vLLM's socket is full of its body."""
+
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to vLLM, one exchange at a time. ``status``, ``reason`` and ``headers``
+    are vLLM's once :meth:`Upstream.send` returned it; ``reusable`` once the body ended."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.clock = upstream.clock
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        # "5 \r\n": whitespace after a chunk's size, which nginx and h11 read (RFC 9112's
-        # chunk-ext allows it before a ';'). The body is framed anew for vLLM, so no reading of
-        # it by vLLM can differ from kvtax's.
+        self.parser = httptools.HttpResponseParser(self)
+        # Whitespace after a chunk's size, as the client side reads it too.
         self.parser.set_dangerous_leniencies(lenient_spaces_after_chunk_size=True)
-        # Exchanges in arrival order; the first is the one being answered.
-        self.pipeline: deque[Exchange] = deque()
+        self.status = 0
+        self.reason = b""
+        self.headers: Headers = []
+        self.reusable = False
+        self.complete = False
+        self.answered = False  # a byte of vLLM's answer arrived
+        self.head: asyncio.Future[None] | None = None
+        self.sink: Sink | None = None
+        self.no_body = False
+        self.until_close = False
+        self.last_read = 0.0
+        self.arrived = 0.0  # when the last read arrived (perf_counter): the relay's own cost
+        self.sent_at = 0.0  # when the request was written to vLLM (perf_counter)
+        # Seconds this exchange waited for the connection to vLLM to open (0: from the pool):
+        # vLLM's accept, not kvtax's work.
+        self.connecting = 0.0
         self.closed = False
-        self.draining = False
+        # A request body still being sent (streamed), and how: chunked or as it comes.
+        self.sending = False
+        self.chunked = False
+        self.holder: Holder | None = None
+        # Where vLLM's interim answers (1xx) go while the final one is awaited.
+        self.interim: Callable[[int, bytes, Headers], None] | None = None
         self.write_paused = False
-        self.task: asyncio.Task[None] | None = None
-        self._holds: set[str] = set()
-        self._writable = asyncio.Event()
-        self._writable.set()
-        # The message being parsed: its head as it comes, then the exchange reading its body.
-        self._target = b""
-        self._headers: Headers = []
+        # kvtax paused reading (its client is full): vLLM's silence is not counted meanwhile.
+        self.read_paused = False
         self._head_bytes = 0
-        self._limit_hit: str | None = None
-        self._receiving: Exchange | None = None
-        self._in_body = False
-        # Feeding the parser: whether the next byte starts a request line, the partial line,
-        # bytes left unparsed at a boundary, a Content-Length body's bytes still to feed, the
-        # last bytes fed (an end of head can straddle two reads), and a message just ended.
-        self._at_line = True
-        self._line = bytearray()
-        self._unparsed = b""
-        self._body_left: int | None = None
-        self._tail = b""
-        self._ended = False
-        self._refused = False
-        self._method = b""  # of the request being parsed, from its line
-        self._lingering = False  # answered a refusal; reading only to drop, until the close
+        self._parts: list[bytes] = []
+        self._failure: BaseException | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._idle: asyncio.TimerHandle | None = None
-        self._stalled: asyncio.TimerHandle | None = None
 
-    @property
-    def current(self) -> Exchange | None:
-        return self.pipeline[0] if self.pipeline else None
+    # -- one exchange -----------------------------------------------------------------------
+    def start(
+        self, data: bytes, *, no_body: bool, streamed: bool = False, chunked: bool = False
+    ) -> asyncio.Future[None]:
+        """Send ``data`` (a whole request, or a head and the body so far when ``streamed``);
+        the future resolves when vLLM's head is in."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self.status, self.reason, self.headers = 0, b"", []
+        self.reusable = self.complete = self.answered = self.until_close = False
+        self.no_body = no_body
+        self.sending, self.chunked = streamed, chunked
+        self.sink, self._parts, self._failure = None, [], None
+        self._head_bytes = 0
+        self.head = asyncio.get_running_loop().create_future()
+        self.last_read = self.clock()
+        self._arm(self.upstream.timeout)
+        assert self.transport is not None
+        self.sent_at = time.perf_counter()  # the request's forwarding, for the relay's cost
+        self.transport.write(data)
+        return self.head
 
-    @property
-    def read_paused(self) -> bool:
-        """Reading the client is paused (some reason holds it)."""
-        return bool(self._holds)
+    def attach(self, sink: Sink) -> None:
+        """Hand the body to ``sink``: what already arrived at once, the rest read by read."""
+        self.sink = sink
+        if self._parts:
+            self._flush(sink)
+        if self.complete:
+            self._ended(sink)
+        elif self._failure is not None:
+            sink.broke(self._failure)
+        else:
+            sink.flush()
+
+    def idle_for(self, seconds: float) -> None:
+        """Back in the pool: closed after ``seconds`` unless reused first."""
+        self._idle = asyncio.get_running_loop().call_later(seconds, self.close)
+
+    def close(self) -> None:
+        """Drop the connection: vLLM sees the disconnect and aborts what it was running."""
+        self.closed = True
+        self._disarm()
+        self._release_holder()
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- the request's body, streamed (BodyWriter) ---------------------------------------------
+    def send_body(self, data: bytes) -> None:
+        if self.closed or not self.sending or self.transport is None:
+            return
+        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+
+    def end_body(self) -> None:
+        if self.closed or not self.sending or self.transport is None:
+            return
+        if self.chunked:
+            self.transport.write(b"0\r\n\r\n")
+        self.sending = False
+        self.last_read = self.clock()  # vLLM's silence counts from the body's end
+        self._release_holder()
+
+    def abort_body(self) -> None:
+        """The client's body broke off: vLLM must not take what it got for a whole request."""
+        if self.sending:
+            self.close()
+
+    # -- flow control ---------------------------------------------------------------------------
+    def pause_writing(self) -> None:
+        # vLLM's socket is full of the body: the client waits, and vLLM's silence counts.
+        self.write_paused = True
+        self.last_read = self.clock()
+        if self.sending and self.holder is not None:
+            self.holder.hold()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.last_read = self.clock()
+        self._release_holder()
+
+    def pause_reading(self) -> None:
+        """kvtax's client is full: stop reading vLLM, and stop counting its silence."""
+        self.read_paused = True
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self.read_paused:
+            return
+        self.read_paused = False
+        self.last_read = self.clock()
+        if self.transport is not None and not self.closed and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _release_holder(self) -> None:
+        if self.holder is not None:
+            self.holder.release()
 
     # -- transport events -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not registered as asyncio.Transport subclasses.
         self.transport = cast(asyncio.Transport, transport)
-        self.handler.connected(self)
-        self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self.complete or self.head is None:
+            # A byte after the answer's end, or on an idle pooled connection: nothing asked
+            # for it. The connection is never reused, and nothing of it goes anywhere.
+            self._unsolicited()
             return
-        if self._unparsed:  # a read that came just as reading paused
-            self._unparsed += data
-            return
-        self._feed(data)
-        if self._receiving is not None:
-            self._arm_idle()  # a body arriving: each read restarts the wait (client_body_timeout)
-        elif self.pipeline:
-            self._disarm_idle()  # answering: nothing is wanted of the client meanwhile
-        elif self._idle is None:
-            self._arm_idle()
+        self.arrived = time.perf_counter()
+        self.last_read = self.clock()
+        self.answered = True
+        try:
+            self.parser.feed_data(data)
+            if not self.status:
+                # Still no final head: a header value grows inside the parser and reaches
+                # on_header only whole, so the head is counted by the bytes that brought it.
+                self._count(len(data))
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamBroke("vLLM answered with a protocol upgrade (101)"))
+            self.close()
+        except httptools.HttpParserError as exc:
+            if self.complete:
+                self._unsolicited()  # bytes after the end, in the same read as the end
+            else:
+                cause = next(
+                    (e for e in (exc, exc.__context__) if isinstance(e, _HeadTooLarge)), None
+                )
+                what = str(cause) if cause else f"vLLM's answer is not HTTP: {type(exc).__name__}"
+                self._fail(UpstreamBroke(what))
+                self.close()
+        sink = self.sink
+        if sink is not None:
+            if self._parts:
+                self._flush(sink)
+            if self.complete:
+                self._ended(sink)  # writes what this read brought, and the body's end
+            else:
+                sink.flush()
 
     def eof_received(self) -> bool | None:
-        return None  # a FIN is the client leaving: the transport closes (see module doc)
-
-    def linger(self) -> None:
-        """Close after a refusal without losing its answer: the write side ends now (the client
-        gets the answer and a FIN), and whatever it still sends of what was refused is read and
-        dropped for at most :data:`LINGER` seconds, or until it closes too."""
-        transport = self.transport
-        if transport is None or self.closed or transport.is_closing():
-            return
-        if not transport.can_write_eof():
-            self.close()
-            return
-        transport.write_eof()
-        self._lingering = True
-        self._refused = True  # data_received drops everything from here on
-        self._holds.clear()
-        transport.resume_reading()
-        if self._idle is not None:
-            self._idle.cancel()
-        self._idle = asyncio.get_running_loop().call_later(LINGER, self.close)
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        for timer in (self._idle, self._stalled):
-            if timer is not None:
-                timer.cancel()
-        self._writable.set()
-        current = self.current
-        if self.task is not None and current is not None and not current.complete:
-            self.task.cancel()
-        self.handler.disconnected(self)
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-        self._writable.clear()
-        current = self.current
-        if current is not None and current.source is not None:
-            current.source.pause_reading()
-        if self._stalled is None:
-            timeout = self.handler.send_timeout
-            self._stalled = asyncio.get_running_loop().call_later(timeout, self._stall)
-
-    def resume_writing(self) -> None:
-        if not self.write_paused:
-            return
-        self.write_paused = False
-        self._writable.set()
-        if self._stalled is not None:
-            self._stalled.cancel()
-            self._stalled = None
-        current = self.current
-        if current is not None and current.source is not None:
-            current.source.resume_reading()
-
-    # -- reading: holds ---------------------------------------------------------------------
-    def hold(self, reason: str) -> None:
-        """Pause reading the client while ``reason`` holds."""
-        if not self._holds and self.transport is not None and not self.closed:
-            self.transport.pause_reading()
-        self._holds.add(reason)
-
-    def release(self, reason: str) -> None:
-        """``reason`` no longer holds; reading resumes when nothing else does."""
-        if reason not in self._holds:
-            return
-        self._holds.discard(reason)
-        if not self._holds and not self._refused:
-            if self.transport is not None and not self.closed:
-                self.transport.resume_reading()
-            if self._unparsed and self._at_line and not self._pipeline_full() and not self.draining:
-                data, self._unparsed = self._unparsed, b""
-                self._feed(data)
-
-    def stop_reading(self) -> None:
-        """Read no more of this client: what it sent last is refused or past a limit."""
-        self._refused = True
-        self._unparsed = b""
-        self.hold("refused")
-
-    # -- feeding the parser -----------------------------------------------------------------
-    def _pipeline_full(self) -> bool:
-        return len(self.pipeline) > MAX_PIPELINED
-
-    def _feed(self, data: bytes) -> None:
-        pos, size = 0, len(data)
-        while pos < size and not self._refused:
-            if self._at_line:
-                if self._pipeline_full() or self.draining:
-                    # Parse no further: the rest waits, unparsed, until the queue shortens.
-                    self._unparsed = data[pos:]
-                    self.hold("pipeline")
-                    return
-                pos = self._request_line(data, pos)
-                continue
-            end = self._segment_end(data, pos)
-            piece = data[pos:end]
-            self._tail = (self._tail + piece)[-3:]
-            pos = end
-            if not self._parse(piece):
-                return
-            if self._ended:
-                self._ended = False
-                self._at_line = True
-                self._tail = b""
-
-    def _request_line(self, data: bytes, pos: int) -> int:
-        """Take a request line starting at ``pos``; where the parser goes on from."""
-        newline = data.find(b"\n", pos)
-        if newline < 0:
-            self._line += data[pos:]
-            if len(self._line) > MAX_LINE:
-                self._refuse(bad_request(400, f"a request line exceeds {MAX_LINE} bytes"))
-            return len(data)
-        line = bytes(self._line) + data[pos:newline]
-        self._line.clear()
-        if line in (b"", b"\r"):
-            return newline + 1  # an empty line before a request is ignored (RFC 9112 2.2)
-        if len(line) > MAX_LINE:
-            self._refuse(bad_request(400, f"a request line exceeds {MAX_LINE} bytes"))
-            return len(data)
-        problem = request_line_problem(line)
-        # The method is known from here: a refused HEAD gets its answer's head alone.
-        self._method = line.split(b" ", 1)[0]
-        if problem is not None:
-            self._refuse(problem, version=b"1.1")
-            return len(data)
-        self._at_line = False
-        self._parse(line + b"\n")
-        return newline + 1
-
-    def _segment_end(self, data: bytes, pos: int) -> int:
-        """Where the piece to parse from ``pos`` ends: a Content-Length body's last byte, or just
-        after the next blank line (where a head, a bodiless request and a chunked body end)."""
-        left = self._body_left
-        if left is not None:
-            end = min(len(data), pos + left)
-            self._body_left = left - (end - pos) or None
-            return end
-        tail = self._tail
-        if tail:
-            joined = (tail + data[pos : pos + 3]).find(_END_OF_HEAD)
-            if joined >= 0:
-                return pos + joined + 4 - len(tail)
-        found = data.find(_END_OF_HEAD, pos)
-        return len(data) if found < 0 else found + 4
-
-    def _parse(self, piece: bytes) -> bool:
-        """Feed ``piece``; False when the parser refused it (answered in turn, reading over)."""
-        try:
-            self.parser.feed_data(piece)
-        except httptools.HttpParserUpgrade:
-            # The upgrading request carries its refusal (on_headers_complete); read no more.
-            self._refuse(bad_request(400, "protocol upgrades are not relayed"))
-            return False
-        except httptools.HttpParserError:
-            # The parser's message quotes the client's bytes (a header value, a token): it is
-            # never logged.
-            self._refuse(bad_request(400, self._limit_hit or "malformed HTTP request"))
-            return False
-        return not self._refused
+        self._disarm()
+        self._release_holder()
+        self.upstream.forget(self)
+        if not self.complete and self.until_close and exc is None and self.status:
+            self.complete = True  # the close ends such a body; the connection is not reused
+            sink = self.sink
+            if sink is not None:
+                self._ended(sink)
+        elif not self.complete:
+            self._fail(UpstreamBroke(str(exc) if exc else "vLLM closed the connection"))
 
     # -- parser callbacks -------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self._target = b""
-        self._headers = []
-        self._head_bytes = 0
-        self._in_body = False
+        if self.complete:
+            raise _Extra()  # a second answer: stop parsing (caught as a parser error)
 
-    def on_url(self, url: bytes) -> None:
-        self._target += url
-        self._count_head(len(url), len(self._target), "request line")
+    def on_status(self, reason: bytes) -> None:
+        self._count(len(reason))
+        self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value) + 4, len(name) + len(value) + 2, "header")
-        if not self._in_body:  # a trailer field after a chunked body is dropped, never a header
-            self._headers.append((name, value))
+        self._count(len(name) + len(value) + 4)
+        if not self.status:  # trailer fields of a chunked body are dropped, never headers
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self._in_body = True
-        parser = self.parser
-        version = parser.get_http_version().encode()
-        problem = head_problem(version, self._headers)
-        keep_alive = parser.should_keep_alive()
-        if version == b"1.0":
-            # llhttp also takes Proxy-Connection: keep-alive; HTTP/1.0 keeps alive only on
-            # Connection: keep-alive (RFC 9112 9.3, 9.6).
-            keep_alive = keep_alive and asks_keep_alive(self._headers)
-        head = RequestHead.of(
-            parser.get_method(), self._target, version, self._headers, keep_alive=keep_alive
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # an interim answer: the real one follows
+            # A proxy forwards the 1xx it did not ask for (RFC 9110 15.2): 103 Early Hints,
+            # say. kvtax never sends vLLM an Expect, so a 100 is nobody's and goes nowhere.
+            if status != 100 and self.interim is not None:
+                self.interim(status, self.reason, self.headers)
+            self.reason, self.headers = b"", []
+            return
+        self.status = status
+        coding = header(self.headers, b"transfer-encoding")
+        if coding is not None and coding.strip().lower() != b"chunked":
+            # Read to the close, the body would reach the client still in its transfer coding
+            # (gzip, say), which kvtax does not undo: refused, as nginx does.
+            self._fail(UpstreamBroke("vLLM answered with a transfer coding other than chunked"))
+            raise _Refused()
+        # A body with neither length nor chunks runs to the connection's close (HTTP/1.0 style).
+        self.until_close = (
+            status not in (204, 304)
+            and not self.no_body
+            and header(self.headers, b"content-length") is None
+            and header(self.headers, b"transfer-encoding") is None
         )
-        if problem is None and head is None:
-            problem = bad_request(400, "the request target is not a URL")
-        if problem is None and parser.should_upgrade():
-            problem = bad_request(400, "protocol upgrades are not relayed")
-        if head is None or problem is not None:
-            self._refuse(problem or bad_request(400, "malformed HTTP request"))
-            raise httptools.HttpParserError("refused")  # stop parsing this message
-        exchange = self.handler.exchange_for(self, head)
-        self._receiving = exchange
-        self.pipeline.append(exchange)
-        if head.length and not head.chunked:
-            self._body_left = head.length
-        if exchange.too_large:
-            self.stop_reading()  # its body is never read: 413 in its turn, then close
-        self._start()
+        if self.no_body:
+            # The answer to a HEAD has no body whatever its headers say; the parser cannot be
+            # told so, so the connection is not reused.
+            self.complete = True
+        if status == 101:
+            self._fail(UpstreamBroke("vLLM answered with a protocol upgrade (101)"))
+            raise _Refused()  # nothing of it is parsed further, nor relayed
+        head = self.head
+        if head is not None and not head.done():
+            head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        exchange = self._receiving
-        if exchange is not None:
-            exchange.body_part(body)
+        if not self.complete:
+            self._parts.append(body)
 
     def on_message_complete(self) -> None:
-        exchange, self._receiving = self._receiving, None
-        self._ended = True
-        self._body_left = None
-        if exchange is not None:
-            exchange.body_done()
+        if self.status and not self.complete:  # not the end of an interim answer
+            self.complete = True
+            self.reusable = not self.sending and self.parser.should_keep_alive()
 
-    # -- writing ----------------------------------------------------------------------------
-    def write(self, data: bytes) -> None:
-        transport = self.transport
-        # uvloop refuses a write to a transport that is closing; the bytes have nowhere to go.
-        if transport is not None and not transport.is_closing():
-            transport.write(data)
+    # -- internals ----------------------------------------------------------------------------
+    def _count(self, nbytes: int) -> None:
+        self._head_bytes += nbytes
+        if self._head_bytes > MAX_HEAD:
+            raise _HeadTooLarge()
+
+    def _unsolicited(self) -> None:
+        self.reusable = False
+        self.close()
+
+    def _flush(self, sink: Sink) -> None:
+        parts, self._parts = self._parts, []
+        sink.feed(parts[0] if len(parts) == 1 else b"".join(parts), self.arrived)
+
+    def _ended(self, sink: Sink) -> None:
+        self._disarm()
+        self.sink = None
+        sink.end()
+
+    def _fail(self, cause: BaseException) -> None:
+        if self._failure is not None or self.complete:
+            return
+        self._failure = cause
+        self._disarm()
+        head = self.head
+        if head is not None and not head.done():
+            head.set_exception(cause)
+        elif self.sink is not None:
+            sink, self.sink = self.sink, None
+            sink.broke(cause)
+
+    def _arm(self, delay: float) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._check)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        """The read timeout: re-armed for what is left of it, so a read costs no timer. While
+        kvtax holds vLLM paused, or waits for its client's body, vLLM is not the one silent."""
+        self._timer = None
+        timeout = self.upstream.timeout
+        now = self.clock()
+        if self.read_paused or (self.sending and not self.write_paused):
+            self.last_read = now
+        quiet = now - self.last_read
+        if quiet < timeout:
+            self._arm(timeout - quiet)
+            return
+        self._fail(TimeoutError(f"no byte from vLLM in {timeout:g}s"))
+        self.close()
+
+
+class _HeadTooLarge(httptools.HttpParserError):
+    def __init__(self) -> None:
+        super().__init__(f"vLLM's answer head exceeds {MAX_HEAD} bytes")
+
+
+class _Extra(httptools.HttpParserError):
+    """A second answer after the first one's end."""
+
+
+class _Refused(httptools.HttpParserError):
+    """An answer that is not relayed (101): parsing stops."""
+
+
+class Upstream:
+    """The keep-alive pool to one vLLM; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        *,
+        idle: float,
+        stale_within: float,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"vLLM URL must be http(s)://host[:port]: {url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.netloc = parts.netloc.rsplit("@", 1)[-1].encode()
+        self.prefix = parts.path.rstrip("/").encode()
+        self.timeout = timeout
+        self.idle = idle
+        self.stale_within = stale_within
+        self.retries = 0
+        self.clock = clock or time.monotonic
+        self._free: list[UpstreamConnection] = []
+        self._waiting: set[UpstreamConnection] = set()
+        self._cut = False
+
+    async def send(
+        self,
+        data: bytes,
+        *,
+        no_body: bool = False,
+        streamed: Callable[[UpstreamConnection], None] | None = None,
+        chunked: bool = False,
+        holder: Holder | None = None,
+        interim: Callable[[int, bytes, Headers], None] | None = None,
+    ) -> UpstreamConnection:
+        """Send a request; the connection once vLLM's head is in. ``streamed``: ``data`` is the
+        head and the body so far, and ``streamed(conn)`` hands the connection the rest (sent
+        ``chunked`` or as it comes; ``holder`` pauses reading while vLLM's socket is full).
+        ``interim`` gets each 1xx answer (but 100) as it comes. Raises :class:`Unreachable`,
+        :class:`UpstreamBroke`, :class:`TimeoutError` or :class:`Cut`."""
+        loop = asyncio.get_running_loop()
+        if streamed is not None:
+            # A body still arriving cannot be sent twice: a new connection, which is not stale.
+            conn = await self._connect()
+            conn.holder, conn.interim = holder, interim
+            return await self._exchange(conn, data, no_body, streamed, chunked)
+        conn = self._pooled() or await self._connect()
+        conn.interim = interim
+        began = loop.time()
+        try:
+            return await self._exchange(conn, data, no_body)
+        except UpstreamBroke as exc:
+            if self._cut or conn.answered or loop.time() - began > self.stale_within:
+                raise
+            self.retries += 1
+            log.debug("vLLM closed the connection before answering (%s); one more try", exc)
+        conn = await self._connect()
+        conn.interim = interim
+        return await self._exchange(conn, data, no_body)
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """A connection whose exchange ended cleanly goes back to the pool."""
+        if conn.closed or not conn.reusable or self._cut:
+            conn.close()
+            return
+        conn.sink = None
+        conn.head = None
+        conn.holder = conn.interim = None
+        self._free.append(conn)
+        conn.idle_for(self.idle)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        if conn in self._free:
+            self._free.remove(conn)
+
+    def cut(self) -> None:
+        """The grace period is over: end every request vLLM has not answered yet."""
+        self._cut = True
+        for conn in list(self._waiting):
+            conn._fail(Cut())
+            conn.close()
 
     def close(self) -> None:
-        """Close once what was written is sent (asyncio flushes the buffer first)."""
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        for conn in self._free:
+            conn.close()
+        self._free.clear()
 
-    def shutdown(self) -> None:
-        """kvtax is stopping: an idle connection closes now, a busy one after its answer (which
-        says ``Connection: close``); nothing more is read or answered on it."""
-        self.draining = True
-        self.hold("draining")
-        if not self.pipeline:
-            self.close()
-
-    # -- the queue and its task -------------------------------------------------------------
-    def _start(self) -> None:
-        """Run the queue's task, unless it runs already."""
-        self._disarm_idle()
-        if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._serve())
-
-    async def _serve(self) -> None:
-        """Answer the queued exchanges in order, one at a time."""
+    async def _exchange(
+        self,
+        conn: UpstreamConnection,
+        data: bytes,
+        no_body: bool,
+        streamed: Callable[[UpstreamConnection], None] | None = None,
+        chunked: bool = False,
+    ) -> UpstreamConnection:
+        self._waiting.add(conn)
         try:
-            while self.pipeline and not self.closed:
-                exchange = self.pipeline[0]
-                if self.write_paused:  # the last answer is not read yet: no new one on top
-                    await self._writable.wait()
-                    if self.closed:
-                        return
-                try:
-                    await self.handler.handle(exchange)
-                except Exception:
-                    # The proxy port's one edge: a fault of kvtax's own answers 500 (or cuts an
-                    # answer already under way) and closes; the next request is not served.
-                    log.exception("the proxy failed answering a request; closing its connection")
-                    if not exchange.head_sent:
-                        exchange.answer(internal_error())
-                    exchange.break_off()
-                    return
-                if not exchange.complete:  # the handler wrote nothing: never leave it hanging
-                    exchange.break_off()
-                self.pipeline.popleft()
-                if self._refused and not self.pipeline and not self.draining:
-                    self.linger()  # the client may still be sending what was refused
-                    return
-                if not exchange.keep_alive or self.draining:
-                    self.close()
-                    return
-                if not self._pipeline_full():
-                    self.release("pipeline")
-        except asyncio.CancelledError:
-            pass  # the client left: the handler settled what it had
+            head = conn.start(data, no_body=no_body, streamed=streamed is not None, chunked=chunked)
+            if streamed is not None:
+                streamed(conn)
+            await head
+        except BaseException:
+            conn.close()
+            raise
         finally:
-            self.task = None
-            if not self.closed and not self.pipeline:
-                self._arm_idle()
+            self._waiting.discard(conn)
+        if self._cut:  # answered just before the cut, resumed after it
+            conn.close()
+            raise Cut()
+        return conn
 
-    def _refuse(self, answer: Answer, *, version: bytes | None = None) -> None:
-        """The bytes are refused: answered in turn, after the requests before them; the
-        connection is read no more and closes after the answer."""
-        if self._refused:
-            return
-        # The parser's own message quotes the client's bytes; only the peer is logged.
-        log.debug("bad request from %s: %s", self._peer(), answer.status)
-        exchange, self._receiving = self._receiving, None
-        if exchange is not None:
-            exchange.fail_body(answer)  # its body broke off: the exchange answers the refusal
-        else:
-            head = RequestHead.refused(version or self._version(), self._method)
-            exchange = self.handler.exchange_for(self, head)
-            exchange.refusal = answer
-            self.pipeline.append(exchange)
-        self.stop_reading()
-        self._start()
+    def _pooled(self) -> UpstreamConnection | None:
+        while self._free:
+            conn = self._free.pop()
+            if not conn.closed:
+                conn.connecting = 0.0
+                return conn
+        return None
 
-    def _version(self) -> bytes:
+    async def _connect(self) -> UpstreamConnection:
+        if self._cut:
+            raise Cut()
+        loop = asyncio.get_running_loop()
+        began = time.perf_counter()
         try:
-            version = self.parser.get_http_version().encode()
-        except Exception:
-            return b"1.1"
-        return version if version in (b"1.0", b"1.1") else b"1.1"
-
-    def _count_head(self, nbytes: int, line: int, what: str) -> None:
-        self._head_bytes += nbytes
-        if line > MAX_LINE:
-            self._limit_hit = f"a {what} exceeds {MAX_LINE} bytes"
-        elif self._head_bytes > MAX_HEAD:
-            self._limit_hit = f"the request head exceeds {MAX_HEAD} bytes"
-        else:
-            return
-        raise httptools.HttpParserError(self._limit_hit)  # ends the parse; answered below
-
-    def _peer(self) -> str:
-        peer = self.transport.get_extra_info("peername") if self.transport else None
-        return str(peer[0]) if isinstance(peer, tuple) and peer else "an unknown peer"
-
-    def _arm_idle(self) -> None:
-        """Wait on the client at most KEEPALIVE seconds from now. A request must be complete
-        within that of the connection going idle (reads of its head do not restart the wait,
-        so a head sent a byte at a time cannot hold the connection); a body's reads each do.
-        While an answer is under way with its request read, nothing is wanted of the client."""
-        if self._lingering:
-            return  # the linger's own timer closes it
-        self._disarm_idle()
-        if self.closed or (self.pipeline and self._receiving is None):
-            return
-        self._idle = asyncio.get_running_loop().call_later(KEEPALIVE, self.close)
-
-    def _disarm_idle(self) -> None:
-        if self._idle is not None and not self._lingering:
-            self._idle.cancel()
-            self._idle = None
-
-    def _stall(self) -> None:
-        """The client left its socket full for send_timeout: it has gone away."""
-        self._stalled = None
-        log.debug(
-            "client %s read nothing for %gs; closing", self._peer(), self.handler.send_timeout
-        )
-        if self.transport is not None:
-            self.transport.abort()
+            async with asyncio.timeout(self.timeout):
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                )
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise Unreachable(str(exc)) from exc
+        conn.connecting = time.perf_counter() - began
+        return conn

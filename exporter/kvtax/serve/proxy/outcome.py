@@ -1,10 +1,10 @@
 """One accounted request through the proxy: its facts, its outcome, and its ledger record.
 
-The proxy gathers facts in a :class:`Facts` as an accounted request runs (the request's
-:class:`~kvtax.serve.proxy.exchange.Exchange` holds it): what vLLM answered, what was written
-to the client, who went away early. When the request ends, however it ends,
-:func:`outcome_of` decides its outcome from those facts and the proxy's shutdown :data:`Phase`.
-It is the one place an outcome is decided; nothing else sets or guesses one.
+The request's owner (:class:`~kvtax.serve.proxy.request.AccountedRequest`) gathers facts in a
+:class:`Facts` as the request runs: what vLLM answered, what was written to the client, who
+went away early. When the request ends, however it ends, the owner asks :func:`outcome_of` once
+for its outcome, from those facts and the proxy's shutdown :data:`Phase`. It is the one place an
+outcome is decided; nothing else sets or guesses one.
 :func:`record_of` then turns the exchange into the one :class:`RequestRecord` the ledger settles.
 Both are pure: the caller takes the last reading of the client's acknowledgements first.
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvtax.delivery.asks import Scheme
+from kvtax.delivery.dialects import StreamCounter
 from kvtax.delivery.ledger import RequestRecord
-from kvtax.delivery.sse import StreamRewriter
 from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
 from kvtax.serve.proxy.acks import AckTracker
 
@@ -45,8 +45,10 @@ class Facts:
     """The facts of one accounted request, gathered as it runs; :func:`outcome_of` reads them.
 
     ``status`` is vLLM's (None: it never answered). ``wrote_all`` means every byte of the
-    response, ``[DONE]`` included, was handed to the client's socket; ``eof`` that the response
-    was also ended cleanly. ``client_gone`` and ``upstream_broke`` say who left early.
+    response, a stream's end marker included, was handed to the client's socket; ``eof`` that
+    the response was also ended cleanly. ``client_gone`` and ``upstream_broke`` say who left
+    early. ``counter`` counted a stream's tokens (its dialect's), ``acks`` what the client's TCP
+    stack acknowledged.
     """
 
     started: float
@@ -58,7 +60,7 @@ class Facts:
     client_gone: bool = False
     upstream_broke: bool = False
     acks: AckTracker | None = None
-    rewriter: StreamRewriter | None = None
+    counter: StreamCounter | None = None
     timing: StreamTiming | None = None
     usage: tuple[int, int] | None = None  # non-streamed: (completion, prompt)
     credited: int = 0  # delivered tokens the ledger already counted mid-stream
@@ -131,7 +133,7 @@ def record_of(ex: Facts, outcome: str, *, ended: float, slo: SloTargets) -> Requ
 
 def _tokens(ex: Facts, outcome: str) -> tuple[int, int, int]:
     """(delivered, sent by vLLM, prompt) tokens, by outcome."""
-    rw = ex.rewriter
+    rw = ex.counter
     if rw is not None:
         upstream = rw.upstream_completion_tokens
         if outcome == "completed":
@@ -163,6 +165,6 @@ def _slo_met(ex: Facts, delivered: int, slo: SloTargets) -> bool:
 def _usage_missing(ex: Facts) -> bool:
     if ex.status is None or ex.status >= 300:
         return False
-    if ex.rewriter is not None:
-        return ex.rewriter.usage_lines == 0
+    if ex.counter is not None:
+        return ex.counter.usage_lines == 0
     return ex.usage is None

@@ -16,7 +16,7 @@ its completion limit without parsing it again. Pure: no I/O.
 
 Example::
 
-    prepared = prepare(body)
+    prepared = prepare(body, COMPLETIONS)
     prepared.model, prepared.wish, prepared.body
 """
 
@@ -32,23 +32,15 @@ from typing import Any
 import msgspec
 import orjson
 
-from kvtax.delivery.asks import Scheme, UsageWish, scheme_for, with_usage
-from kvtax.delivery.lax import lax_bool
+from kvtax.delivery.asks import Scheme, UsageWish
+from kvtax.delivery.dialects import Dialect
 from kvtax.delivery.ledger import OTHER
-from kvtax.gate.footprint import LIMIT_KEYS
 
 __all__ = ["UNNAMED", "Prepared", "prepare"]
 
 # The model of a request vLLM refuses before it picks a model: counted as ``other``.
 UNNAMED = OTHER
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
-# The fields kvtax reads: here, and the gate's (kvtax.gate.footprint.shape_of).
-_READ = frozenset(
-    {
-        *("model", "stream", "stream_options", "return_token_ids", "include_reasoning", "echo"),
-        *("messages", "prompt", "n", *LIMIT_KEYS),
-    }
-)
 _OBJECTS = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 
 
@@ -168,9 +160,10 @@ def _light_part(part: Mapping[str, msgspec.Raw]) -> dict[str, Any]:
     return {"text": _loads(text)[0]}
 
 
-def _read(body: bytes) -> tuple[Any, bool, Mapping[str, msgspec.Raw] | None]:
+def _read(body: bytes, keys: frozenset[str]) -> tuple[Any, bool, Mapping[str, msgspec.Raw] | None]:
     """The body's JSON, whether the standard parser read it, and its raw top level (None when
-    read whole). ValueError when nothing reads it."""
+    read whole); of a top level read field by field, only ``keys`` are decoded. ValueError when
+    nothing reads it."""
     try:
         fields = _TOP.decode(body)
     except (msgspec.DecodeError, RecursionError):  # not for msgspec (NaN, say), or too deep
@@ -182,7 +175,7 @@ def _read(body: bytes) -> tuple[Any, bool, Mapping[str, msgspec.Raw] | None]:
         payload = {
             key: _light_messages(raw) if key == "messages" else _loads(raw)[0]
             for key, raw in fields.items()
-            if key in _READ
+            if key in keys
         }
     except ValueError:
         payload, lenient = _loads(body)
@@ -191,30 +184,30 @@ def _read(body: bytes) -> tuple[Any, bool, Mapping[str, msgspec.Raw] | None]:
 
 
 def prepare(
-    body: bytes, *, chat: bool = False, version: str | None = None, ids_missing: bool = False
+    body: bytes, dialect: Dialect, *, version: str | None = None, ids_missing: bool = False
 ) -> Prepared:
-    """An accounted request as vLLM should get it.
+    """An accounted request of ``dialect``'s API as vLLM should get it.
 
-    A stream's body is rewritten to ask vLLM for what counts it (:func:`~kvtax.delivery.asks.
-    scheme_for` picks the scheme from ``chat``, vLLM's ``version`` and whether this vLLM's
-    streams came without ids, ``ids_missing``; the wish says what the client asked for); any
-    other body goes as it came, and vLLM answers the 400 for one that is not JSON.
+    A stream's body is rewritten to ask vLLM for what counts it (the dialect picks the scheme
+    from vLLM's ``version``, whether this vLLM's streams came without ids, ``ids_missing``,
+    and the request's fields; the wish says what the client asked for); any other body goes
+    as it came, and vLLM answers the 400 for one that is not JSON.
     Fields are read as vLLM reads them (:mod:`kvtax.delivery.lax`): ``"stream": "true"``, ``1``
     or ``"yes"`` stream. The model is None when the client named none (vLLM serves its default
     model); :data:`UNNAMED` when ``model`` is there but not a name vLLM accepts (vLLM refuses the
     request), or the body is not a JSON object.
     """
     try:
-        payload, lenient, fields = _read(body)
+        payload, lenient, fields = _read(body, dialect.read_keys)
     except ValueError:
         return Prepared(UNNAMED, None, body)
     if not isinstance(payload, dict):
         return Prepared(UNNAMED, None, body, payload, lenient)
-    read = Prepared(_model(payload.get("model")), None, body, payload, lenient, fields)
-    if lax_bool(payload.get("stream"), False) is not True:
+    read = Prepared(_model(dialect.model(payload)), None, body, payload, lenient, fields)
+    if not dialect.streams(payload):
         return read
-    scheme = scheme_for(payload, chat=chat, version=version, ids_missing=ids_missing)
-    asked = with_usage(payload, scheme)
+    scheme = dialect.scheme(payload, version=version, ids_missing=ids_missing)
+    asked = dialect.asks(payload, scheme)
     if asked is None:  # options vLLM refuses: it answers 400, kvtax adds nothing
         return read
     wish, changes = asked

@@ -1,17 +1,18 @@
-"""vLLM's response body to the client, read by read, with the facts of delivery noted on the way.
+"""vLLM's response body to the client, read by read: the sinks an upstream connection feeds.
 
 Each sink takes what one read of vLLM's socket brought (:meth:`feed`), writes it to the client in
 one ``transport.write`` and returns; nothing is awaited per event. :meth:`end` and :meth:`broke`
-close the body and resolve :attr:`done`, which the request's handler awaits.
+close the body and resolve :attr:`done`, which the request's owner awaits.
 
-- :class:`StreamSink`: an accounted SSE stream, through a :class:`~kvtax.delivery.sse.
-  StreamRewriter` that cuts the usage the client did not ask for. Every write is recorded with
-  the client's acknowledgement tracker (:mod:`~kvtax.serve.proxy.acks`) and the stream's timing.
-  A stream vLLM does not finish (it broke off, timed out, or shutdown cut it) ends with an
-  OpenAI-style error event and a clean end: its headers and 200 are long gone. Once its
-  ``[DONE]`` or final usage event went out (vLLM has finished the request), ``on_done`` is
-  called, once: the gate frees the request's slot there, not when vLLM's connection
-  ends, which an upstream that keeps it open would put off for good.
+- :class:`StreamSink`: an accounted stream, through its dialect's counter
+  (:class:`~kvtax.delivery.dialects.base.StreamCounter`), which counts each event and cuts the
+  usage the client did not ask for. Every write is recorded with the client's acknowledgement
+  tracker (:mod:`~kvtax.serve.proxy.acks`) and the stream's timing. A stream vLLM does not
+  finish (it broke off, timed out, or shutdown cut it) ends with an error event in its API's
+  shape and a clean end: its headers and 200 are long gone. Once its end marker or final usage
+  went out (vLLM has finished the request), ``on_done`` is called, once: the gate frees the
+  request's slot there, not when vLLM's connection ends, which an upstream that keeps it open
+  would put off for good.
 - :class:`InflatingStreamSink`: the same for a stream vLLM gzipped although kvtax asked for
   identity; inflated as it comes, so the usage the client did not ask for is still cut, and the
   client gets it plain. It inflates one piece of at most 256 KiB per turn of the event loop,
@@ -23,13 +24,16 @@ close the body and resolve :attr:`done`, which the request's handler awaits.
 - :class:`PlainSink`: any other path's answer, as it is.
 
 A body that breaks off and is not a stream breaks the client's connection, so it can never look
-complete. The sinks write through the request's :class:`~kvtax.serve.proxy.exchange.Exchange`
-(which decides keep-alive and when the answer is complete) and only note facts on its
-:class:`~kvtax.serve.proxy.outcome.Facts`; the proxy decides the outcome.
+complete. The sinks write through the request's :class:`~kvtax.serve.proxy.server.Exchange`
+(which decides keep-alive and when the answer is complete). They decide nothing about the
+request: an accounted sink keeps what it saw (``wrote_all``, ``eof``, ``broke_off``; a body's
+``usage``), and the request's owner (:mod:`~kvtax.serve.proxy.request`) reads it when the
+request ends.
 
 Example::
 
-    sink = StreamSink(exchange, "chunked", head, wish=wish, relay=settings)
+    sink = StreamSink(exchange, "chunked", head, counter=counter, timing=timing, acks=acks,
+                      relay=settings, dialect=dialect)
     conn.attach(sink)           # feed() and end() per read, each read's bytes in one flush()
     await sink.done
 """
@@ -42,16 +46,16 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtax.delivery.asks import UsageWish
 from kvtax.delivery.cost import RelayCost
-from kvtax.delivery.openai import sse_error_event
-from kvtax.delivery.sse import Fingerprint, HoldBudget, StreamRewriter
+from kvtax.delivery.dialects import Dialect, StreamCounter
+from kvtax.delivery.sse import Fingerprint, HoldBudget
 from kvtax.delivery.timing import StreamTiming
 from kvtax.delivery.usage import UsageScanner
 from kvtax.serve.proxy.acks import AckTracker
 from kvtax.serve.proxy.answers import SHUTTING_DOWN
-from kvtax.serve.proxy.exchange import Exchange, Source
-from kvtax.serve.proxy.outcome import Facts, Phase
+from kvtax.serve.proxy.flow import Source
+from kvtax.serve.proxy.outcome import Phase
+from kvtax.serve.proxy.server import Exchange
 from kvtax.serve.proxy.wire import LAST_CHUNK, Framing, chunk
 
 __all__ = [
@@ -87,7 +91,7 @@ class RelaySettings:
 
 
 class _Sink:
-    """Framing, batching and the end of a body, shared by the three sinks.
+    """Framing, batching and the end of a body, shared by the sinks.
 
     What one read of vLLM's brings (the response head first, then the body's bytes, and its end
     when the read ends it) is gathered and written in one ``transport.write`` by :meth:`flush`,
@@ -102,8 +106,14 @@ class _Sink:
         self._out: list[bytes] = [head]
         self._arrived = 0.0  # when the bytes waiting in _out arrived from vLLM (0: none)
         # The hot path's calls, looked up once: the client's write, the cost clock.
-        self._write_out = exchange.conn.write
+        self._write_out = exchange.write
         self._observe = cost.relay.observe
+        # What the owner of an accounted request reads when it ends: every byte of the answer
+        # was handed to the client's socket; the answer was also ended cleanly with the
+        # client still connected; vLLM's side broke off (or timed out) before the end.
+        self.wrote_all = False
+        self.eof = False
+        self.broke_off = False
 
     def flush(self) -> None:
         out = self._out
@@ -158,56 +168,9 @@ class PlainSink(_Sink):
         self._break_client()
 
 
-def _facts(exchange: Exchange) -> Facts:
-    facts = exchange.facts
-    assert facts is not None, "an accounted sink needs the request's facts"
-    return facts
-
-
 class BodySink(_Sink):
-    """An accounted answer that is not a stream: relayed as it arrives, its usage read."""
-
-    def __init__(
-        self,
-        exchange: Exchange,
-        framing: Framing,
-        head: bytes,
-        clock: Callable[[], float],
-        cost: RelayCost,
-    ) -> None:
-        super().__init__(exchange, framing, head, cost)
-        self.ex = ex = _facts(exchange)
-        self.clock = clock
-        status = ex.status or 0
-        self.scanner = UsageScanner() if status < 300 else None
-        ex.acks = AckTracker(exchange.conn.transport, unsent=len(head))
-
-    def feed(self, data: bytes, arrived: float) -> None:
-        if not data:
-            return
-        self._arrival(arrived)
-        if self.scanner is not None:
-            self.scanner.feed(data)
-        sent = self._send(data)
-        acks = self.ex.acks
-        assert acks is not None
-        acks.wrote(sent, 0)
-
-    def end(self) -> None:
-        ex = self.ex
-        ex.usage = self.scanner.tokens() if self.scanner is not None else None
-        ex.wrote_all = True
-        ex.finished_at = self.clock()
-        self._close_body()
-        ex.eof = not self.exchange.conn.closed
-
-    def broke(self, cause: BaseException) -> None:
-        self.ex.upstream_broke = True
-        self._break_client()
-
-
-class StreamSink(_Sink):
-    """An accounted SSE stream, rewritten to what the client asked for."""
+    """An accounted answer that is not a stream: relayed as it arrives, its usage read when
+    ``scan`` (a 2xx answer's). ``usage`` and ``finished_at`` are set when it ends."""
 
     def __init__(
         self,
@@ -215,20 +178,63 @@ class StreamSink(_Sink):
         framing: Framing,
         head: bytes,
         *,
-        wish: UsageWish,
+        acks: AckTracker,
+        scan: bool,
+        clock: Callable[[], float],
+        cost: RelayCost,
+    ) -> None:
+        super().__init__(exchange, framing, head, cost)
+        self.acks = acks
+        self.clock = clock
+        self.scanner = UsageScanner() if scan else None
+        self.usage: tuple[int, int] | None = None  # (completion, prompt)
+        self.finished_at: float | None = None
+
+    def feed(self, data: bytes, arrived: float) -> None:
+        if not data:
+            return
+        self._arrival(arrived)
+        if self.scanner is not None:
+            self.scanner.feed(data)
+        self.acks.wrote(self._send(data), 0)
+
+    def end(self) -> None:
+        self.usage = self.scanner.tokens() if self.scanner is not None else None
+        self.wrote_all = True
+        self.finished_at = self.clock()
+        self._close_body()
+        self.eof = not self.exchange.disconnected
+
+    def broke(self, cause: BaseException) -> None:
+        self.broke_off = True
+        self._break_client()
+
+
+class StreamSink(_Sink):
+    """An accounted stream, counted and cut by its dialect's ``counter`` to what the client
+    asked for; its writes go to ``timing`` and ``acks``."""
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        framing: Framing,
+        head: bytes,
+        *,
+        counter: StreamCounter,
+        timing: StreamTiming,
+        acks: AckTracker,
         relay: RelaySettings,
+        dialect: Dialect,
         on_done: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(exchange, framing, head, relay.cost)
-        self.ex = ex = _facts(exchange)
         self.on_done = on_done
         self.relay = relay
+        self.dialect = dialect
         self.clock = relay.clock
-        self.rewriter = ex.rewriter = StreamRewriter(
-            wish, scheme=ex.scheme, budget=relay.held, fingerprints=relay.fingerprints
-        )
-        self.timing = ex.timing = StreamTiming(ex.started, relay.stall_factor, relay.stall_min)
-        self.acks = ex.acks = AckTracker(exchange.conn.transport, unsent=len(head))
+        self.rewriter = counter
+        self.timing = timing
+        self.acks = acks
 
     def feed(self, data: bytes, arrived: float) -> None:
         if not self._arrived:
@@ -240,7 +246,7 @@ class StreamSink(_Sink):
         if payload:
             self._write(payload, tokens)
             if rewriter.done:
-                self.ex.wrote_all = True  # [DONE] is with the client's kernel
+                self.wrote_all = True  # the end marker is with the client's kernel
         if self.on_done is not None and (
             rewriter.done or rewriter.final_completion_tokens is not None
         ):
@@ -259,7 +265,7 @@ class StreamSink(_Sink):
             out = rewriter.finish()
             if out.payload:
                 self._write(out.payload, out.completion_tokens)
-            self.ex.wrote_all = True
+            self.wrote_all = True
         self._finish()
 
     def broke(self, cause: BaseException) -> None:
@@ -270,16 +276,16 @@ class StreamSink(_Sink):
     def _finish(self) -> None:
         self.rewriter.close()
         self._close_body()
-        self.ex.eof = not self.exchange.conn.closed
+        self.eof = not self.exchange.disconnected
 
     def _error(self, cause: BaseException | None) -> None:
         """The error event that ends a stream vLLM did not finish (headers are long gone)."""
-        self.ex.upstream_broke = True
+        self.broke_off = True
         if self.relay.phase() == "cutting":
-            event = sse_error_event(503, SHUTTING_DOWN, "server_shutdown")
+            event = self.dialect.error_event(503, SHUTTING_DOWN, "server_shutdown")
         else:
             reason = "timed out" if isinstance(cause, TimeoutError) else "broke off"
-            event = sse_error_event(502, f"vLLM's stream {reason}", "upstream_error")
+            event = self.dialect.error_event(502, f"vLLM's stream {reason}", "upstream_error")
         self._send(event)
 
     def _write(self, payload: bytes, tokens: int) -> None:
@@ -301,9 +307,9 @@ class InflatingStreamSink(StreamSink):
     kvtax asked for identity: inflated and rewritten like any stream, one piece of at most
     :data:`_INFLATE_PIECE` bytes per turn of the event loop. While a read's bytes are still being
     inflated, vLLM's side is paused (``upstream``), and inflating stops while the client is full
-    (this sink is the exchange's :class:`~kvtax.serve.proxy.exchange.Source`). Gzip members
-    back to back (RFC 1952 2.2) are read one after another. Bytes zlib cannot read end the
-    stream as a break does."""
+    (this sink is what the exchange relays from: its :class:`~kvtax.serve.proxy.flow.Source`).
+    Gzip members back to back (RFC 1952 2.2) are read one after another. Bytes zlib cannot read
+    end the stream as a break does."""
 
     def __init__(
         self,
@@ -311,12 +317,25 @@ class InflatingStreamSink(StreamSink):
         framing: Framing,
         head: bytes,
         *,
-        wish: UsageWish,
+        counter: StreamCounter,
+        timing: StreamTiming,
+        acks: AckTracker,
         relay: RelaySettings,
+        dialect: Dialect,
         upstream: Source,
         on_done: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(exchange, framing, head, wish=wish, relay=relay, on_done=on_done)
+        super().__init__(
+            exchange,
+            framing,
+            head,
+            counter=counter,
+            timing=timing,
+            acks=acks,
+            relay=relay,
+            dialect=dialect,
+            on_done=on_done,
+        )
         self.upstream = upstream
         self.failed = False
         # 32 + MAX_WBITS: a gzip or a zlib header, whichever comes.

@@ -29,6 +29,8 @@ from kvtax.delivery.openai import error_body
 __all__ = [
     "CONTINUE",
     "LAST_CHUNK",
+    "MAX_HEAD",
+    "MAX_LINE",
     "Answer",
     "Framing",
     "Headers",
@@ -47,6 +49,11 @@ Framing = Literal["length", "chunked", "close", "none"]
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
+# Bytes of start line and headers one message may have, a client's request or vLLM's answer
+# (its interim answers included); and of one line of a request's head (aiohttp's and nginx's
+# 8 KiB buffers).
+MAX_HEAD = 64 * 1024
+MAX_LINE = 8190
 
 # RFC 9110 7.6.1 hop-by-hop headers; Host, Content-Length and Expect are written anew by the
 # relay for the next hop (it answers 100-continue itself and sends the body whole).

@@ -27,7 +27,8 @@ With ``--gate.mode=off`` the proxy holds no gate; this object still steps the co
 so that ``/metrics`` publishes the cap ``auto`` would set (the advice).
 
 The proxy asks the gate one thing per request, :meth:`Gate.admit`: the request's body as
-:func:`~kvtax.serve.proxy.prepare.prepare` read it, and the path vLLM will route it by. The
+:func:`~kvtax.serve.proxy.prepare.prepare` read it, and its API's dialect, which says what the
+request states (its prompt's size, output limit and ``n``) and how to lower its limit. The
 answer is :class:`Admitted` (the body to send, its ``max_tokens`` perhaps clamped by the token
 budget, and the one :meth:`Admitted.release` that frees the slot, however often it is called)
 or :class:`Refused` (the answer to give, and the reason, which is the request's outcome).
@@ -35,7 +36,7 @@ or :class:`Refused` (the answer to give, and the reason, which is the request's 
 Example::
 
     gate = Gate(GateSettings(CapSettings(mode="adaptive")))
-    verdict = await gate.admit(prepared, "/v1/completions")
+    verdict = await gate.admit(prepared, COMPLETIONS)
     if isinstance(verdict, Refused):
         exchange.answer(verdict.answer)
     else:
@@ -55,6 +56,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
+from kvtax.delivery.dialects import Dialect
 from kvtax.delivery.ledger import HistogramAccumulator
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
@@ -66,8 +68,6 @@ from kvtax.gate.footprint import (
     blocks_of,
     check_budget,
     footprint_of,
-    limit_fields,
-    shape_of,
 )
 from kvtax.gate.order import (
     CompletionRate,
@@ -93,6 +93,7 @@ __all__ = [
     "Ticket",
 ]
 
+# The logger keeps the name it had before this module was renamed: log filters name it.
 log = logging.getLogger("kvtax.serve.proxy.gate")
 
 REASONS = ("queue_full", "wait_predicted", "wait_expired", "over_budget")
@@ -185,14 +186,16 @@ class Gate:
         self._totals: Mapping[str, tuple[float, float]] = {}
 
     # -- the one call --------------------------------------------------------------------------
-    async def admit(self, prepared: Prepared, path: str) -> Admitted | Refused:
-        """Let ``prepared`` (a request to ``path``) through, perhaps after a wait in the queue,
-        or refuse it: 400 over the token budget, 429 shed, 503 when shutdown began. The gate
-        reads the JSON :func:`~kvtax.serve.proxy.prepare.prepare` read: the body is parsed
-        once, and both see the same request."""
-        shape = shape_of(prepared.payload, path, whole=len(prepared.body))
+    async def admit(self, prepared: Prepared, dialect: Dialect) -> Admitted | Refused:
+        """Let ``prepared`` (a request of ``dialect``'s API) through, perhaps after a wait in
+        the queue, or refuse it: 400 over the token budget, 429 shed, 503 when shutdown began.
+        The gate reads the JSON :func:`~kvtax.serve.proxy.prepare.prepare` read: the body is
+        parsed once, and both see the same request."""
+        shape = dialect.shape(prepared.payload, whole=len(prepared.body))
         prompt = self.estimator.estimate(shape.prompt_bytes)
-        budgeted = self._budgeted(prepared, shape.max_tokens, prompt, shape.prompts, shape.n)
+        budgeted = self._budgeted(
+            prepared, dialect, shape.max_tokens, prompt=prompt, prompts=shape.prompts, n=shape.n
+        )
         if isinstance(budgeted, str):
             self.rejections["over_budget"] += 1
             return Refused(over_budget(budgeted), "over_budget")
@@ -208,7 +211,14 @@ class Gate:
         return Admitted(self, ticket, body, 0 if shape.media else shape.prompt_bytes)
 
     def _budgeted(
-        self, prepared: Prepared, max_tokens: int | None, prompt: int, prompts: int, n: int
+        self,
+        prepared: Prepared,
+        dialect: Dialect,
+        max_tokens: int | None,
+        *,
+        prompt: int,
+        prompts: int,
+        n: int,
     ) -> tuple[bytes, int | None] | str:
         """The body to send and its completion limit under the token budget, or why it is
         refused. A body that is not a JSON object has no limit to check or set: vLLM refuses
@@ -221,7 +231,7 @@ class Gate:
             return verdict.message
         if verdict.action == "ok" or verdict.max_tokens is None:
             return prepared.body, max_tokens
-        clamped = prepared.with_fields(limit_fields(payload, verdict.max_tokens))
+        clamped = prepared.with_fields(dialect.limit_fields(payload, verdict.max_tokens))
         if clamped is None:  # too deep to write back: refused as `reject` would
             return check_budget(prompt, max_tokens, budget, "reject", prompts=prompts, n=n).message
         return clamped, verdict.max_tokens

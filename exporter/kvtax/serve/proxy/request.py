@@ -1,0 +1,356 @@
+"""One accounted request, owned from its head to its ledger entry: :class:`AccountedRequest`.
+
+A request to a generation API (:mod:`kvtax.delivery.dialects`) is answered by one object that
+owns everything about it: its facts (:class:`~kvtax.serve.proxy.outcome.Facts`), its connection
+to vLLM and the sink its answer is relayed into. It runs the request's steps in order:
+
+1. **prepare**: the body, read once within ``--proxy.max-body`` (:func:`~kvtax.serve.proxy.
+   prepare.prepare`), rewritten to ask vLLM for what counts each event, as the request's
+   dialect says;
+2. **admit**: with the gate on, its one call (:meth:`~kvtax.serve.proxy.gatekeeper.Gate.admit`),
+   which may queue, clamp, or refuse the request;
+3. **forward**: the request sent to vLLM on a pooled connection;
+4. **relay**: vLLM's answer, read by read, into a sink: a stream through its dialect's counter,
+   with the client's acknowledgements and the stream's timing, or a body whose usage is read
+   as it passes;
+5. **settle**: when it ends, however it ends, the outcome is decided once
+   (:func:`~kvtax.serve.proxy.outcome.outcome_of`), the connection to vLLM goes back to the pool
+   only after a completed answer, the gate's slot is freed, and the ledger settles one record.
+
+A client that leaves cancels the request; the owner notes it and settles as it would otherwise.
+Nothing outside this module writes a request's facts or decides its outcome.
+
+What every request shares (the ledger, vLLM's pool, the gate, the relay's settings, the open
+streams a scrape credits) is one :class:`Shared`, made by the proxy.
+
+Example::
+
+    request = AccountedRequest(exchange, dialect, shared)
+    await request.run()        # answers the client and settles the ledger, however it ends
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtax.delivery.asks import Scheme, UsageWish, asked_everything
+from kvtax.delivery.cost import RelayCost
+from kvtax.delivery.dialects import Dialect
+from kvtax.delivery.ledger import DeliveryLedger
+from kvtax.delivery.timing import SloTargets, StreamTiming
+from kvtax.serve.proxy.acks import AckTracker
+from kvtax.serve.proxy.answers import shutting_down, too_large, undecodable, upstream_failure
+from kvtax.serve.proxy.client import Cut, Unreachable, Upstream, UpstreamBroke, UpstreamConnection
+from kvtax.serve.proxy.forward import (
+    coding_of,
+    interim_to,
+    is_event_stream,
+    relay,
+    response_framing,
+    upstream_head,
+)
+from kvtax.serve.proxy.gatekeeper import CLOSED, Gate, Refused
+from kvtax.serve.proxy.outcome import Facts, outcome_of, record_of
+from kvtax.serve.proxy.prepare import UNNAMED, prepare
+from kvtax.serve.proxy.relay import (
+    INFLATABLE,
+    BodySink,
+    InflatingStreamSink,
+    RelaySettings,
+    StreamSink,
+)
+from kvtax.serve.proxy.server import Exchange
+from kvtax.serve.proxy.wire import Framing
+
+__all__ = ["AccountedRequest", "Schemes", "Shared"]
+
+log = logging.getLogger("kvtax.serve.proxy")
+
+
+class Schemes:
+    """How streams were counted, for ``/metrics``, and the vLLM version whose streams came
+    without the ids asked for: its later streams are counted by continuous usage."""
+
+    def __init__(self, version: Callable[[], str | None], cost: RelayCost) -> None:
+        self.version = version  # vLLM's version as the scrape last read it
+        self.cost = cost
+        self._ids_missing_in: str | None = None
+
+    def ids_missing(self, version: str | None) -> bool:
+        """Streams of vLLM ``version`` came without the ids asked for."""
+        return version is not None and version == self._ids_missing_in
+
+    def counted(self, scheme: Scheme, ids_missing: int) -> None:
+        """A stream counted by ``scheme`` ended; ``ids_missing`` of its events lacked ids."""
+        if scheme == "token_ids" and ids_missing:
+            self.cost.schemes["events"] += 1
+            version = self.version()
+            if version is not None and version != self._ids_missing_in:
+                self._ids_missing_in = version
+                log.warning(
+                    "vLLM %s streamed events without the token ids asked for; its streams are "
+                    "counted by continuous usage from now on",
+                    version,
+                )
+        else:
+            self.cost.schemes[scheme] += 1
+
+
+@dataclass(slots=True, eq=False)
+class Shared:
+    """What every accounted request shares, made once by the proxy. ``streams`` holds the
+    requests vLLM is answering (a scrape credits what their clients have so far);
+    ``relaying`` the connections to vLLM being relayed, on any path (what shutdown cuts)."""
+
+    upstream: Upstream
+    ledger: DeliveryLedger
+    relay: RelaySettings
+    schemes: Schemes
+    gate: Gate | None
+    max_body: int
+    timeout: float
+    slo: SloTargets
+    streams: set[AccountedRequest] = field(default_factory=set)
+    relaying: set[UpstreamConnection] = field(default_factory=set)
+    # Streams vLLM answered in a coding kvtax cannot inflate (not gzip or deflate).
+    encoded_streams: int = 0
+
+
+class AccountedRequest:
+    """One accounted request and everything about it; see the module docstring."""
+
+    __slots__ = ("_release", "conn", "dialect", "exchange", "facts", "shared", "sink")
+
+    def __init__(self, exchange: Exchange, dialect: Dialect, shared: Shared) -> None:
+        self.exchange = exchange
+        self.dialect = dialect
+        self.shared = shared
+        self.facts = Facts(started=shared.relay.clock())
+        self.conn: UpstreamConnection | None = None
+        self.sink: StreamSink | BodySink | None = None
+        self._release: Callable[[], None] | None = None  # frees the gate's slot
+
+    async def run(self) -> None:
+        """Answer the request and settle it, however it ends."""
+        try:
+            await self._answer()
+        except asyncio.CancelledError:
+            self.facts.client_gone = True  # the client left (its connection cancels us)
+            raise
+        finally:
+            self._settle()
+
+    def credit(self) -> None:
+        """Count the tokens this stream's client acknowledged so far (at each scrape)."""
+        facts = self.facts
+        if facts.acks is None or facts.counter is None:
+            return
+        delivered = facts.acks.refresh()
+        if delivered > facts.credited:
+            self.shared.ledger.credit(facts.model, delivered - facts.credited)
+            facts.credited = delivered
+
+    # -- prepare, admit ----------------------------------------------------------------------
+    async def _answer(self) -> None:
+        exchange, facts, shared = self.exchange, self.facts, self.shared
+        if exchange.too_large:
+            facts.model, facts.too_large = UNNAMED, True  # vLLM never saw it: not its default
+            exchange.answer(too_large(shared.max_body))
+            return
+        if shared.relay.phase() != "serving":
+            facts.model, facts.turned_away = UNNAMED, True
+            exchange.answer(shutting_down())
+            return
+        body = await exchange.whole_body()
+        if body is None:
+            facts.model = UNNAMED
+            if exchange.refusal is not None:  # its chunked framing broke: never vLLM's
+                facts.turned_away = True
+                exchange.answer(exchange.refusal)
+            else:
+                facts.too_large = True
+                exchange.answer(too_large(shared.max_body))
+            return
+        facts.started = shared.relay.clock()  # the request is whole: vLLM's part starts now
+        began = time.perf_counter()  # ... and kvtax's forwarding of it
+        version = shared.schemes.version()
+        prepared = prepare(
+            body, self.dialect, version=version, ids_missing=shared.schemes.ids_missing(version)
+        )
+        facts.model, facts.scheme = prepared.model, prepared.scheme
+        gate = shared.gate
+        if gate is None:
+            await self._forward(prepared.wish, prepared.body, began=began)
+            return
+        admitting = time.perf_counter()
+        verdict = await gate.admit(prepared, self.dialect)
+        began += time.perf_counter() - admitting  # the gate's queue is not the relay's cost
+        if isinstance(verdict, Refused):
+            if verdict.reason == CLOSED:
+                facts.turned_away = True  # shutdown began while it waited in the queue
+            else:
+                facts.shed = verdict.reason
+            exchange.answer(verdict.answer)
+            return
+        self._release = verdict.release
+        facts.prompt_bytes = verdict.prompt_bytes
+        await self._forward(prepared.wish, verdict.body, began=began)
+
+    # -- forward, relay ----------------------------------------------------------------------
+    async def _forward(self, wish: UsageWish | None, body: bytes, *, began: float) -> None:
+        """Send the request to vLLM and relay its answer. ``began``: when kvtax's forwarding
+        of it began (perf_counter), for its cost."""
+        exchange, facts, shared = self.exchange, self.facts, self.shared
+        if shared.relay.phase() != "serving":
+            facts.turned_away = True  # shutdown began: nothing new goes to vLLM
+            exchange.answer(shutting_down())
+            return
+        head = upstream_head(exchange, shared.upstream, len(body), identity=True)
+        try:
+            conn = await shared.upstream.send(head + body, interim=interim_to(exchange))
+        except Unreachable:
+            exchange.answer(upstream_failure(False, shared.timeout))
+            return
+        except TimeoutError:
+            facts.sent = True  # vLLM had the request: its HTTP counter counts it
+            exchange.answer(upstream_failure(True, shared.timeout))
+            return
+        except UpstreamBroke as exc:
+            facts.sent = True
+            exchange.answer(upstream_failure(False, shared.timeout, broke=str(exc)))
+            return
+        except Cut:
+            # The cut came before vLLM's status line; the connection is closed, so vLLM, which
+            # had the request, aborts it.
+            facts.sent = facts.turned_away = True
+            exchange.answer(shutting_down())
+            return
+        shared.relay.cost.forward.observe(conn.sent_at - began - conn.connecting)
+        facts.status = conn.status
+        self.conn = conn
+        sink = self.sink = self._sink(conn, wish)
+        if sink is None:
+            return  # the client was answered instead; the connection closes as we settle
+        shared.streams.add(self)
+        source = sink if isinstance(sink, InflatingStreamSink) else None
+        await relay(exchange, conn, sink, relaying=shared.relaying, source=source)
+
+    def _sink(
+        self, conn: UpstreamConnection, wish: UsageWish | None
+    ) -> StreamSink | BodySink | None:
+        """Where vLLM's answer goes: a stream is counted and cut (inflated first if vLLM
+        gzipped it though asked for identity), anything else is read as it passes. None when
+        the client was answered instead: a stream in a coding kvtax cannot read would hand the
+        client usage it did not ask for."""
+        exchange, facts, shared = self.exchange, self.facts, self.shared
+        ok = conn.status < 300
+        if ok and facts.model is not None:
+            shared.ledger.names.learn(facts.model)
+        stream = wish is not None and ok and is_event_stream(conn)
+        coding = coding_of(conn) if ok else None
+        if stream and coding is not None and coding not in INFLATABLE:
+            assert wish is not None
+            shared.encoded_streams += 1
+            if not asked_everything(wish, facts.scheme):
+                exchange.answer(undecodable(coding.decode("latin-1")))
+                return None
+            stream = False  # the client asked for all kvtax did: it passes unread
+        decoded = stream and coding is not None
+        framing, head = response_framing(exchange, conn, rewritten=stream, decoded=decoded)
+        facts.acks = acks = AckTracker(exchange.transport, unsent=len(head))
+        relaying = shared.relay
+        if not stream:
+            return BodySink(
+                exchange,
+                framing,
+                head,
+                acks=acks,
+                scan=ok,
+                clock=relaying.clock,
+                cost=relaying.cost,
+            )
+        assert wish is not None
+        return self._stream_sink(conn, wish, framing, head, acks, inflate=decoded)
+
+    def _stream_sink(
+        self,
+        conn: UpstreamConnection,
+        wish: UsageWish,
+        framing: Framing,
+        head: bytes,
+        acks: AckTracker,
+        *,
+        inflate: bool,
+    ) -> StreamSink:
+        """A stream's sink, counted by its dialect's counter and timed; ``inflate``: vLLM
+        compressed it. It frees the gate's slot once its end went out, though vLLM's connection
+        may not."""
+        facts, relaying = self.facts, self.shared.relay
+        facts.counter = counter = self.dialect.counter(
+            wish, facts.scheme, budget=relaying.held, fingerprints=relaying.fingerprints
+        )
+        facts.timing = timing = StreamTiming(
+            facts.started, relaying.stall_factor, relaying.stall_min
+        )
+        make: Callable[..., StreamSink] = (
+            functools.partial(InflatingStreamSink, upstream=conn) if inflate else StreamSink
+        )
+        return make(
+            self.exchange,
+            framing,
+            head,
+            counter=counter,
+            timing=timing,
+            acks=acks,
+            relay=relaying,
+            dialect=self.dialect,
+            on_done=self._release,
+        )
+
+    # -- settle ------------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """The request is over: its outcome, decided once, settles everything it holds."""
+        facts, shared = self.facts, self.shared
+        shared.streams.discard(self)
+        if self.sink is not None:
+            noted(facts, self.sink)
+        acks = facts.acks
+        if acks is not None:
+            acks.refresh()  # a last reading: the client may have acknowledged since
+        outcome = outcome_of(facts, shared.relay.phase())
+        conn = self.conn
+        if conn is not None:
+            if outcome == "completed" and facts.eof:
+                shared.upstream.release(conn)
+            else:
+                # Closing (not releasing) drops the connection: vLLM sees the disconnect and
+                # aborts the request, freeing its KV blocks.
+                conn.close()
+        if self._release is not None:
+            self._release()
+        if acks is not None:
+            acks.close()
+        counter = facts.counter
+        if counter is not None:
+            shared.schemes.counted(facts.scheme, counter.ids_missing)
+        record = record_of(facts, outcome, ended=shared.relay.clock(), slo=shared.slo)
+        shared.ledger.settle(record)
+        gate = shared.gate
+        if gate is not None and facts.prompt_bytes and record.prompt_tokens:
+            gate.learn(facts.prompt_bytes, record.prompt_tokens)
+
+
+def noted(facts: Facts, sink: StreamSink | BodySink) -> None:
+    """What the relay saw of the answer, into the request's facts (its owner does this once,
+    as the request ends)."""
+    facts.wrote_all = sink.wrote_all
+    facts.eof = sink.eof
+    facts.upstream_broke = sink.broke_off
+    if isinstance(sink, BodySink):
+        facts.usage = sink.usage
+        facts.finished_at = sink.finished_at
