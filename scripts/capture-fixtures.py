@@ -11,6 +11,11 @@ Starts one testbed engine (16 KV blocks = 2,048 tokens, --max-num-seqs 64), then
 - ``<version>-after-overload.prom``: GET /metrics once the load has finished and the
   engine is idle again.
 
+- ``apis/<version>-<api>.sse`` and ``.json``: the bodies of the generation APIs beyond
+  completions and chat (Anthropic's Messages, OpenAI's Responses, generate, batch chat),
+  streamed and not, 12 tokens each, as vLLM writes them (the engine runs with
+  ``--enable-scale-out`` for generate).
+
 ``<version>`` is the engine's major.minor from GET /version (e.g. ``0.32``). Run from
 the repository root with the sidecar's dev venv::
 
@@ -125,6 +130,43 @@ def _pick_preempting(snapshots: list[Snapshot]) -> Snapshot:
     return max(candidates, key=lambda s: s.kv_usage)
 
 
+# The bodies of each generation API, 12 tokens each (apis/<version>-<name>).
+API_BODIES: dict[str, tuple[str, dict[str, object]]] = {
+    "messages.sse": ("/v1/messages", {"max_tokens": 12, "stream": True}),
+    "messages.json": ("/v1/messages", {"max_tokens": 12}),
+    "responses.sse": ("/v1/responses", {"max_output_tokens": 12, "stream": True}),
+    "responses.json": ("/v1/responses", {"max_output_tokens": 12}),
+    "generate.sse": (
+        "/inference/v1/generate",
+        {"stream": True, "stream_options": {"include_usage": True}},
+    ),
+    "generate.json": ("/inference/v1/generate", {}),
+    "chat-batch.json": ("/v1/chat/completions/batch", {"max_tokens": 12}),
+}
+
+
+def _api_body(path: str, model: str, more: dict[str, object]) -> dict[str, object]:
+    hello = [{"role": "user", "content": "hello there"}]
+    if path == "/v1/messages":
+        return {"model": model, "messages": hello, **more}
+    if path == "/v1/responses":
+        return {"model": model, "input": "hello there", **more}
+    if path == "/inference/v1/generate":
+        params = {"max_tokens": 12, "ignore_eos": True}
+        return {"model": model, "token_ids": [5, 6, 7, 8], "sampling_params": params, **more}
+    return {"model": model, "messages": [hello, [{"role": "user", "content": "hi"}]], **more}
+
+
+async def _apis(url: str, model: str) -> dict[str, bytes]:
+    bodies: dict[str, bytes] = {}
+    async with aiohttp.ClientSession() as session:
+        for name, (path, more) in API_BODIES.items():
+            async with session.post(url + path, json=_api_body(path, model, more)) as resp:
+                resp.raise_for_status()
+                bodies[name] = await resp.read()
+    return bodies
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "vllm")
@@ -132,18 +174,22 @@ def main() -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 
-    with VllmEngine() as engine:
+    with VllmEngine(extra_args=["--enable-scale-out"]) as engine:
         version = json.loads(engine.get("/version"))["version"]
         prefix = ".".join(version.split(".")[:2])
         idle = engine.metrics_text()
         snapshots, wall, tokens = asyncio.run(_overload(engine.url, engine.model_name))
         preempting = _pick_preempting(snapshots)
         after = asyncio.run(_wait_idle(engine.url))
+        apis = asyncio.run(_apis(engine.url, engine.model_name))
         startup = engine.startup_seconds
 
     (out / f"{prefix}-idle.prom").write_text(idle)
     (out / f"{prefix}-preempting.prom").write_text(preempting.text)
     (out / f"{prefix}-after-overload.prom").write_text(after)
+    (out / "apis").mkdir(exist_ok=True)
+    for name, body in apis.items():
+        (out / "apis" / f"{prefix}-{name}").write_bytes(body)
 
     done = _snapshot(after, wall)
     print(

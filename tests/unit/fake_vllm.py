@@ -13,6 +13,13 @@ hang before answering, stream slowly, frame events with no space after ``data:``
 or gzip its answers (``gzip``: when the client accepts it; ``"always"``: whatever it asked).
 ``served`` makes it serve only those names, the first being its default and the name in every
 answer (vLLM's ``--served-model-name``), 404 for any other; unset, it answers any model.
+
+Beside completions and chat it serves vLLM 0.32's other generation APIs in their own bytes (as
+captured from the real engine): Anthropic's ``/v1/messages`` and OpenAI's ``/v1/responses`` as
+named events (usage at their end only; ``per_chunk`` tokens per content event), the token-in,
+token-out ``/inference/v1/generate`` (ids in every event), ``/v1/chat/completions/batch`` (one
+choice per conversation, never streamed) and SageMaker's ``/invocations`` (a chat or a
+completions body).
 """
 
 from __future__ import annotations
@@ -98,11 +105,19 @@ class FakeVllm:
     corrupt: bool = False
     # Ignore return_token_ids, as a vLLM without the field would (its events carry none).
     drop_ids: bool = False
+    # Go silent for STALL after this many content events of a named-event or generate stream
+    # (a client's view of a stream it leaves: exactly these events reached it).
+    pause_after: int | None = None
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/v1/chat/completions/batch", self.batch)
+        app.router.add_post("/invocations", self.completions)
+        app.router.add_post("/v1/messages", self.named)
+        app.router.add_post("/v1/responses", self.named)
+        app.router.add_post("/inference/v1/generate", self.generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         return app
@@ -167,7 +182,9 @@ class FakeVllm:
         n = req.n if req.n is not None else 1
         if n < 1:
             return self._error(400, "n must be at least 1.")
-        chat = request.path.endswith("/chat/completions")
+        chat = request.path.endswith("/chat/completions") or (
+            request.path == "/invocations" and isinstance(body.get("messages"), list)
+        )
         choices = n * (1 if chat else len(prompts))
         prompt = 3 * (1 if chat else len(prompts))
         shape = _Shape(chat, bool(req.tools), model)
@@ -249,6 +266,172 @@ class FakeVllm:
             final["system_fingerprint"] = FINGERPRINT
             await write(lead + _dump(final) + b"\n\n")
         await write(lead + b"[DONE]\n\n", last=True)
+        await response.write_eof()
+        return response
+
+    # -- the other generation APIs ---------------------------------------------------------------
+    async def _start(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """The request's body, recorded; or the error answer that ends it."""
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.hang:
+            await asyncio.sleep(self.hang)
+        if self.status != 200:
+            if request.path == "/v1/messages":  # vLLM translates its errors there
+                error = {"type": "error", "error": {"type": "BadRequestError", "message": "x"}}
+                return web.json_response(error, status=self.status)
+            return self._error(self.status)
+        if not isinstance(body, dict):
+            return self._error(400, "not an object")
+        return body
+
+    async def batch(self, request: web.Request) -> web.StreamResponse:
+        body = await self._start(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("stream"):
+            return self._error(400, "Streaming is not supported for batch chat completions.")
+        conversations = body.get("messages") or []
+        shape = _Shape(True, False, body.get("model") or "m")
+        answer = shape.head(whole=True)
+        answer["choices"] = [shape.whole(i, self.tokens) for i in range(len(conversations))]
+        completion, prompt = self.tokens * len(conversations), 3 * len(conversations)
+        answer["usage"] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+        }
+        return web.Response(body=_dump(answer), headers={"Content-Type": "application/json"})
+
+    async def named(self, request: web.Request) -> web.StreamResponse:
+        """/v1/messages or /v1/responses: named events, usage at the end only."""
+        body = await self._start(request)
+        if isinstance(body, web.Response):
+            return body
+        self.active += 1
+        try:
+            return await self._named(request, body, messages=request.path == "/v1/messages")
+        finally:
+            self.active -= 1
+
+    async def _named(
+        self, request: web.Request, body: dict[str, Any], *, messages: bool
+    ) -> web.StreamResponse:
+        model, prompt = body.get("model") or "m", 3
+        usage: dict[str, Any] = {"input_tokens": prompt, "output_tokens": self.tokens}
+        if not body.get("stream"):
+            answer: dict[str, Any]
+            if messages:
+                text = {"type": "text", "text": "x" * self.tokens}
+                answer = {"id": "msg-1", "type": "message", "role": "assistant"}
+                answer |= {"content": [text], "model": model, "stop_reason": "max_tokens"}
+            else:
+                answer = {"id": "resp-1", "object": "response", "model": model, "output": []}
+                answer["status"] = "completed"
+            answer["usage"] = usage
+            return web.Response(body=_dump(answer), headers={"Content-Type": "application/json"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        sequence = [0]
+
+        async def event(name: str, data: dict[str, Any]) -> None:
+            if not messages:  # the Responses API numbers its events and names each in its data
+                data = {**data, "sequence_number": sequence[0], "type": name}
+                sequence[0] += 1
+            await response.write(b"event: %b\ndata: %b\n\n" % (name.encode(), _dump(data)))
+
+        start: dict[str, Any] = {"id": "msg-1", "model": model}
+        if messages:
+            start |= {"type": "message", "role": "assistant", "content": []}
+            start["usage"] = {"input_tokens": prompt, "output_tokens": 0}
+            await event("message_start", {"type": "message_start", "message": start})
+            block = {"type": "text", "text": ""}
+            opened = {"type": "content_block_start", "content_block": block, "index": 0}
+            await event("content_block_start", opened)
+        else:
+            start |= {"status": "in_progress", "usage": None}
+            await event("response.created", {"response": start})
+            await event("response.in_progress", {"response": start})
+        sent = events = 0
+        while sent < self.tokens:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if events == self.pause_after:
+                await asyncio.sleep(STALL)
+            events += 1
+            step = min(self.per_chunk, self.tokens - sent)
+            sent += step
+            piece = 'ab"c}{' * step
+            data: dict[str, Any]
+            if messages:
+                data = {"type": "content_block_delta", "index": 0}
+                data["delta"] = {"type": "text_delta", "text": piece}
+                await event("content_block_delta", data)
+            else:
+                data = {"content_index": 0, "delta": piece, "item_id": "msg-1", "logprobs": []}
+                await event("response.output_text.delta", data)
+        if messages:
+            await event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            ended: dict[str, Any] = {"type": "message_delta", "usage": usage}
+            ended["delta"] = {"stop_reason": "max_tokens", "stop_sequence": None}
+            await event("message_delta", ended)
+            await event("message_stop", {"type": "message_stop"})
+        else:
+            await event("response.output_text.done", {"content_index": 0, "text": "x"})
+            done: dict[str, Any] = {"id": "resp-1", "model": model, "status": "completed"}
+            done["usage"] = {**usage, "total_tokens": prompt + sent}
+            await event("response.completed", {"response": done})
+        await response.write_eof()
+        return response
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """/inference/v1/generate: token ids in every event, the final usage if asked."""
+        body = await self._start(request)
+        if isinstance(body, web.Response):
+            return body
+        params = body.get("sampling_params") or {}
+        n, prompt = int(params.get("n") or 1), len(body.get("token_ids") or [])
+        head: dict[str, Any] = {"request_id": "generate-tokens-1", "usage": None}
+        if not body.get("stream"):
+            completion = self.tokens * n
+            answer: dict[str, Any] = {**head, "model": body.get("model") or "m"}
+            answer["usage"] = {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + completion,
+                "completion_tokens": completion,
+            }
+            answer["choices"] = [
+                {"index": i, "finish_reason": "length", "token_ids": [7] * self.tokens}
+                for i in range(n)
+            ]
+            return web.Response(body=_dump(answer), headers={"Content-Type": "application/json"})
+        options = body.get("stream_options") or {}
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        sent = [0] * n
+        events = 0
+        while sum(sent) < self.tokens * n:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            for index in range(n):
+                if events == self.pause_after:
+                    await asyncio.sleep(STALL)
+                events += 1
+                step = min(self.per_chunk, self.tokens - sent[index])
+                sent[index] += step
+                finish = "length" if sent[index] == self.tokens else None
+                choice: dict[str, Any] = {"index": index, "finish_reason": finish}
+                choice |= {"stop_reason": None, "token_ids": list(range(100, 100 + step))}
+                choice["logprobs"] = None
+                chunk = {**head, "output_mode": "tokens", "choices": [choice]}
+                await response.write(b"data: " + _dump(chunk) + b"\n\n")
+        if options.get("include_usage"):
+            total: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + sum(sent)}
+            total["completion_tokens"] = sum(sent)
+            final = {"request_id": head["request_id"], "usage": total, "output_mode": "tokens"}
+            await response.write(b"data: " + _dump({**final, "choices": []}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 

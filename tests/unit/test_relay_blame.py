@@ -18,6 +18,7 @@ from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.dialects import COMPLETIONS
 from kvtax.delivery.sse import Fingerprint, HoldBudget
 from kvtax.delivery.timing import StreamTiming
+from kvtax.delivery.usage import usage_tokens
 from kvtax.serve.proxy.acks import AckTracker
 from kvtax.serve.proxy.client import UpstreamBroke
 from kvtax.serve.proxy.flow import FlowControl
@@ -112,7 +113,13 @@ def _stream(client: _Client, ex: Facts) -> StreamSink:
 def _body(client: _Client, ex: Facts) -> BodySink:
     ex.acks = acks = AckTracker(None)
     return BodySink(
-        _exchange(client), "length", b"", acks=acks, scan=True, clock=lambda: 0.0, cost=RelayCost()
+        _exchange(client),
+        "length",
+        b"",
+        acks=acks,
+        scan=usage_tokens,
+        clock=lambda: 0.0,
+        cost=RelayCost(),
     )
 
 

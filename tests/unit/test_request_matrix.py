@@ -242,9 +242,9 @@ def _counted_streams(version: str | None) -> dict[str, int]:
         if name[0] not in "45" and str(body.get("stream")) in {"True", "true", "1", "yes"}
     ]
     if version is None:
-        return {"token_ids": 0, "usage": len(streams), "events": 0}
+        return {"token_ids": 0, "usage": len(streams), "final_usage": 0, "events": 0}
     fallback = sum(1 for name in streams if name in IDS_FALLBACK)
-    return {"token_ids": len(streams) - fallback, "usage": fallback, "events": 0}
+    return {"token_ids": len(streams) - fallback, "usage": fallback, "final_usage": 0, "events": 0}
 
 
 @pytest.mark.parametrize("version", ["0.32.0", None], ids=["token-ids", "usage"])
@@ -305,7 +305,7 @@ async def test_a_vllm_that_sends_no_ids_is_asked_for_usage_from_then_on(start: S
         for _ in range(3):
             await _send(session, rig.url + COMPLETIONS, _stream())
     assert await until(lambda: rig.proxy.in_flight == 0)
-    assert rig.proxy.cost.schemes == {"token_ids": 0, "usage": 2, "events": 1}
+    assert rig.proxy.cost.schemes == {"token_ids": 0, "usage": 2, "final_usage": 0, "events": 1}
     assert [bool(r.get("return_token_ids")) for r in rig.vllm.requests] == [True, False, False]
     # Completed streams are exact whatever the scheme: the final usage chunk has the total.
     assert rig.proxy.ledger.totals()[ENGINE].delivered == 3 * TOKENS

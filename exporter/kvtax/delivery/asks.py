@@ -51,8 +51,10 @@ __all__ = [
     "with_usage",
 ]
 
-Scheme = Literal["token_ids", "usage"]
-SCHEMES: tuple[Scheme, ...] = ("token_ids", "usage")
+# final_usage: an API that streams no count per event (kvtax.delivery.events): its final usage
+# is the exact total, and one token per content event counts before it.
+Scheme = Literal["token_ids", "usage", "final_usage"]
+SCHEMES: tuple[Scheme, ...] = ("token_ids", "usage", "final_usage")
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -68,7 +70,10 @@ class UsageWish:
 
 def asked_everything(wish: UsageWish, scheme: Scheme) -> bool:
     """The client asked for all that kvtax asks vLLM for by ``scheme``: its stream needs no
-    cut (and can pass unread when it comes in a coding kvtax cannot inflate)."""
+    cut (and can pass unread when it comes in a coding kvtax cannot inflate). By
+    ``final_usage`` kvtax asks for nothing."""
+    if scheme == "final_usage":
+        return True
     extra = wish.continuous if scheme == "usage" else wish.token_ids
     return wish.include_usage and extra
 

@@ -34,7 +34,7 @@ __all__ = ["FORWARD_BUCKETS", "RELAY_BUCKETS", "STREAM_SCHEMES", "RelayCost"]
 # body: milliseconds).
 RELAY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 FORWARD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
-STREAM_SCHEMES = ("token_ids", "usage", "events")
+STREAM_SCHEMES = ("token_ids", "usage", "final_usage", "events")
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["ErrorBody", "error_body", "sse_error_event"]
+__all__ = ["ErrorBody", "error_body", "responses_error_event", "sse_error_event"]
 
 ErrorBody = dict[str, dict[str, str | int | None]]
 
@@ -33,3 +33,11 @@ def sse_error_event(status: int, message: str, kind: str) -> bytes:
     """The error as one ``data:`` event: a stream's headers (and its 200) are already sent."""
     body = json.dumps(error_body(status, message, kind), separators=(",", ":"))
     return b"data: " + body.encode() + b"\n\n"
+
+
+def responses_error_event(message: str, kind: str, *, sequence: int) -> bytes:
+    """The error as the Responses API streams it: an ``error`` event (``ResponseErrorEvent``:
+    its code, message and param), numbered ``sequence`` after the events before it."""
+    event = {"type": "error", "code": kind, "message": message, "param": None}
+    body = json.dumps({**event, "sequence_number": sequence}, separators=(",", ":"))
+    return b"event: error\ndata: " + body.encode() + b"\n\n"

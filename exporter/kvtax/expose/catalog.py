@@ -161,8 +161,9 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "kvtax_proxy_streams_counted_total",
         "counter",
         "Accounted streams by how their tokens were counted: token_ids (each event's ids, what "
-        "costs vLLM least), usage (continuous usage, the fallback), events (ids were asked for "
-        "and did not come).",
+        "costs vLLM least), usage (continuous usage, the fallback), final_usage (an API with "
+        "no count per event: its final usage, one per content event before it), events (ids "
+        "were asked for and did not come).",
         ("scheme",),
         "delivery",
     ),

@@ -19,25 +19,60 @@ Example::
 from __future__ import annotations
 
 from kvtax.delivery.dialects.base import Dialect, Shape, StreamCounter
+from kvtax.delivery.dialects.batch import BATCH_CHAT
 from kvtax.delivery.dialects.chat import CHAT
 from kvtax.delivery.dialects.completions import COMPLETIONS
+from kvtax.delivery.dialects.generate import GENERATE
+from kvtax.delivery.dialects.invocations import INVOCATIONS
+from kvtax.delivery.dialects.messages import MESSAGES
+from kvtax.delivery.dialects.responses import RESPONSES
 
 __all__ = [
+    "APIS",
+    "BATCH_CHAT",
     "CHAT",
     "COMPLETIONS",
     "DIALECTS",
+    "GENERATE",
     "HANDLERS",
+    "INVOCATIONS",
+    "MESSAGES",
+    "RESPONSES",
+    "UNCOUNTED",
     "Dialect",
     "Shape",
     "StreamCounter",
     "dialect_for",
 ]
 
-DIALECTS: tuple[Dialect, ...] = (COMPLETIONS, CHAT)
+DIALECTS: tuple[Dialect, ...] = (
+    COMPLETIONS,
+    CHAT,
+    BATCH_CHAT,
+    RESPONSES,
+    MESSAGES,
+    GENERATE,
+    INVOCATIONS,
+)
+# The API label of kvtax's series: one per dialect, a small fixed set.
+APIS: tuple[str, ...] = tuple(dialect.name for dialect in DIALECTS)
+
+# Routes on which vLLM 0.32 generates tokens that kvtax relays without counting them: audio
+# (a multipart upload), Cohere's chat, and two scoring APIs that generate a token per item.
+# They are no dialect, but their requests are the engine's work all the same: the join's
+# denominator counts them, so that their traffic shows as coverage below 1, never as tokens
+# generated and not delivered.
+UNCOUNTED: tuple[str, ...] = (
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/cohere/v2/chat",
+    "/v1/systemone",
+    "/generative_scoring",
+)
 
 _BY_ROUTE: dict[str, Dialect] = {route: dialect for dialect in DIALECTS for route in dialect.routes}
-# Every route of every dialect: the handler names vLLM's http_requests_total counts them by.
-HANDLERS: tuple[str, ...] = tuple(_BY_ROUTE)
+# Every generation route: the handler names vLLM's http_requests_total counts them by.
+HANDLERS: tuple[str, ...] = (*_BY_ROUTE, *UNCOUNTED)
 
 
 def dialect_for(route: str) -> Dialect | None:

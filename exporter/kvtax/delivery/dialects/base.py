@@ -12,7 +12,12 @@ accounted request, and differs from the others in a few answers only:
   vLLM (:meth:`Dialect.scheme`, :meth:`Dialect.asks`);
 - **how an event counts** and what to cut from it that the client did not ask for
   (:meth:`Dialect.counter`, a :class:`StreamCounter`);
-- **how an error reads** in that API, as a body and as a stream's last event.
+- **how an error reads** in that API, as a body and as a stream's last event, and how its
+  usage object reads (:meth:`Dialect.usage_of`).
+
+A route may carry several APIs: SageMaker's ``/invocations`` takes a chat or a completions
+body. Its dialect resolves, once the body is read, to the dialect the request is
+(:meth:`Dialect.resolve`); the route's dialect names the request's API all the same.
 
 The request's owner in the proxy asks its dialect these things and nothing else; the gate, the
 ledger and the join read the list of dialects (:data:`kvtax.delivery.dialects.DIALECTS`),
@@ -29,7 +34,7 @@ Example::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -37,8 +42,9 @@ import orjson
 
 from kvtax.delivery.asks import Scheme, UsageWish
 from kvtax.delivery.lax import REFUSED, lax_bool, lax_int
-from kvtax.delivery.openai import ErrorBody, error_body, sse_error_event
+from kvtax.delivery.openai import error_body, sse_error_event
 from kvtax.delivery.sse import Fingerprint, HoldBudget, Relayed
+from kvtax.delivery.usage import usage_tokens
 
 __all__ = [
     "MAX_COUNT",
@@ -121,6 +127,10 @@ class Dialect(ABC):
     #: The top-level fields kvtax decodes; every other field passes as the client's bytes.
     read_keys: ClassVar[frozenset[str]]
 
+    def resolve(self, payload: dict[str, Any]) -> Dialect:
+        """The dialect this request is, its body read (itself but for a route of several)."""
+        return self
+
     def model(self, payload: dict[str, Any]) -> Any:
         """The request's ``model`` field as sent (None when absent)."""
         return payload.get("model")
@@ -164,12 +174,18 @@ class Dialect(ABC):
     ) -> StreamCounter:
         """A counter for one stream whose client asked for ``wish``, counted by ``scheme``."""
 
-    def error_body(self, status: int, message: str, kind: str) -> ErrorBody:
+    def usage_of(self, usage: object) -> tuple[int, int] | None:
+        """(completion, prompt) tokens of an answer's usage object (OpenAI's unless a dialect
+        says otherwise), or None when it is not one."""
+        return usage_tokens(usage)
+
+    def error_body(self, status: int, message: str, kind: str) -> Mapping[str, object]:
         """kvtax's own error in this API's shape (OpenAI's unless a dialect says otherwise)."""
         return error_body(status, message, kind)
 
-    def error_event(self, status: int, message: str, kind: str) -> bytes:
-        """The error as the last event of a stream whose head went out long ago."""
+    def error_event(self, status: int, message: str, kind: str, *, sequence: int = 0) -> bytes:
+        """The error as the last event of a stream whose head went out long ago; ``sequence``:
+        the events before it (an API that numbers its events)."""
         return sse_error_event(status, message, kind)
 
     def __repr__(self) -> str:

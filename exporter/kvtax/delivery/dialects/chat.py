@@ -22,7 +22,7 @@ from kvtax.delivery.dialects.base import Shape, count_of, limit_of, size_of
 from kvtax.delivery.dialects.openai import LIMIT_KEYS, READ_KEYS, OpenAIDialect
 from kvtax.delivery.lax import lax_bool
 
-__all__ = ["CHAT", "Chat"]
+__all__ = ["CHAT", "Chat", "text_of"]
 
 
 class Chat(OpenAIDialect):
@@ -40,7 +40,7 @@ class Chat(OpenAIDialect):
     def shape(self, payload: Any, *, whole: int) -> Shape:
         if not isinstance(payload, dict):
             return Shape(0, None)
-        prompt, media = _text_of(payload.get("messages"))
+        prompt, media = text_of(payload.get("messages"))
         return Shape(
             size_of(prompt, whole),
             limit_of(payload, self.limit_keys),
@@ -50,7 +50,7 @@ class Chat(OpenAIDialect):
         )
 
 
-def _text_of(messages: Any) -> tuple[Any, bool]:
+def text_of(messages: Any) -> tuple[Any, bool]:
     """Chat messages with each list of content parts cut down to the parts' text, and whether
     any part was left out."""
     if not isinstance(messages, list):

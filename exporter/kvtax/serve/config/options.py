@@ -127,7 +127,7 @@ class Config:
         "proxy.listen_address",
         ":8001",
         v.optional_address,
-        "Where the OpenAI-compatible proxy in front of vLLM listens; off turns it off.",
+        "Where the proxy in front of vLLM (on every generation API) listens; off turns it off.",
         "HOST:PORT",
     )
     proxy_max_body: int = option(

@@ -1,4 +1,5 @@
-"""The proxy's own answers, in OpenAI's error shape: what kvtax says when vLLM does not.
+"""The proxy's own answers, in the error shape of the request's API: what kvtax says when vLLM
+does not.
 
 A body over ``--proxy.max-body`` (:func:`too_large`), a vLLM that could not be reached or did
 not answer in time (:func:`upstream_failure`), a stream it compressed past reading
@@ -7,13 +8,22 @@ not answer in time (:func:`upstream_failure`), a stream it compressed past readi
 (:func:`shutting_down`). Nothing of the request is echoed back: the messages name limits and
 flags only. vLLM's own statuses and error bodies pass through the relay unchanged.
 
+An answer to an accounted request takes its API's shape (``dialect``:
+:meth:`~kvtax.delivery.dialects.base.Dialect.error_body`), so that the API's SDK raises its own
+exception for the status: Anthropic's ``{"type": "error", "error": {...}}`` on ``/v1/messages``,
+OpenAI's ``{"error": {...}}`` everywhere else and on every other path.
+
 Example::
 
-    client.answer(too_large(4 * 1024**2))
+    exchange.answer(too_large(4 * 1024**2, MESSAGES))
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
+from kvtax.delivery.dialects import Dialect
+from kvtax.delivery.openai import error_body
 from kvtax.serve.proxy.wire import Answer
 
 __all__ = [
@@ -34,7 +44,12 @@ __all__ = [
 SHUTTING_DOWN = "kvtax is shutting down; retry the request"
 
 
-def too_large(limit: int) -> Answer:
+def _shape(dialect: Dialect | None) -> Callable[[int, str, str], Mapping[str, object]]:
+    """The error shape of ``dialect``'s API; OpenAI's for a request of none."""
+    return error_body if dialect is None else dialect.error_body
+
+
+def too_large(limit: int, dialect: Dialect | None = None) -> Answer:
     """The 413 for a request body over ``--proxy.max-body``; the rest of the body is never read,
     so the connection cannot carry another request."""
     return Answer.error(
@@ -42,6 +57,7 @@ def too_large(limit: int) -> Answer:
         f"request body exceeds the proxy's limit of {limit} bytes (--proxy.max-body)",
         "invalid_request_error",
         close=True,
+        shape=_shape(dialect),
     )
 
 
@@ -67,7 +83,9 @@ def version_not_supported() -> Answer:
     )
 
 
-def upstream_failure(timed_out: bool, timeout: float, broke: str | None = None) -> Answer:
+def upstream_failure(
+    timed_out: bool, timeout: float, broke: str | None = None, dialect: Dialect | None = None
+) -> Answer:
     """The 504 when vLLM did not answer in ``timeout`` seconds, else the 502: vLLM is
     unreachable, or (``broke``, what was wrong) its answer broke off or was not HTTP kvtax
     can relay. An operator reading the second must look at vLLM's answer, not its address.
@@ -75,14 +93,17 @@ def upstream_failure(timed_out: bool, timeout: float, broke: str | None = None) 
     >>> upstream_failure(False, 600, broke="vLLM's answer is not HTTP: HttpParserError").status
     502
     """
+    shape = _shape(dialect)
     if timed_out:
-        return Answer.error(504, f"vLLM did not answer within {timeout:g}s", "upstream_timeout")
+        message = f"vLLM did not answer within {timeout:g}s"
+        return Answer.error(504, message, "upstream_timeout", shape=shape)
     if broke is not None:
-        return Answer.error(502, f"{broke}; kvtax cannot relay that answer", "upstream_error")
-    return Answer.error(502, "vLLM is unreachable", "upstream_unavailable")
+        message = f"{broke}; kvtax cannot relay that answer"
+        return Answer.error(502, message, "upstream_error", shape=shape)
+    return Answer.error(502, "vLLM is unreachable", "upstream_unavailable", shape=shape)
 
 
-def undecodable(encoding: str) -> Answer:
+def undecodable(encoding: str, dialect: Dialect | None = None) -> Answer:
     """The 502 for a stream vLLM compressed with a coding kvtax cannot read, although kvtax
     asked for identity, when the client would get usage it did not ask for."""
     return Answer.error(
@@ -90,6 +111,7 @@ def undecodable(encoding: str) -> Answer:
         f"vLLM answered the stream with Content-Encoding {encoding} though asked for identity; "
         "kvtax cannot read it",
         "upstream_error",
+        shape=_shape(dialect),
     )
 
 
@@ -102,7 +124,7 @@ _SHED_MESSAGES = {
 }
 
 
-def shed(reason: str, retry_after: int) -> Answer:
+def shed(reason: str, retry_after: int, dialect: Dialect | None = None) -> Answer:
     """The gate's 429: the queue was full, the wait would be too long, or it ran out;
     ``Retry-After`` in seconds."""
     return Answer.error(
@@ -110,18 +132,19 @@ def shed(reason: str, retry_after: int) -> Answer:
         _SHED_MESSAGES[reason],
         "rate_limit_exceeded",
         headers=[(b"Retry-After", str(retry_after).encode())],
+        shape=_shape(dialect),
     )
 
 
-def shutting_down() -> Answer:
+def shutting_down(dialect: Dialect | None = None) -> Answer:
     """The 503 for a request kvtax ends before vLLM answered, because it is shutting down.
 
     vLLM never answered (or aborted) it, so the client may send it again, to another replica;
     this proxy is going away, so the connection closes with it.
     """
-    return Answer.error(503, SHUTTING_DOWN, "server_shutdown", close=True)
+    return Answer.error(503, SHUTTING_DOWN, "server_shutdown", close=True, shape=_shape(dialect))
 
 
-def over_budget(message: str) -> Answer:
+def over_budget(message: str, dialect: Dialect | None = None) -> Answer:
     """The gate's 400 for a request whose prompt + max_tokens exceeds the token budget."""
-    return Answer.error(400, message, "invalid_request_error")
+    return Answer.error(400, message, "invalid_request_error", shape=_shape(dialect))

@@ -191,6 +191,7 @@ class Gate:
         the queue, or refuse it: 400 over the token budget, 429 shed, 503 when shutdown began.
         The gate reads the JSON :func:`~kvtax.serve.proxy.prepare.prepare` read: the body is
         parsed once, and both see the same request."""
+        dialect = prepared.dialect or dialect  # the API a route of several resolved to
         shape = dialect.shape(prepared.payload, whole=len(prepared.body))
         prompt = self.estimator.estimate(shape.prompt_bytes)
         budgeted = self._budgeted(
@@ -198,14 +199,14 @@ class Gate:
         )
         if isinstance(budgeted, str):
             self.rejections["over_budget"] += 1
-            return Refused(over_budget(budgeted), "over_budget")
+            return Refused(over_budget(budgeted, dialect), "over_budget")
         body, limit = budgeted
         ticket = self.ticket(prompt, limit, prompts=shape.prompts, n=shape.n)
         reason = await self.enter(ticket)
         if reason == CLOSED:
-            return Refused(shutting_down(), CLOSED)
+            return Refused(shutting_down(dialect), CLOSED)
         if reason is not None:
-            return Refused(shed(reason, self.retry_after()), reason)
+            return Refused(shed(reason, self.retry_after(), dialect), reason)
         # Only a text prompt teaches the estimator: vLLM's count of a prompt with images
         # includes theirs, which no byte of it shows.
         return Admitted(self, ticket, body, 0 if shape.media else shape.prompt_bytes)

@@ -64,6 +64,9 @@ class Prepared:
     fields: Mapping[str, msgspec.Raw] | None = None
     # How the stream's tokens are counted (kvtax.delivery.asks), when ``wish`` is set.
     scheme: Scheme = "usage"
+    # The dialect the request is, its body read (a route of several APIs resolves to one);
+    # None: the body is no JSON object, and the route's dialect stands.
+    dialect: Dialect | None = None
 
     def with_fields(self, changed: Mapping[str, Any]) -> bytes | None:
         """This request's body with the top-level ``changed`` fields set (added at the end when
@@ -203,7 +206,10 @@ def prepare(
         return Prepared(UNNAMED, None, body)
     if not isinstance(payload, dict):
         return Prepared(UNNAMED, None, body, payload, lenient)
-    read = Prepared(_model(dialect.model(payload)), None, body, payload, lenient, fields)
+    dialect = dialect.resolve(payload)
+    read = Prepared(
+        _model(dialect.model(payload)), None, body, payload, lenient, fields, dialect=dialect
+    )
     if not dialect.streams(payload):
         return read
     scheme = dialect.scheme(payload, version=version, ids_missing=ids_missing)
@@ -212,7 +218,7 @@ def prepare(
         return read
     wish, changes = asked
     if not changes:  # the client asked for all of it already
-        return Prepared(read.model, wish, body, payload, lenient, fields, scheme)
+        return Prepared(read.model, wish, body, payload, lenient, fields, scheme, dialect)
     rewritten = read.with_fields(changes)
     if rewritten is None:  # too deep to write back: sent as it came, its usage not asked for
         return read
@@ -220,7 +226,7 @@ def prepare(
     upstream = {**payload, **changes}
     if fields is not None:
         fields = {**fields, **{key: msgspec.Raw(orjson.dumps(v)) for key, v in changes.items()}}
-    return Prepared(read.model, wish, rewritten, upstream, lenient, fields, scheme)
+    return Prepared(read.model, wish, rewritten, upstream, lenient, fields, scheme, dialect)
 
 
 def _model(value: Any) -> str | None:

@@ -50,7 +50,7 @@ from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.dialects import Dialect, StreamCounter
 from kvtax.delivery.sse import Fingerprint, HoldBudget
 from kvtax.delivery.timing import StreamTiming
-from kvtax.delivery.usage import UsageScanner
+from kvtax.delivery.usage import UsageReader, UsageScanner
 from kvtax.serve.proxy.acks import AckTracker
 from kvtax.serve.proxy.answers import SHUTTING_DOWN
 from kvtax.serve.proxy.flow import Source
@@ -169,8 +169,9 @@ class PlainSink(_Sink):
 
 
 class BodySink(_Sink):
-    """An accounted answer that is not a stream: relayed as it arrives, its usage read when
-    ``scan`` (a 2xx answer's). ``usage`` and ``finished_at`` are set when it ends."""
+    """An accounted answer that is not a stream: relayed as it arrives, its usage read by
+    ``scan`` (a 2xx answer's; None: not read). ``usage`` and ``finished_at`` are set when it
+    ends."""
 
     def __init__(
         self,
@@ -179,14 +180,14 @@ class BodySink(_Sink):
         head: bytes,
         *,
         acks: AckTracker,
-        scan: bool,
+        scan: UsageReader | None,
         clock: Callable[[], float],
         cost: RelayCost,
     ) -> None:
         super().__init__(exchange, framing, head, cost)
         self.acks = acks
         self.clock = clock
-        self.scanner = UsageScanner() if scan else None
+        self.scanner = UsageScanner(scan) if scan is not None else None
         self.usage: tuple[int, int] | None = None  # (completion, prompt)
         self.finished_at: float | None = None
 
@@ -281,11 +282,15 @@ class StreamSink(_Sink):
     def _error(self, cause: BaseException | None) -> None:
         """The error event that ends a stream vLLM did not finish (headers are long gone)."""
         self.broke_off = True
+        sequence = self.rewriter.events  # the events handed out before this one
         if self.relay.phase() == "cutting":
-            event = self.dialect.error_event(503, SHUTTING_DOWN, "server_shutdown")
+            event = self.dialect.error_event(
+                503, SHUTTING_DOWN, "server_shutdown", sequence=sequence
+            )
         else:
             reason = "timed out" if isinstance(cause, TimeoutError) else "broke off"
-            event = self.dialect.error_event(502, f"vLLM's stream {reason}", "upstream_error")
+            message = f"vLLM's stream {reason}"
+            event = self.dialect.error_event(502, message, "upstream_error", sequence=sequence)
         self._send(event)
 
     def _write(self, payload: bytes, tokens: int) -> None:

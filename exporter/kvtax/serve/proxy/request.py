@@ -124,11 +124,14 @@ class Shared:
 class AccountedRequest:
     """One accounted request and everything about it; see the module docstring."""
 
-    __slots__ = ("_release", "conn", "dialect", "exchange", "facts", "shared", "sink")
+    __slots__ = ("_release", "api", "conn", "dialect", "exchange", "facts", "shared", "sink")
 
     def __init__(self, exchange: Exchange, dialect: Dialect, shared: Shared) -> None:
         self.exchange = exchange
+        # The route's dialect names the request's API; ``api`` is the one its body resolved
+        # to (a route of several), which counts it.
         self.dialect = dialect
+        self.api = dialect
         self.shared = shared
         self.facts = Facts(started=shared.relay.clock())
         self.conn: UpstreamConnection | None = None
@@ -160,11 +163,11 @@ class AccountedRequest:
         exchange, facts, shared = self.exchange, self.facts, self.shared
         if exchange.too_large:
             facts.model, facts.too_large = UNNAMED, True  # vLLM never saw it: not its default
-            exchange.answer(too_large(shared.max_body))
+            exchange.answer(too_large(shared.max_body, self.dialect))
             return
         if shared.relay.phase() != "serving":
             facts.model, facts.turned_away = UNNAMED, True
-            exchange.answer(shutting_down())
+            exchange.answer(shutting_down(self.dialect))
             return
         body = await exchange.whole_body()
         if body is None:
@@ -174,7 +177,7 @@ class AccountedRequest:
                 exchange.answer(exchange.refusal)
             else:
                 facts.too_large = True
-                exchange.answer(too_large(shared.max_body))
+                exchange.answer(too_large(shared.max_body, self.dialect))
             return
         facts.started = shared.relay.clock()  # the request is whole: vLLM's part starts now
         began = time.perf_counter()  # ... and kvtax's forwarding of it
@@ -183,6 +186,7 @@ class AccountedRequest:
             body, self.dialect, version=version, ids_missing=shared.schemes.ids_missing(version)
         )
         facts.model, facts.scheme = prepared.model, prepared.scheme
+        self.api = prepared.dialect or self.dialect
         gate = shared.gate
         if gate is None:
             await self._forward(prepared.wish, prepared.body, began=began)
@@ -206,29 +210,30 @@ class AccountedRequest:
         """Send the request to vLLM and relay its answer. ``began``: when kvtax's forwarding
         of it began (perf_counter), for its cost."""
         exchange, facts, shared = self.exchange, self.facts, self.shared
+        dialect = self.dialect
         if shared.relay.phase() != "serving":
             facts.turned_away = True  # shutdown began: nothing new goes to vLLM
-            exchange.answer(shutting_down())
+            exchange.answer(shutting_down(dialect))
             return
         head = upstream_head(exchange, shared.upstream, len(body), identity=True)
         try:
             conn = await shared.upstream.send(head + body, interim=interim_to(exchange))
         except Unreachable:
-            exchange.answer(upstream_failure(False, shared.timeout))
+            exchange.answer(upstream_failure(False, shared.timeout, dialect=dialect))
             return
         except TimeoutError:
             facts.sent = True  # vLLM had the request: its HTTP counter counts it
-            exchange.answer(upstream_failure(True, shared.timeout))
+            exchange.answer(upstream_failure(True, shared.timeout, dialect=dialect))
             return
         except UpstreamBroke as exc:
             facts.sent = True
-            exchange.answer(upstream_failure(False, shared.timeout, broke=str(exc)))
+            exchange.answer(upstream_failure(False, shared.timeout, str(exc), dialect))
             return
         except Cut:
             # The cut came before vLLM's status line; the connection is closed, so vLLM, which
             # had the request, aborts it.
             facts.sent = facts.turned_away = True
-            exchange.answer(shutting_down())
+            exchange.answer(shutting_down(dialect))
             return
         shared.relay.cost.forward.observe(conn.sent_at - began - conn.connecting)
         facts.status = conn.status
@@ -257,7 +262,7 @@ class AccountedRequest:
             assert wish is not None
             shared.encoded_streams += 1
             if not asked_everything(wish, facts.scheme):
-                exchange.answer(undecodable(coding.decode("latin-1")))
+                exchange.answer(undecodable(coding.decode("latin-1"), self.dialect))
                 return None
             stream = False  # the client asked for all kvtax did: it passes unread
         decoded = stream and coding is not None
@@ -270,7 +275,7 @@ class AccountedRequest:
                 framing,
                 head,
                 acks=acks,
-                scan=ok,
+                scan=self.api.usage_of if ok else None,
                 clock=relaying.clock,
                 cost=relaying.cost,
             )
@@ -291,7 +296,7 @@ class AccountedRequest:
         compressed it. It frees the gate's slot once its end went out, though vLLM's connection
         may not."""
         facts, relaying = self.facts, self.shared.relay
-        facts.counter = counter = self.dialect.counter(
+        facts.counter = counter = self.api.counter(
             wish, facts.scheme, budget=relaying.held, fingerprints=relaying.fingerprints
         )
         facts.timing = timing = StreamTiming(
@@ -308,7 +313,7 @@ class AccountedRequest:
             timing=timing,
             acks=acks,
             relay=relaying,
-            dialect=self.dialect,
+            dialect=self.api,
             on_done=self._release,
         )
 

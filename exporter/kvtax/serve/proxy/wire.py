@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Literal
@@ -179,9 +179,11 @@ class Answer:
         *,
         close: bool = False,
         headers: Sequence[tuple[bytes, bytes]] = (),
+        shape: Callable[[int, str, str], Mapping[str, object]] = error_body,
     ) -> Answer:
-        """An OpenAI-style JSON error (``{"error": {message, type, param, code}}``)."""
-        body = json.dumps(error_body(status, message, kind)).encode()
+        """A JSON error in the request's API's ``shape``: OpenAI's
+        (``{"error": {message, type, param, code}}``) unless it says otherwise."""
+        body = json.dumps(shape(status, message, kind)).encode()
         return cls(status, body, [(b"Content-Type", b"application/json"), *headers], close)
 
     def encode(self, version: bytes, *, close: bool, head_only: bool = False) -> bytes:
