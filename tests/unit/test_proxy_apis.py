@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
-from kvtax.expose.publish import ledger_samples
+from kvtax.expose.publish import api_samples, ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Gate, GateSettings, Proxy, ProxySettings
@@ -282,3 +282,26 @@ async def test_each_sdk_raises_its_own_errors_on_the_gate_s_answers(gated: Rig) 
     holder.cancel()
     await claude.close()
     await oai.close()
+
+
+async def test_the_proxy_s_counts_split_by_api_add_up_to_its_own(rig: Rig) -> None:
+    for api in [*APIS, BATCH]:
+        await _post(rig.url + api.path, api.with_body(stream=api is not BATCH))
+    assert await until(lambda: rig.proxy.in_flight == 0)
+    by_api = rig.proxy.ledger.api_counts()
+    tokens = rig.vllm.tokens
+    assert {api: counts.delivered for (_, api), counts in by_api.items()} == {
+        "messages": tokens,
+        "responses": tokens,
+        "generate": 2 * tokens,
+        "invocations": 2 * tokens,  # one chat body and one completions body
+        "chat_batch": 3 * tokens,
+    }
+    assert sum(c.delivered for c in by_api.values()) == rig.proxy.ledger.totals()["m"].delivered
+    assert all(c.outcomes["completed"] >= 1 and c.undelivered == 0 for c in by_api.values())
+    published = {
+        (s.labels[1], s.value)
+        for s in api_samples(by_api)
+        if s.metric == "kvtax_api_delivered_tokens_total"
+    }
+    assert ("messages", tokens) in published

@@ -20,6 +20,12 @@ Example::
     ledger.settle(RequestRecord("sql-lora", "completed", delivered_tokens=3))
     ledger.totals()["tiny-llama"].delivered  # 15.0
     ledger.adapter_counts()  # {("tiny-llama", "sql-lora"): 3.0}
+    ledger.settle(RequestRecord("tiny-llama", "completed", delivered_tokens=4, api="messages"))
+    ledger.api_counts()  # {("tiny-llama", "messages"): ApiCounts(delivered=4.0, ...)}
+
+The proxy's requests are also counted by the generation API they came through (``api``: a
+dialect's name, a small fixed set): a breakdown of the proxy's part of the model's counters,
+like the adapters', never added to them.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ __all__ = [
     "OTHER",
     "OUTCOMES",
     "SOURCES",
+    "ApiCounts",
     "BookCounts",
     "DeliveryCounts",
     "DeliveryLedger",
@@ -218,6 +225,8 @@ class RequestRecord:
     slo_met: bool = False
     # Completed, but vLLM sent no usage kvtax could read: its tokens are missing from delivered.
     usage_missing: bool = False
+    # The generation API it came through (a dialect's name); None: not counted by API.
+    api: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +253,18 @@ class LedgerTotals:
     slo_met_tokens: float = 0.0
     stalls: float = 0.0
     stall_context: float = 0.0
+
+
+@dataclass(slots=True)
+class ApiCounts:
+    """One model's requests through one API: delivered and undelivered tokens, outcomes."""
+
+    delivered: float = 0.0
+    undelivered: float = 0.0
+    outcomes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0.0))
+
+    def copy(self) -> ApiCounts:
+        return ApiCounts(self.delivered, self.undelivered, dict(self.outcomes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +347,8 @@ class DeliveryLedger:
         self._books: dict[str, _ModelBook] = {}
         # (base model label, adapter) -> delivered tokens, every source together.
         self._adapter_delivered: dict[tuple[str, str], float] = {}
+        # (model label, API) -> the proxy's counts of that API's requests.
+        self._apis: dict[tuple[str, str], ApiCounts] = {}
 
     def _book(self, model: str | None) -> _ModelBook:
         label = self.names.label(model)
@@ -345,6 +368,11 @@ class DeliveryLedger:
         remaining = max(0, record.delivered_tokens - record.credited_tokens)
         book.add_tokens("proxy", remaining, prompt, record.undelivered_tokens)
         self._credit_adapter(record.model, remaining)
+        if record.api is not None:
+            api = self._api(record.model, record.api)
+            api.outcomes[record.outcome] += 1
+            api.delivered += remaining
+            api.undelivered += record.undelivered_tokens
         if record.forwarded:
             book.joined_requests += 1
         if record.usage_missing:
@@ -362,7 +390,7 @@ class DeliveryLedger:
         if record.duration is not None:
             book.duration.observe(record.duration)
 
-    def credit(self, model: str | None, tokens: int) -> None:
+    def credit(self, model: str | None, tokens: int, api: str | None = None) -> None:
         """Count tokens of a stream still running as delivered (the proxy, at each scrape).
 
         Crediting while the stream runs, not when it ends, keeps goodput over a window in step
@@ -371,6 +399,15 @@ class DeliveryLedger:
         """
         self._book(model).add_tokens("proxy", tokens, 0, 0)
         self._credit_adapter(model, tokens)
+        if api is not None:
+            self._api(model, api).delivered += tokens
+
+    def _api(self, model: str | None, api: str) -> ApiCounts:
+        key = (self.names.label(model), api)
+        counts = self._apis.get(key)
+        if counts is None:
+            counts = self._apis[key] = ApiCounts()
+        return counts
 
     def add(self, model: str | None, counts: DeliveryCounts, source: str) -> None:
         """Add increments from another source (``push`` or ``gateway``)."""
@@ -404,6 +441,11 @@ class DeliveryLedger:
         """Delivered tokens per (base model label, adapter), sorted; a subset of the base
         model's ``delivered``, which already holds them."""
         return dict(sorted(self._adapter_delivered.items()))
+
+    def api_counts(self) -> dict[tuple[str, str], ApiCounts]:
+        """The proxy's counts per (model label, API), sorted: a part of each model's, which
+        already holds them."""
+        return {key: self._apis[key].copy() for key in sorted(self._apis)}
 
     def outcomes(self) -> dict[str, float]:
         """Requests by outcome, over every model (for the shutdown log line)."""

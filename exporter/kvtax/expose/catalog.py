@@ -451,6 +451,31 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         (M, "adapter"),
         "delivery",
     ),
+    # -- the generation APIs: the proxy's counts by API, a part of the per-model ones -------
+    _S(
+        "kvtax_api_delivered_tokens_total",
+        "counter",
+        "Completion tokens the proxy delivered, by the generation API the request came through "
+        "(kvtax.delivery.dialects: completions, chat, chat_batch, responses, messages, "
+        'generate, invocations); a part of kvtax_delivered_tokens_total{source="proxy"}.',
+        (M, "api"),
+        "delivery",
+    ),
+    _S(
+        "kvtax_api_undelivered_tokens_total",
+        "counter",
+        "Completion tokens vLLM sent through the proxy that did not reach their client, by "
+        'API; a part of kvtax_undelivered_tokens_total{source="proxy"}.',
+        (M, "api"),
+        "delivery",
+    ),
+    _S(
+        "kvtax_api_requests_total",
+        "counter",
+        "Requests the proxy settled, by API and outcome; a part of kvtax_requests_total.",
+        (M, "api", "outcome"),
+        "delivery",
+    ),
     # -- the gate (docs/gate.md): kvtax.expose.catalog_gate ----------------------------------
     *GATE_METRICS,
 )

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from kvtax.delivery.cost import RelayCost
-from kvtax.delivery.ledger import BookCounts, HistogramCounts
+from kvtax.delivery.ledger import ApiCounts, BookCounts, HistogramCounts
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
 from kvtax.figures.recompute import METHODS
@@ -33,6 +33,7 @@ from kvtax.figures.recompute import METHODS
 __all__ = [
     "RECOMPUTED_COUNTERS",
     "adapter_samples",
+    "api_samples",
     "ledger_samples",
     "model_samples",
     "proxy_samples",
@@ -124,6 +125,15 @@ def adapter_samples(delivered: Mapping[tuple[str, str], float]) -> Iterator[Samp
     """Delivered tokens per (base model, adapter) (from ``DeliveryLedger.adapter_counts()``)."""
     for labels, value in sorted(delivered.items()):
         yield Sample("kvtax_adapter_delivered_tokens_total", labels, value)
+
+
+def api_samples(counts: Mapping[tuple[str, str], ApiCounts]) -> Iterator[Sample]:
+    """The proxy's counts per (model, API) (from ``DeliveryLedger.api_counts()``)."""
+    for (label, api), by_api in sorted(counts.items()):
+        yield Sample("kvtax_api_delivered_tokens_total", (label, api), by_api.delivered)
+        yield Sample("kvtax_api_undelivered_tokens_total", (label, api), by_api.undelivered)
+        for outcome, n in by_api.outcomes.items():
+            yield Sample("kvtax_api_requests_total", (label, api, outcome), n)
 
 
 def proxy_samples(

@@ -54,7 +54,7 @@ from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
-from kvtax.expose.publish import adapter_samples, ledger_samples, proxy_samples
+from kvtax.expose.publish import adapter_samples, api_samples, ledger_samples, proxy_samples
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.window import Window
 from kvtax.gate.cap import CapSettings, Mode
@@ -146,6 +146,7 @@ def report_of(
         yield from scrape.samples()
         yield from ledger_samples(ledger.counts())
         yield from adapter_samples(ledger.adapter_counts())
+        yield from api_samples(ledger.api_counts())
         yield from proxy_samples(
             proxy.in_flight, proxy.streams_open, proxy.upstream_retries, proxy.cost
         )

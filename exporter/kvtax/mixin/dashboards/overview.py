@@ -5,8 +5,9 @@ rate, budget left), is the engine thrashing, what is it costing (one headline pe
 waste, goodput, SLO goodput; then the tax by method), what resumed requests got back without
 computing it (the prefix cache, a KV connector), where the KV pressure is (preemptions per
 request included), what clients feel (TTFT, ITL, stalls, how requests finished, the proxy's
-errors), and how admission is sized (recommended against configured max_num_seqs, rejections,
-coverage); then the gate. Pure: no I/O.
+errors), which generation API the traffic and the waste come from, and how admission is sized
+(recommended against configured max_num_seqs, rejections, coverage); then the gate. Pure: no
+I/O.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvtax.engine.vocabulary import CONCEPTS
+from kvtax.mixin.dashboards.apis import API_ROW
 from kvtax.mixin.dashboards.common import (
     KV_THRESHOLDS,
     MODEL,
@@ -419,6 +421,7 @@ OVERVIEW = Board(
                 _proxy_errors,
             ),
         ),
+        API_ROW,
         Row("Sizing and admission", (_recommended_vs_configured, _rejections, _coverage)),
         SELF_COST_ROW,
         GATE_ROW,

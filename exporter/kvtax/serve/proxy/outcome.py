@@ -70,6 +70,7 @@ class Facts:
     turned_away: bool = False  # kvtax answered its shutdown 503 before vLLM answered
     prompt_bytes: int = 0  # the gate's measure of the prompt, corrected from vLLM's usage
     scheme: Scheme = "usage"  # how a stream's tokens are counted (kvtax.delivery.asks)
+    api: str | None = None  # the generation API it came through (its dialect's name)
 
     @property
     def reached_client(self) -> bool:
@@ -128,6 +129,7 @@ def record_of(ex: Facts, outcome: str, *, ended: float, slo: SloTargets) -> Requ
         stalls=tuple(timing.stalls) if timing else (),
         slo_met=completed and _slo_met(ex, delivered, slo),
         usage_missing=completed and _usage_missing(ex),
+        api=ex.api,
     )
 
 

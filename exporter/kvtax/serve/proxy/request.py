@@ -133,7 +133,7 @@ class AccountedRequest:
         self.dialect = dialect
         self.api = dialect
         self.shared = shared
-        self.facts = Facts(started=shared.relay.clock())
+        self.facts = Facts(started=shared.relay.clock(), api=dialect.name)
         self.conn: UpstreamConnection | None = None
         self.sink: StreamSink | BodySink | None = None
         self._release: Callable[[], None] | None = None  # frees the gate's slot
@@ -155,7 +155,7 @@ class AccountedRequest:
             return
         delivered = facts.acks.refresh()
         if delivered > facts.credited:
-            self.shared.ledger.credit(facts.model, delivered - facts.credited)
+            self.shared.ledger.credit(facts.model, delivered - facts.credited, facts.api)
             facts.credited = delivered
 
     # -- prepare, admit ----------------------------------------------------------------------
