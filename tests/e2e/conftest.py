@@ -60,12 +60,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
-    """One real vLLM engine (16 KV blocks = 2,048 tokens, 64 seqs) for the whole session.
+    """One real vLLM engine (16 KV blocks = 2,048 tokens, 64 seqs, every generation API) for the
+    whole session.
 
     Fails, never skips, when the engine cannot start: a missing engine must not turn the
     end-to-end suite silently green.
     """
-    engine = VllmEngine(log_path=tmp_path_factory.mktemp("vllm") / "engine.log")
+    # --enable-scale-out registers vLLM's tokens-in/tokens-out /inference/v1/generate (and its
+    # render routes) beside the other generation APIs, which test_apis_e2e drives through kvtax.
+    engine = VllmEngine(
+        extra_args=["--enable-scale-out"], log_path=tmp_path_factory.mktemp("vllm") / "engine.log"
+    )
     try:
         engine.start()
     except EngineStartError as exc:

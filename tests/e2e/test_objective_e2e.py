@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
 from kvtax.engine.vocabulary import CONCEPTS
 from kvtax.mixin.rules import TEST_PROFILE
@@ -161,14 +160,6 @@ def _overload_until(stack: Stack, stop: threading.Event) -> None:
     asyncio.run(run())
 
 
-def _evaluated_since(prom: PrometheusProcess, since: float) -> bool:
-    """Whether every rule group has been evaluated after ``since`` (Prometheus' own /metrics,
-    which this Prometheus does not scrape)."""
-    page = read_samples(requests.get(f"{prom.url}/metrics", timeout=10).text)
-    stamps = page.get("prometheus_rule_group_last_evaluation_timestamp_seconds", {})
-    return bool(stamps) and min(stamps.values()) > since
-
-
 def _engine_busy(engine: VllmEngine) -> float:
     page = read_samples(engine.metrics_text())
     return sum(total(page, CONCEPTS[c].names[0]) for c in ("requests_running", "requests_waiting"))
@@ -196,7 +187,7 @@ def test_an_overload_pages_through_the_fast_burn_and_a_calm_load_pages_nothing(
     # the overload's wait for its page would show).
     since = time.time()
     prom.wait_for(
-        lambda: _evaluated_since(prom, since + 2.0), what="three more evaluations of every group"
+        lambda: prom.evaluated_since(since + 2.0), what="three more evaluations of every group"
     )
     calm_s = time.monotonic() - began
     near = [r for r in calm if _near_miss(r)]

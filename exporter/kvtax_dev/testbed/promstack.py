@@ -27,6 +27,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import requests
+
+from kvtax_dev.exposition import read_samples
 from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until, tail
 from kvtax_dev.promapi import AlertmanagerApi, PrometheusApi, QueryError
 from kvtax_dev.testbed.engine import free_port
@@ -229,6 +232,13 @@ class PrometheusProcess(_Server):
 
     def rule_groups(self) -> list[dict[str, Any]]:
         return self.api.rule_groups()
+
+    def evaluated_since(self, since: float) -> bool:
+        """Every rule group has been evaluated after ``since`` (a ``time.time()``), by
+        Prometheus' own /metrics (which this Prometheus need not scrape)."""
+        page = read_samples(requests.get(f"{self.url}/metrics", timeout=10).text)
+        stamps = page.get("prometheus_rule_group_last_evaluation_timestamp_seconds", {})
+        return bool(stamps) and min(stamps.values()) > since
 
     def targets(self) -> list[dict[str, Any]]:
         """Active scrape targets with ``labels`` and ``health``."""
