@@ -41,6 +41,10 @@ Flags:
   ``--kvtax-arg=--scrape.interval=1h``.
 - ``--unpinned``: pin nothing, so the relays, the upstream and the load share both cores, as
   in a pod where kvtax and vLLM's API server share a CPU limit (default: pinned as above).
+- ``--apis NAME[,NAME...]``: the generation APIs whose streams are measured, one after the
+  other in the same run with the same relays (default ``completions``; ``messages`` and
+  ``responses`` stream vLLM's named events, one token per delta, usage at the end only). The
+  report gives each API's table, then kvtax's CPU per event on each beside nginx's.
 - ``--kvtax-before DIR``: one more relay, ``kvtax-before``: ``kvtax serve`` run from another
   checkout (``DIR/exporter`` first on its path), interleaved with the others round by round,
   so that a change's before and after are measured in one run. ``git worktree add DIR REV``
@@ -82,6 +86,28 @@ PACED_CHUNKS, PACED_INTERVAL = 100, 0.010
 # Token chunks of a short stream: with [DONE], 4 events.
 SHORT_CHUNKS = 3
 MODES = ("direct", "kvtax", "kvtax-before", "nginx", "passthrough")
+
+
+@dataclass(frozen=True)
+class StreamKind:
+    """How to ask one generation API for a stream of n tokens: the path, the body, the key of
+    its output limit, and the events a stream has besides its token events."""
+
+    path: str
+    body: dict[str, object]
+    limit: str
+    framing: int
+
+
+STREAM_KINDS = {
+    "completions": StreamKind("/v1/completions", {"prompt": "x"}, "max_tokens", 1),  # [DONE]
+    # message_start, content_block_start, content_block_stop, message_delta, message_stop
+    "messages": StreamKind(
+        "/v1/messages", {"messages": [{"role": "user", "content": "x"}]}, "max_tokens", 5
+    ),
+    # created, in_progress, output_item.added, output_text.done, output_item.done, completed
+    "responses": StreamKind("/v1/responses", {"input": "x"}, "max_output_tokens", 6),
+}
 NGINX_CONF = """
 daemon off;
 worker_processes 1;
@@ -297,15 +323,15 @@ class StreamStats:
 
 
 async def _stream(
-    session: aiohttp.ClientSession, url: str, chunks: int, interval: float
+    session: aiohttp.ClientSession, url: str, chunks: int, interval: float, kind: StreamKind
 ) -> StreamStats:
-    """One streamed completion of ``chunks`` token chunks; the gaps between reads are kept
-    for paced streams only (an unpaced stream's reads are back to back)."""
+    """One stream of ``chunks`` token events of the API ``kind``; the gaps between reads are
+    kept for paced streams only (an unpaced stream's reads are back to back)."""
     body = {
         "model": "bench",
-        "prompt": "x",
+        **kind.body,
         "stream": True,
-        "max_tokens": chunks,
+        kind.limit: chunks,
         "bench_interval": interval,
     }
     started = time.perf_counter()
@@ -314,7 +340,7 @@ async def _stream(
     events = 0
     last = None
     tail = b""  # a lone "\n" that may be the first half of a separator split across reads
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    async with session.post(url + kind.path, json=body) as resp:
         assert resp.status == 200, resp.status
         async for data in resp.content.iter_any():
             if last is None:
@@ -327,16 +353,24 @@ async def _stream(
             joined = tail + data if tail else data
             events += joined.count(b"\n\n")
             tail = b"\n" if joined.endswith(b"\n") and not joined.endswith(b"\n\n") else b""
-    # Every token chunk and [DONE] arrived: the relay lost nothing.
-    assert events == chunks + 1, (events, chunks)
+    # Every token event and every other event arrived: the relay lost nothing.
+    assert events == chunks + kind.framing, (events, chunks)
     return StreamStats(ttfb, gaps, events)
 
 
 async def _wave(
-    session: aiohttp.ClientSession, url: str, streams: int, chunks: int, interval: float
+    session: aiohttp.ClientSession,
+    url: str,
+    streams: int,
+    chunks: int,
+    interval: float,
+    *,
+    kind: StreamKind,
 ) -> list[StreamStats]:
     return list(
-        await asyncio.gather(*(_stream(session, url, chunks, interval) for _ in range(streams)))
+        await asyncio.gather(
+            *(_stream(session, url, chunks, interval, kind) for _ in range(streams))
+        )
     )
 
 
@@ -391,7 +425,9 @@ async def _sample_rss(relay: Relay, turn: Turn, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.05)
 
 
-async def measure(relay: Relay, streams: int, plan: Plan) -> Turn:
+async def measure(
+    relay: Relay, streams: int, plan: Plan, kind: StreamKind = STREAM_KINDS["completions"]
+) -> Turn:
     turn = Turn()
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_rss(relay, turn, stop))
@@ -408,18 +444,18 @@ async def measure(relay: Relay, streams: int, plan: Plan) -> Turn:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             # Open the streams' connections (and the relay's upstream ones) beforehand: the
             # paced and unpaced runs measure the streams, the short run the connections.
-            await _wave(session, relay.url, streams, 2, 0.0)
+            await _wave(session, relay.url, streams, 2, 0.0, kind=kind)
             before = cpu()
             for _ in range(plan.paced_waves):
                 for s in await _wave(
-                    session, relay.url, streams, plan.paced_chunks, PACED_INTERVAL
+                    session, relay.url, streams, plan.paced_chunks, PACED_INTERVAL, kind=kind
                 ):
                     turn.ttfbs.append(s.ttfb)
                     turn.gaps += s.gaps
                     turn.paced_events += s.events
             turn.paced_cpu = cpu() - before
             before, started = cpu(), time.perf_counter()
-            unpaced = await _wave(session, relay.url, streams, plan.unpaced_chunks, 0.0)
+            unpaced = await _wave(session, relay.url, streams, plan.unpaced_chunks, 0.0, kind=kind)
             turn.unpaced_cpu, turn.unpaced_wall = cpu() - before, time.perf_counter() - started
             turn.unpaced_events = sum(s.events for s in unpaced)
         # A new connection for every request: force_close closes each after its response.
@@ -427,7 +463,7 @@ async def measure(relay: Relay, streams: int, plan: Plan) -> Turn:
         async with aiohttp.ClientSession(connector=connector) as session:
             before = cpu()
             for _ in range(plan.short_waves):
-                await _wave(session, relay.url, streams, SHORT_CHUNKS, 0.0)
+                await _wave(session, relay.url, streams, SHORT_CHUNKS, 0.0, kind=kind)
             turn.short_cpu = cpu() - before
             turn.short_requests = plan.short_waves * streams
     finally:
@@ -618,40 +654,82 @@ async def main_async(
     *,
     pinned: bool = True,
     before: Path | None = None,
+    apis: tuple[str, ...] = ("completions",),
 ) -> str:
-    turns: dict[tuple[str, int], list[Turn]] = {}
+    turns: dict[str, dict[tuple[str, int], list[Turn]]] = {api: {} for api in apis}
     with relays(kvtax_args, pinned=pinned, before=before) as modes:
-        for streams in sorted(concurrency):
-            plan = Plan.of(streams, rounds, quick)
-            for r in range(rounds):
-                # Rotate the order each round, so that no mode always follows the same one.
-                for relay in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                    turn = await measure(relay, streams, plan)
-                    turns.setdefault((relay.name, streams), []).append(turn)
-                    one = Figures.of([turn])
-                    cost = (
-                        f"{one.cpu_us_per_event:.1f} µs/event paced, "
-                        f"{one.cpu_ms_per_request:.3f} ms/request short, "
-                        f"{one.events_per_cpu_s:,.0f} events/CPU-s unpaced, "
-                        f"RSS {one.rss_mib:.1f} MiB, "
-                        if relay.name != "direct"
-                        else ""
-                    )
-                    print(
-                        f"round {r + 1}/{rounds}, {streams} streams, {relay.name}: {cost}"
-                        f"TTFB p50 {one.ttfb_p50 * 1000:.2f} ms, "
-                        f"gap p99 {one.gap_p99 * 1000:.2f} ms",
-                        file=sys.stderr,
-                    )
+        for api in apis:
+            await _measure_api(
+                modes, api, concurrency=concurrency, rounds=rounds, quick=quick, turns=turns[api]
+            )
     placement = (
         f"pinned: each relay on core {RELAY_CORE}, the upstream and the load on core {LOAD_CORE}"
         if pinned
         else "unpinned: every process on any core, as in a pod where the relay and vLLM's API "
         "server share a CPU limit"
     )
-    return f"Placement: {placement}.\n\n" + report(
-        {key: Figures.of(ts) for key, ts in turns.items()}, rounds
-    )
+    results = {api: {k: Figures.of(ts) for k, ts in by.items()} for api, by in turns.items()}
+    if len(apis) == 1:
+        return f"Placement: {placement}.\n\n" + report(results[apis[0]], rounds)
+    sections = [f"Placement: {placement}.", "", *_by_api(results)]
+    for api in apis:
+        sections += ["", f"## {api} streams", "", report(results[api], rounds)]
+    return "\n".join(sections)
+
+
+def _by_api(results: dict[str, Results]) -> list[str]:
+    """kvtax's CPU per event and per request on each API, beside nginx's in the same run."""
+    lines = [
+        "CPU per event (paced) and per request (short), by the API streamed:",
+        "",
+        "| API | streams | kvtax µs per event | x nginx | kvtax ms per request | x nginx |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for api, figures in results.items():
+        for streams in sorted({s for _, s in figures}):
+            kvtax, nginx = figures[("kvtax", streams)], figures[("nginx", streams)]
+            lines.append(
+                f"| {api} | {streams} | {kvtax.cpu_us_per_event:.1f} "
+                f"| {kvtax.cpu_us_per_event / nginx.cpu_us_per_event:.2f} "
+                f"| {kvtax.cpu_ms_per_request:.3f} "
+                f"| {kvtax.cpu_ms_per_request / nginx.cpu_ms_per_request:.2f} |"
+            )
+    return lines
+
+
+async def _measure_api(
+    modes: list[Relay],
+    api: str,
+    *,
+    concurrency: tuple[int, ...],
+    rounds: int,
+    quick: bool,
+    turns: dict[tuple[str, int], list[Turn]],
+) -> None:
+    """Every relay's rounds at every concurrency, on streams of the API ``api``."""
+    kind = STREAM_KINDS[api]
+    for streams in sorted(concurrency):
+        plan = Plan.of(streams, rounds, quick)
+        for r in range(rounds):
+            # Rotate the order each round, so that no mode always follows the same one.
+            for relay in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                turn = await measure(relay, streams, plan, kind)
+                turns.setdefault((relay.name, streams), []).append(turn)
+                one = Figures.of([turn])
+                cost = (
+                    f"{one.cpu_us_per_event:.1f} µs/event paced, "
+                    f"{one.cpu_ms_per_request:.3f} ms/request short, "
+                    f"{one.events_per_cpu_s:,.0f} events/CPU-s unpaced, "
+                    f"RSS {one.rss_mib:.1f} MiB, "
+                    if relay.name != "direct"
+                    else ""
+                )
+                print(
+                    f"{api}, round {r + 1}/{rounds}, {streams} streams, {relay.name}: {cost}"
+                    f"TTFB p50 {one.ttfb_p50 * 1000:.2f} ms, "
+                    f"gap p99 {one.gap_p99 * 1000:.2f} ms",
+                    file=sys.stderr,
+                )
 
 
 def _concurrencies(value: str) -> tuple[int, ...]:
@@ -659,6 +737,16 @@ def _concurrencies(value: str) -> tuple[int, ...]:
     if not streams or min(streams) < 1:
         raise argparse.ArgumentTypeError(f"concurrencies must be positive integers: {value!r}")
     return streams
+
+
+def _apis(value: str) -> tuple[str, ...]:
+    apis = tuple(value.split(","))
+    unknown = [api for api in apis if api not in STREAM_KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown API {', '.join(unknown)}: choose from {', '.join(STREAM_KINDS)}"
+        )
+    return apis
 
 
 def _positive(value: str) -> int:
@@ -712,6 +800,14 @@ def main() -> None:
         help="Also run `kvtax serve` from the checkout DIR (e.g. `git worktree add DIR REV`), "
         "interleaved with the others: a change's before and after in one run.",
     )
+    parser.add_argument(
+        "--apis",
+        type=_apis,
+        default=("completions",),
+        metavar="NAME[,NAME...]",
+        help=f"The APIs whose streams to measure, one after the other in one run: "
+        f"{', '.join(STREAM_KINDS)} (default completions).",
+    )
     args = parser.parse_args()
     if args.kvtax_before is not None and not (args.kvtax_before / "exporter/kvtax").is_dir():
         parser.error(f"--kvtax-before: {args.kvtax_before} holds no exporter/kvtax")
@@ -726,6 +822,7 @@ def main() -> None:
             args.rounds,
             pinned=not args.unpinned,
             before=args.kvtax_before,
+            apis=args.apis,
         )
     )
     print(table)
