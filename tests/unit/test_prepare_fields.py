@@ -58,12 +58,20 @@ def test_a_chat_request_s_image_is_never_decoded(monkeypatch: pytest.MonkeyPatch
 
 
 def test_the_gate_sizes_the_text_and_knows_the_image_is_there() -> None:
+    """Messages past DECODE_LIMIT (a 12 MiB image) are measured by a scan: the image's data
+    counts no bytes and is known to be there. Below the limit, they are decoded without the
+    image, and sized as the whole body's read sizes them."""
     prepared = prepare(orjson.dumps(_chat()), CHAT)
-    shape = CHAT.shape(prepared.payload, whole=len(prepared.body))
-    whole = CHAT.shape(_chat(), whole=len(prepared.body))
-    assert shape == whole
+    assert isinstance(prepared.payload["messages"], msgspec.Raw)
+    shape = CHAT.shape(prepared.payload, whole=prepared.size)
     assert shape.media
     assert shape.prompt_bytes < 200
+    small = _chat()
+    small["messages"][0]["content"][1]["image_url"]["url"] = IMAGE[:100_000]
+    prepared = prepare(orjson.dumps(small), CHAT)
+    shape = CHAT.shape(prepared.payload, whole=prepared.size)
+    assert shape == CHAT.shape(small, whole=prepared.size)
+    assert shape.media
 
 
 def test_a_clamp_changes_the_limit_and_nothing_else() -> None:
@@ -71,7 +79,7 @@ def test_a_clamp_changes_the_limit_and_nothing_else() -> None:
     prepared = prepare(body, CHAT)
     clamped = prepared.with_fields({"max_tokens": 50})
     assert clamped is not None
-    sent = json.loads(clamped)
+    sent = json.loads(clamped.body)
     assert sent["max_tokens"] == 50
     assert sent["messages"] == json.loads(body)["messages"]
     assert sent["stream_options"]["continuous_usage_stats"] is True

@@ -320,6 +320,8 @@ async def test_unknown_model_is_counted_as_other(
             body = {"model": f"made-up-{i}", "prompt": "hi"}
             async with client.post(url + "/v1/completions", json=body) as resp:
                 await resp.read()
+    # Each settles once its client's acknowledgements of the answer are in.
+    assert await until(lambda: proxy.in_flight == 0)
     # The fake answers 200 for any name, so vLLM "serves" them: each is learned. A 4xx would not.
     assert set(proxy.ledger.models()) == {"made-up-0", "made-up-1", "made-up-2"}
     names = ModelNames()
@@ -428,6 +430,7 @@ async def test_tokens_count_as_delivered_while_the_stream_runs(
             proxy.credit_in_flight()  # what every scrape of kvtax or of vLLM does first
             mid_stream = proxy.ledger.totals()["m"].delivered
             await resp.read()
+    assert await until(lambda: proxy.in_flight == 0)  # settled, its acknowledgements in
     # Counted while the client received them, not all at once when the stream ended ...
     assert 0 < mid_stream < 20
     assert _outcomes(proxy)["completed"] == 1

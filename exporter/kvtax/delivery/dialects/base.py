@@ -33,11 +33,13 @@ Example::
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+import msgspec
 import orjson
 
 from kvtax.delivery.asks import Scheme, UsageWish
@@ -47,6 +49,7 @@ from kvtax.delivery.sse import Fingerprint, HoldBudget, Relayed
 from kvtax.delivery.usage import usage_tokens
 
 __all__ = [
+    "DECODE_LIMIT",
     "MAX_COUNT",
     "Dialect",
     "Shape",
@@ -54,13 +57,25 @@ __all__ = [
     "bounded",
     "count_of",
     "limit_of",
+    "scanned",
     "size_of",
+    "split_raw",
 ]
 
 # The bound of every count a client states (max_tokens, n): far past any model's length or
 # vLLM's VLLM_MAX_N_SEQUENCES, so it changes no real request, and small enough that sums and
 # products of such counts stay exact in a float. A larger value is this one.
 MAX_COUNT = 2**31 - 1
+# The bytes of a prompt field (messages, a prompt, an input) the proxy decodes for the gate: a
+# longer one stays raw JSON (msgspec.Raw) and is measured by scanning its bytes (scanned), so
+# that a large body costs a scan, never the decoding of millions of values.
+DECODE_LIMIT = 256 * 1024
+# What a prompt's bytes hold that is no text: base64 media, a data URL or a "data" field.
+_MEDIA_DATA = re.compile(rb'"data(?::[^"]*|"\s*:\s*"[^"]*)"')
+_MEDIA_KIND = re.compile(
+    rb'"type"\s*:\s*"(?:image|image_url|input_image|input_audio|audio_url|video_url|document'
+    rb'|input_file|file)"'
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +141,9 @@ class Dialect(ABC):
     routes: ClassVar[tuple[str, ...]]
     #: The top-level fields kvtax decodes; every other field passes as the client's bytes.
     read_keys: ClassVar[frozenset[str]]
+    #: Those of them that hold the prompt: decoded up to :data:`DECODE_LIMIT` bytes, a longer
+    #: one measured raw (:func:`scanned`).
+    prompt_keys: ClassVar[frozenset[str]] = frozenset()
 
     def resolve(self, payload: dict[str, Any]) -> Dialect:
         """The dialect this request is, its body read (itself but for a route of several)."""
@@ -156,12 +174,14 @@ class Dialect(ABC):
 
     @abstractmethod
     def shape(self, payload: Any, *, whole: int) -> Shape:
-        """What the gate sizes of a parsed body (``whole``: the body's length). A body that is
-        not an object has size 0 and no limit (vLLM answers its 400)."""
+        """What the gate sizes of a parsed body (``whole``: the body's length); a prompt field
+        may be raw JSON (msgspec.Raw, see :attr:`prompt_keys`). A body that is not an object has
+        size 0 and no limit (vLLM answers its 400)."""
 
     @abstractmethod
-    def limit_fields(self, payload: dict[str, Any], limit: int) -> dict[str, Any]:
-        """The top-level fields that hold the output to at most ``limit`` tokens."""
+    def limit_fields(self, payload: dict[str, Any], limit: int) -> dict[str, Any] | None:
+        """The top-level fields that hold the output to at most ``limit`` tokens; None when
+        they cannot be written (a field that holds the limit is too long to read)."""
 
     @abstractmethod
     def counter(
@@ -233,12 +253,43 @@ def lowered(value: Any, limit: int) -> Any:
 
 def size_of(prompt: Any, whole: int) -> int:
     """A prompt's bytes: a string's UTF-8 (a lone surrogate, which Python's parser lets through,
-    as its 3 bytes), anything else's compact JSON. When orjson cannot write it (nested past
-    254 levels, integers past 64 bits), the whole body's length: never less than the prompt,
-    and no second encoder to hit its recursion limit."""
+    as its 3 bytes), a raw one's as :func:`scanned` measures them, anything else's compact
+    JSON. When orjson cannot write it (nested past 254 levels, integers past 64 bits), the
+    whole body's length: never less than the prompt, and no second encoder to hit its
+    recursion limit."""
+    if isinstance(prompt, msgspec.Raw):
+        return scanned(prompt)[0]
     if isinstance(prompt, str):
         return len(prompt.encode("utf-8", "surrogatepass"))
     try:
         return len(orjson.dumps(prompt))
     except orjson.JSONEncodeError:
         return whole
+
+
+def scanned(raw: msgspec.Raw) -> tuple[int, bool]:
+    """A prompt field left raw, measured by scanning its bytes: its length less its media's
+    data (a data URL, a ``"data"`` field's base64), and whether it has media parts. A string
+    counts its quotes and escapes, a structure its keys and punctuation: more than its text,
+    as the compact JSON of a decoded prompt does.
+
+    >>> scanned(msgspec.Raw(b'[{"type":"image","source":{"data": "iVBORw0KGgo="}}]'))
+    (32, True)
+    """
+    data = memoryview(raw)
+    size = len(data)
+    size -= sum(len(found[0]) - 2 for found in _MEDIA_DATA.finditer(data))
+    return size, size < len(data) or _MEDIA_KIND.search(data) is not None
+
+
+def split_raw(*values: Any) -> tuple[list[Any], int, bool]:
+    """``values`` decoded, and the :func:`scanned` size and media of those left raw."""
+    decoded: list[Any] = []
+    size, media = 0, False
+    for value in values:
+        if isinstance(value, msgspec.Raw):
+            bytes_, has_media = scanned(value)
+            size, media = size + bytes_, media or has_media
+        else:
+            decoded.append(value)
+    return decoded, size, media

@@ -17,9 +17,12 @@ Example::
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from kvtax.delivery.dialects.base import MAX_COUNT, Shape, bounded, count_of, size_of
+import msgspec
+
+from kvtax.delivery.dialects.base import MAX_COUNT, Shape, bounded, count_of, scanned, size_of
 from kvtax.delivery.dialects.chat import Chat, text_of
 
 __all__ = ["BATCH_CHAT", "BatchChat"]
@@ -38,21 +41,38 @@ class BatchChat(Chat):
         if not isinstance(payload, dict):
             return Shape(0, None)
         conversations = payload.get("messages")
+        if isinstance(conversations, msgspec.Raw):
+            return self._raw_shape(conversations, payload)
         conversations = conversations if isinstance(conversations, list) else []
         texts, media = [], False
         for conversation in conversations:
             text, left_out = text_of(conversation)
             texts.append(text)
             media = media or left_out
-        stated = payload.get("max_completion_tokens")
-        limit = bounded(stated if stated is not None else payload.get("max_tokens"))
         return Shape(
             size_of(texts, whole),
-            limit,
+            _limit(payload),
             media,
             max(1, min(len(conversations), MAX_COUNT)),
             count_of(payload.get("n")),
         )
+
+    def _raw_shape(self, conversations: msgspec.Raw, payload: dict[str, Any]) -> Shape:
+        """The shape of conversations left raw, measured by a scan: one conversation more
+        than the ``],[`` between two of them (a message's lists are followed by a key or a
+        brace, never by another list)."""
+        size, media = scanned(conversations)
+        count = len(_BETWEEN.findall(memoryview(conversations))) + 1
+        n = count_of(payload.get("n"))
+        return Shape(size, _limit(payload), media, min(count, MAX_COUNT), n)
+
+
+_BETWEEN = re.compile(rb"\]\s*,\s*\[")
+
+
+def _limit(payload: dict[str, Any]) -> int | None:
+    stated = payload.get("max_completion_tokens")
+    return bounded(stated if stated is not None else payload.get("max_tokens"))
 
 
 BATCH_CHAT = BatchChat()

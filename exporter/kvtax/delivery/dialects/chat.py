@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtax.delivery.dialects.base import Shape, count_of, limit_of, size_of
+import msgspec
+
+from kvtax.delivery.dialects.base import Shape, count_of, limit_of, scanned, size_of
 from kvtax.delivery.dialects.openai import LIMIT_KEYS, READ_KEYS, OpenAIDialect
 from kvtax.delivery.lax import lax_bool
 
@@ -31,6 +33,7 @@ class Chat(OpenAIDialect):
     name = "chat"
     routes = ("/v1/chat/completions",)
     read_keys = READ_KEYS | {"messages", "include_reasoning"}
+    prompt_keys = frozenset({"messages"})
     ids_since = (0, 12, 0)
     limit_keys = LIMIT_KEYS  # ChatCompletionRequest.to_sampling_params's order
 
@@ -40,7 +43,13 @@ class Chat(OpenAIDialect):
     def shape(self, payload: Any, *, whole: int) -> Shape:
         if not isinstance(payload, dict):
             return Shape(0, None)
-        prompt, media = text_of(payload.get("messages"))
+        messages = payload.get("messages")
+        if isinstance(messages, msgspec.Raw):  # too long to decode: one scan measures it
+            size, media = scanned(messages)
+            return Shape(
+                size, limit_of(payload, self.limit_keys), media, 1, count_of(payload.get("n"))
+            )
+        prompt, media = text_of(messages)
         return Shape(
             size_of(prompt, whole),
             limit_of(payload, self.limit_keys),
@@ -52,7 +61,10 @@ class Chat(OpenAIDialect):
 
 def text_of(messages: Any) -> tuple[Any, bool]:
     """Chat messages with each list of content parts cut down to the parts' text, and whether
-    any part was left out."""
+    any part was left out. Messages left raw stay so (:func:`~kvtax.delivery.dialects.base.
+    size_of` measures them by a scan), their media found by it."""
+    if isinstance(messages, msgspec.Raw):
+        return messages, scanned(messages)[1]
     if not isinstance(messages, list):
         return messages, False
     kept: list[Any] = []

@@ -2,6 +2,8 @@
 
 A ``prompt`` is a string, one list of token ids, or a list of either: vLLM serves each item of
 a list as a request of its own, under the same ``max_tokens`` and ``n`` (:attr:`Shape.prompts`).
+A request without ``max_tokens`` (or with a null one) is limited to :data:`DEFAULT_MAX_TOKENS`,
+the API's own default; other APIs' default is the model's room.
 Its streams carry every token's id from vLLM 0.10.2, except with ``echo``, which puts the
 prompt's ids in the first event and drops the echoed text the client would see.
 
@@ -13,13 +15,20 @@ Example::
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+import msgspec
 
 from kvtax.delivery.dialects.base import MAX_COUNT, Shape, count_of, limit_of, size_of
 from kvtax.delivery.dialects.openai import READ_KEYS, OpenAIDialect
 from kvtax.delivery.lax import lax_bool
 
-__all__ = ["COMPLETIONS", "Completions"]
+__all__ = ["COMPLETIONS", "DEFAULT_MAX_TOKENS", "Completions"]
+
+# CompletionRequest's max_tokens default, in every vLLM since 0.6; vLLM reads a null one as it
+# too (vLLM PR 45491; before it, a null ran to the model's room and then failed with a 500).
+DEFAULT_MAX_TOKENS = 16
 
 
 class Completions(OpenAIDialect):
@@ -28,6 +37,7 @@ class Completions(OpenAIDialect):
     name = "completions"
     routes = ("/v1/completions",)
     read_keys = READ_KEYS | {"prompt", "echo"}
+    prompt_keys = frozenset({"prompt"})
     ids_since = (0, 10, 2)
     limit_keys = ("max_tokens",)  # CompletionRequest has no other
 
@@ -38,13 +48,26 @@ class Completions(OpenAIDialect):
         if not isinstance(payload, dict):
             return Shape(0, None)
         prompt = payload.get("prompt", "")
+        if isinstance(prompt, msgspec.Raw):  # too long to decode: its bytes, scanned
+            data = bytes(prompt)  # a copy, for bytes.count (a memoryview has none)
+            # A string's quotes are no prompt; its escapes count as written (a little more).
+            size = len(data) - 2 if data[:1] == b'"' else len(data)
+            return Shape(
+                size, self._limit(payload), False, _raw_prompts(data), count_of(payload.get("n"))
+            )
         return Shape(
             size_of(prompt, whole),
-            limit_of(payload, self.limit_keys),
+            self._limit(payload),
             False,
             _prompts_in(prompt),
             count_of(payload.get("n")),
         )
+
+    def _limit(self, payload: dict[str, Any]) -> int | None:
+        """The output limit vLLM applies: the API's default when none (or null) is stated."""
+        if payload.get("max_tokens") is None:
+            return DEFAULT_MAX_TOKENS
+        return limit_of(payload, self.limit_keys)
 
 
 def _prompts_in(prompt: Any) -> int:
@@ -55,6 +78,24 @@ def _prompts_in(prompt: Any) -> int:
     if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
         return 1
     return min(len(prompt), MAX_COUNT)
+
+
+_FIRST_ITEM = re.compile(rb"\[\s*(.)", re.DOTALL)
+
+
+def _raw_prompts(raw: bytes) -> int:
+    """The prompts of a ``prompt`` left raw, counted by a scan: a list of token-id lists has
+    one ``[`` per item, a list of strings two unescaped quotes per item (a string that ends in
+    an escaped backslash counts one more: a larger footprint, never a smaller one)."""
+    first = _FIRST_ITEM.match(raw.lstrip())
+    if first is None:
+        return 1  # a string, or no list vLLM serves
+    if first[1] == b"[":
+        return max(1, min(raw.count(b"[") - 1, MAX_COUNT))
+    if first[1] == b'"':
+        quotes = raw.count(b'"') - raw.count(b'\\"')
+        return max(1, min(quotes // 2, MAX_COUNT))
+    return 1  # token ids: one prompt
 
 
 COMPLETIONS = Completions()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from kvtax.delivery.asks import Scheme, UsageWish
 from kvtax.delivery.dialects.base import (
     Dialect,
@@ -41,6 +43,7 @@ class Generate(Dialect):
     name = "generate"
     routes = ("/inference/v1/generate",)
     read_keys = frozenset({"model", "stream", "stream_options", "token_ids", "sampling_params"})
+    prompt_keys = frozenset({"token_ids"})
 
     def scheme(
         self, payload: dict[str, Any], *, version: str | None, ids_missing: bool = False
@@ -79,8 +82,10 @@ class Generate(Dialect):
             count_of(params.get("n")),
         )
 
-    def limit_fields(self, payload: dict[str, Any], limit: int) -> dict[str, Any]:
+    def limit_fields(self, payload: dict[str, Any], limit: int) -> dict[str, Any] | None:
         params = payload.get("sampling_params")
+        if isinstance(params, msgspec.Raw):
+            return None  # too long to read: written anew, the client's parameters would be lost
         params = params if isinstance(params, dict) else {}
         return {
             "sampling_params": {**params, "max_tokens": lowered(params.get("max_tokens"), limit)}

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from kvtax.delivery.asks import Scheme, UsageWish
 from kvtax.delivery.dialects.base import Dialect, Shape, StreamCounter
 from kvtax.delivery.dialects.chat import CHAT
@@ -33,9 +35,13 @@ class Invocations(Dialect):
     name = "invocations"
     routes = ("/invocations",)
     read_keys = CHAT.read_keys | COMPLETIONS.read_keys
+    prompt_keys = CHAT.prompt_keys | COMPLETIONS.prompt_keys
 
     def resolve(self, payload: dict[str, Any]) -> Dialect:
-        return CHAT if isinstance(payload.get("messages"), list) else COMPLETIONS
+        messages = payload.get("messages")
+        if isinstance(messages, msgspec.Raw):  # a list too long to decode is a list all the same
+            return CHAT if bytes(memoryview(messages)[:1]) == b"[" else COMPLETIONS
+        return CHAT if isinstance(messages, list) else COMPLETIONS
 
     def scheme(
         self, payload: dict[str, Any], *, version: str | None, ids_missing: bool = False
@@ -52,7 +58,7 @@ class Invocations(Dialect):
             return Shape(0, None)
         return self.resolve(payload).shape(payload, whole=whole)
 
-    def limit_fields(self, payload: dict[str, Any], limit: int) -> dict[str, Any]:
+    def limit_fields(self, payload: dict[str, Any], limit: int) -> dict[str, Any] | None:
         return self.resolve(payload).limit_fields(payload, limit)
 
     def counter(

@@ -38,6 +38,7 @@ from kvtax.delivery.dialects.base import (
     limit_of,
     lowered,
     size_of,
+    split_raw,
 )
 from kvtax.delivery.events import EventCounter, EventSpec
 from kvtax.delivery.sse import Fingerprint, HoldBudget
@@ -74,6 +75,7 @@ class Messages(Dialect):
     name = "messages"
     routes = ("/v1/messages",)
     read_keys = frozenset({"model", "stream", "max_tokens", "messages", "system"})
+    prompt_keys = frozenset({"messages", "system"})
 
     def scheme(
         self, payload: dict[str, Any], *, version: str | None, ids_missing: bool = False
@@ -88,8 +90,10 @@ class Messages(Dialect):
     def shape(self, payload: Any, *, whole: int) -> Shape:
         if not isinstance(payload, dict):
             return Shape(0, None)
-        prompt, media = prompt_text(payload.get("system"), payload.get("messages"))
-        return Shape(size_of(prompt, whole), limit_of(payload, ("max_tokens",)), media)
+        decoded, raw, raw_media = split_raw(payload.get("system"), payload.get("messages"))
+        prompt, media = prompt_text(*decoded)
+        size = size_of(prompt, whole) + raw
+        return Shape(size, limit_of(payload, ("max_tokens",)), media or raw_media)
 
     def limit_fields(self, payload: dict[str, Any], limit: int) -> dict[str, Any]:
         return {"max_tokens": lowered(payload.get("max_tokens"), limit)}

@@ -26,7 +26,15 @@ from __future__ import annotations
 from typing import Any
 
 from kvtax.delivery.asks import Scheme, UsageWish
-from kvtax.delivery.dialects.base import Dialect, Shape, StreamCounter, limit_of, lowered, size_of
+from kvtax.delivery.dialects.base import (
+    Dialect,
+    Shape,
+    StreamCounter,
+    limit_of,
+    lowered,
+    size_of,
+    split_raw,
+)
 from kvtax.delivery.dialects.messages import prompt_text
 from kvtax.delivery.events import EventCounter, EventSpec
 from kvtax.delivery.openai import responses_error_event
@@ -51,6 +59,7 @@ class Responses(Dialect):
     name = "responses"
     routes = ("/v1/responses",)
     read_keys = frozenset({"model", "stream", "max_output_tokens", "input", "instructions"})
+    prompt_keys = frozenset({"input", "instructions"})
 
     def scheme(
         self, payload: dict[str, Any], *, version: str | None, ids_missing: bool = False
@@ -65,8 +74,10 @@ class Responses(Dialect):
     def shape(self, payload: Any, *, whole: int) -> Shape:
         if not isinstance(payload, dict):
             return Shape(0, None)
-        prompt, media = prompt_text(payload.get("instructions"), payload.get("input"))
-        return Shape(size_of(prompt, whole), limit_of(payload, ("max_output_tokens",)), media)
+        decoded, raw, raw_media = split_raw(payload.get("instructions"), payload.get("input"))
+        prompt, media = prompt_text(*decoded)
+        size = size_of(prompt, whole) + raw
+        return Shape(size, limit_of(payload, ("max_output_tokens",)), media or raw_media)
 
     def limit_fields(self, payload: dict[str, Any], limit: int) -> dict[str, Any]:
         return {"max_output_tokens": lowered(payload.get("max_output_tokens"), limit)}

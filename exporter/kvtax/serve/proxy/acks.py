@@ -34,11 +34,20 @@ import socket
 import struct
 import termios
 from collections import deque
+from collections.abc import Callable
+from typing import Literal
 
-__all__ = ["CHECK_EVERY", "AckTracker"]
+__all__ = ["CHECK_EVERY", "AckTracker", "Ending", "acknowledged"]
 
 # Pending writes kept before the kernel is asked again: one syscall per this many chunks.
 CHECK_EVERY = 32
+# Seconds between readings of the client's acknowledgements at an answer's end, doubling up to
+# the second: the first ones catch a reader's acknowledgement in flight, the last a stalled one.
+_FIRST_LOOK = 0.001
+_LAST_LOOK = 1.0
+
+# How an answer's wait for its acknowledgements ended.
+Ending = Literal["acknowledged", "gone", "stalled"]
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked is a u64 at byte 120 since Linux 4.1.
 _BYTES_ACKED = struct.Struct("Q")
 _BYTES_ACKED_AT = 120
@@ -101,14 +110,28 @@ def _probe_for(transport: asyncio.BaseTransport | None) -> _Probe | None:
 class AckTracker:
     """Tokens confirmed by the client's acknowledgements, for one response. See the module doc."""
 
-    __slots__ = ("_base", "_pending", "_probe", "_sent", "confirmed", "written_tokens")
+    __slots__ = (
+        "_base",
+        "_pending",
+        "_probe",
+        "_sent",
+        "_whole",
+        "_whole_end",
+        "acked",
+        "confirmed",
+        "written_tokens",
+    )
 
     def __init__(self, transport: asyncio.BaseTransport | None, *, unsent: int = 0) -> None:
         self._probe = _probe_for(transport)
         self._sent = 0
         self._base = 0
+        # (where a write's bytes end, the tokens they bring the client up to), unacknowledged.
         self._pending: deque[tuple[int, int]] = deque()
         self.confirmed = 0
+        self._whole = 0  # the tokens of the writes acknowledged whole
+        self._whole_end = 0  # and where the last of them ends
+        self.acked = 0  # bytes of this response the client acknowledged
         self.written_tokens = 0
         if self._probe is not None:
             acked, queued = self._probe.acked(), self._probe.queued()
@@ -136,17 +159,27 @@ class AckTracker:
         if len(self._pending) >= CHECK_EVERY:
             self.refresh()
 
-    def refresh(self) -> int:
-        """Ask the kernel again; return the tokens confirmed so far."""
+    def refresh(self, *, partial: bool = False) -> int:
+        """Ask the kernel again; return the tokens confirmed so far. ``partial``: the last
+        reading of a response its client will not take whole, and the write the client
+        acknowledged part of counts its share of tokens, by bytes (a write's events are of
+        about one size: the count is then within one event of the client's)."""
         if self._probe is None:
             return self.confirmed
         acked = self._probe.acked()
         if acked is None:
             return self.confirmed
-        through = acked - self._base
+        through = self.acked = max(self.acked, acked - self._base)
         pending = self._pending
         while pending and pending[0][0] <= through:
-            self.confirmed = pending.popleft()[1]
+            self._whole_end, self._whole = pending.popleft()
+            self.confirmed = max(self.confirmed, self._whole)
+        if partial and pending:
+            end, tokens = pending[0]
+            start = self._whole_end
+            if through > start:
+                share = (tokens - self._whole) * (through - start) // (end - start)
+                self.confirmed = max(self.confirmed, self._whole + share)
         return self.confirmed
 
     @property
@@ -162,3 +195,47 @@ class AckTracker:
     def close(self) -> None:
         """Release the duplicate descriptor (the socket closes once the transport has too)."""
         self._drop_probe()
+
+
+async def acknowledged(acks: AckTracker, *, gone: Callable[[], bool], patience: float) -> Ending:
+    """Wait, at an answer's end, until the client's TCP stack acknowledged every byte written
+    (``acknowledged``), the client is ``gone``, or it acknowledged nothing more for ``patience``
+    seconds: its window stayed shut, it stopped reading (``stalled``).
+
+    An answer that fits the kernel's send buffer is written at once whether the client reads
+    or not: only the acknowledgements say it arrived. A client that reads acknowledges within a
+    round trip (a delayed ACK: tens of milliseconds at most), so for it this is a reading of
+    the kernel's count, or a few.
+    """
+    acks.refresh()
+    if acks.all_acknowledged:
+        return "acknowledged"
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[Ending] = loop.create_future()
+    pause, acked, deadline = _FIRST_LOOK, acks.acked, loop.time() + patience
+    timer: asyncio.TimerHandle | None = None
+
+    def look() -> None:
+        nonlocal pause, acked, deadline, timer
+        acks.refresh()
+        if acks.all_acknowledged:
+            ended.set_result("acknowledged")
+            return
+        if gone():
+            ended.set_result("gone")
+            return
+        now = loop.time()
+        if acks.acked > acked:  # the client is taking it: the patience starts over
+            acked, deadline, pause = acks.acked, now + patience, _FIRST_LOOK
+        elif now >= deadline:
+            ended.set_result("stalled")
+            return
+        timer = loop.call_later(min(pause, max(0.0, deadline - now)), look)
+        pause = min(pause * 2, _LAST_LOOK)
+
+    timer = loop.call_later(pause, look)
+    try:
+        return await ended
+    finally:
+        if timer is not None:
+            timer.cancel()

@@ -54,7 +54,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Protocol, TypeAlias, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -65,6 +65,7 @@ from kvtax.serve.proxy.wire import MAX_HEAD, Headers, header
 __all__ = [
     "Cut",
     "Holder",
+    "Outgoing",
     "Sink",
     "Unreachable",
     "Upstream",
@@ -73,6 +74,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtax.serve.proxy")
+
+# A request for vLLM: one buffer, or several written in turn (a head and a body's parts).
+Outgoing: TypeAlias = bytes | tuple[bytes | memoryview, ...]
 
 
 class Unreachable(UpstreamError):
@@ -154,10 +158,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- one exchange -----------------------------------------------------------------------
     def start(
-        self, data: bytes, *, no_body: bool, streamed: bool = False, chunked: bool = False
+        self, data: Outgoing, *, no_body: bool, streamed: bool = False, chunked: bool = False
     ) -> asyncio.Future[None]:
-        """Send ``data`` (a whole request, or a head and the body so far when ``streamed``);
-        the future resolves when vLLM's head is in."""
+        """Send ``data`` (a whole request, or a head and the body so far when ``streamed``; in
+        one buffer or several, written in turn); the future resolves when vLLM's head is in."""
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
@@ -172,7 +176,12 @@ class UpstreamConnection(asyncio.Protocol):
         self._arm(self.upstream.timeout)
         assert self.transport is not None
         self.sent_at = time.perf_counter()  # the request's forwarding, for the relay's cost
-        self.transport.write(data)
+        if isinstance(data, bytes):
+            self.transport.write(data)
+        else:
+            # Each buffer written in turn, never joined: a large body is not copied to be sent.
+            for part in data:
+                self.transport.write(part)
         return self.head
 
     def attach(self, sink: Sink) -> None:
@@ -465,7 +474,7 @@ class Upstream:
 
     async def send(
         self,
-        data: bytes,
+        data: Outgoing,
         *,
         no_body: bool = False,
         streamed: Callable[[UpstreamConnection], None] | None = None,
@@ -528,7 +537,7 @@ class Upstream:
     async def _exchange(
         self,
         conn: UpstreamConnection,
-        data: bytes,
+        data: Outgoing,
         no_body: bool,
         streamed: Callable[[UpstreamConnection], None] | None = None,
         chunked: bool = False,

@@ -36,7 +36,7 @@ log = logging.getLogger("kvtax.serve.proxy")
 class Hold(enum.Enum):
     """Why reading a client is paused; it resumes once no reason holds."""
 
-    BODY = "a streamed body waits for vLLM's connection"
+    BODY = "a body waits for its request's turn, or for vLLM's connection"
     UPSTREAM = "vLLM's socket is full of the client's body"
     PIPELINE = "requests wait behind the one being answered"
     DRAINING = "kvtax is shutting down"
@@ -154,9 +154,17 @@ class FlowControl:
             self._stalled.cancel()
         self.writable.set()
 
+    @property
+    def send_timeout(self) -> float:
+        return self._send_timeout
+
     def _stall(self) -> None:
-        """The client left its socket full for send_timeout: it has gone away."""
         self._stalled = None
+        self.give_up()
+
+    def give_up(self) -> None:
+        """The client took nothing for send_timeout (its socket, or its TCP window, stayed
+        full): it has gone away, and its connection is aborted."""
         peer = peer_of(self.transport)
         log.debug("client %s read nothing for %gs; closing", peer, self._send_timeout)
         self.transport.abort()

@@ -40,7 +40,7 @@ Example::
     if isinstance(verdict, Refused):
         exchange.answer(verdict.answer)
     else:
-        ...  # send verdict.body to vLLM
+        ...  # send verdict.prepared to vLLM
         verdict.release()
 """
 
@@ -137,12 +137,13 @@ class Ticket:
 
 @dataclass(slots=True, eq=False)
 class Admitted:
-    """A request the gate let through: ``body`` goes to vLLM. ``prompt_bytes`` is the prompt's
-    measure that vLLM's count of it corrects (0: it has media, which teach nothing)."""
+    """A request the gate let through: ``prepared`` goes to vLLM (clamped, if it was).
+    ``prompt_bytes`` is the prompt's measure that vLLM's count of it corrects (0: it has media,
+    which teach nothing)."""
 
     gate: Gate
     ticket: Ticket
-    body: bytes
+    prepared: Prepared
     prompt_bytes: int
 
     def release(self) -> None:
@@ -186,13 +187,17 @@ class Gate:
         self._totals: Mapping[str, tuple[float, float]] = {}
 
     # -- the one call --------------------------------------------------------------------------
-    async def admit(self, prepared: Prepared, dialect: Dialect) -> Admitted | Refused:
+    async def admit(
+        self, prepared: Prepared, dialect: Dialect, *, carried: bool = False
+    ) -> Admitted | Refused:
         """Let ``prepared`` (a request of ``dialect``'s API) through, perhaps after a wait in
         the queue, or refuse it: 400 over the token budget, 429 shed, 503 when shutdown began.
+        ``carried``: the request was in flight when shutdown began (its body still arriving),
+        and is let through the closed gate at once, within the budget.
         The gate reads the JSON :func:`~kvtax.serve.proxy.prepare.prepare` read: the body is
         parsed once, and both see the same request."""
         dialect = prepared.dialect or dialect  # the API a route of several resolved to
-        shape = dialect.shape(prepared.payload, whole=len(prepared.body))
+        shape = dialect.shape(prepared.payload, whole=prepared.size)
         prompt = self.estimator.estimate(shape.prompt_bytes)
         budgeted = self._budgeted(
             prepared, dialect, shape.max_tokens, prompt=prompt, prompts=shape.prompts, n=shape.n
@@ -200,16 +205,16 @@ class Gate:
         if isinstance(budgeted, str):
             self.rejections["over_budget"] += 1
             return Refused(over_budget(budgeted, dialect), "over_budget")
-        body, limit = budgeted
+        admitted, limit = budgeted
         ticket = self.ticket(prompt, limit, prompts=shape.prompts, n=shape.n)
-        reason = await self.enter(ticket)
+        reason = await self.enter(ticket, carried=carried)
         if reason == CLOSED:
             return Refused(shutting_down(dialect), CLOSED)
         if reason is not None:
             return Refused(shed(reason, self.retry_after(), dialect), reason)
         # Only a text prompt teaches the estimator: vLLM's count of a prompt with images
         # includes theirs, which no byte of it shows.
-        return Admitted(self, ticket, body, 0 if shape.media else shape.prompt_bytes)
+        return Admitted(self, ticket, admitted, 0 if shape.media else shape.prompt_bytes)
 
     def _budgeted(
         self,
@@ -220,8 +225,8 @@ class Gate:
         prompt: int,
         prompts: int,
         n: int,
-    ) -> tuple[bytes, int | None] | str:
-        """The body to send and its completion limit under the token budget, or why it is
+    ) -> tuple[Prepared, int | None] | str:
+        """The request to send and its completion limit under the token budget, or why it is
         refused. A body that is not a JSON object has no limit to check or set: vLLM refuses
         it with its own 400."""
         payload = prepared.payload
@@ -231,9 +236,9 @@ class Gate:
         if verdict.action == "reject":
             return verdict.message
         if verdict.action == "ok" or verdict.max_tokens is None:
-            return prepared.body, max_tokens
+            return prepared, max_tokens
         clamped = prepared.with_fields(dialect.limit_fields(payload, verdict.max_tokens))
-        if clamped is None:  # too deep to write back: refused as `reject` would
+        if clamped is None:  # a value kvtax cannot write: refused as `reject` would
             return check_budget(prompt, max_tokens, budget, "reject", prompts=prompts, n=n).message
         return clamped, verdict.max_tokens
 
@@ -295,12 +300,16 @@ class Gate:
             return True
         return self.blocks_in_flight + ticket.blocks <= budget
 
-    async def enter(self, ticket: Ticket) -> str | None:
+    async def enter(self, ticket: Ticket, *, carried: bool = False) -> str | None:
         """Admit ``ticket`` (None) or say why it is shed. Cancellation while queued (the client
         left) takes it out of the queue, or frees the slot it was just given. :data:`CLOSED`:
-        shutdown began before it was admitted."""
+        shutdown began before it was admitted (unless ``carried``: in flight as it began, and
+        admitted at once, the queue being closed)."""
         if self.closed:
-            return CLOSED
+            if not carried:
+                return CLOSED
+            self._admit(ticket)
+            return None
         if self._goes_first(ticket) and self.fits(ticket):
             self._admit(ticket)
             return None

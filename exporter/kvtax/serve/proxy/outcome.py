@@ -65,6 +65,9 @@ class Facts:
     usage: tuple[int, int] | None = None  # non-streamed: (completion, prompt)
     credited: int = 0  # delivered tokens the ledger already counted mid-stream
     finished_at: float | None = None
+    # When the answer's last byte was written (its duration ends there, not after the wait for
+    # the client's acknowledgements of it).
+    answered_at: float | None = None
     sent: bool = False  # vLLM got the request even if it never answered
     shed: str | None = None  # the gate answered instead of vLLM, and why
     turned_away: bool = False  # kvtax answered its shutdown 503 before vLLM answered

@@ -1,23 +1,36 @@
 """An accounted request's body, read once: its model, its usage wish and the bytes for vLLM.
 
-:func:`prepare` reads the body's top level once, field by field (msgspec, into raw JSON
-values): each field kvtax acts on is parsed, and the chat messages' media parts (base64 images
-and audio, tens of MiB) are skipped unread, so a 12 MiB request costs a scan of its bytes, not
-their decoding. It learns the model and, for a stream, asks vLLM for what counts each event's
-tokens, by the scheme that costs vLLM least where it is exact (:mod:`kvtax.delivery.asks`:
-each event's ids and the final usage chunk, or continuous usage). A body to change (the usage
-options, the gate's clamp) is written anew at its top level only
-(:meth:`Prepared.with_fields`): every other value goes on as the client's own bytes. A body
-msgspec does not read (NaN, a top level that is not an object) is read whole by the standard
-parsers instead; any body kvtax cannot read goes to vLLM byte for byte, and vLLM answers it.
+:func:`prepare` reads the body's top level once (msgspec, into raw JSON values: one C-level scan
+of its bytes) and decodes only what kvtax acts on, each piece bounded, so that what a body costs
+is a scan of its bytes, never the decoding of all they hold:
 
-The JSON it read stays with it (:class:`Prepared`) for the gate, which sizes it and may clamp
-its completion limit without parsing it again. Pure: no I/O.
+- a field kvtax reads (``model``, ``stream``, its options, the output's limits, ``n``) is
+  decoded when it is at most :data:`MAX_FIELD` long; a longer one is no value vLLM acts on
+  either, and stays raw;
+- a prompt field (a chat's ``messages``, a ``prompt``, a Responses ``input``...) is decoded for
+  the gate when it is at most :data:`~kvtax.delivery.dialects.base.DECODE_LIMIT` long, its
+  media parts (base64 images and audio) left unread; a longer one stays raw, and the gate
+  measures it by scanning its bytes (:func:`~kvtax.delivery.dialects.base.scanned`);
+- tokens vLLM's parser (Python's) reads and msgspec does not (``NaN``, ``Infinity``, a lone
+  surrogate escape) are written over by JSON values of the same length in a copy read for the
+  structure only (:func:`_top`): such a body takes the same path as any other.
+
+It learns the model and, for a stream, asks vLLM for what counts each event's tokens, as the
+request's dialect says (:mod:`kvtax.delivery.dialects`). The fields kvtax sets (the usage
+options, the gate's clamp) are written without re-encoding what the client sent
+(:meth:`Prepared.with_fields`): new keys go before the body's closing brace; a key the client
+sent too is written once, in a top level put together from the client's own raw values. The
+body goes to vLLM as its parts (:attr:`Prepared.parts`), views of the client's bytes, never
+joined into a second copy. Any body kvtax cannot read goes to vLLM byte for byte, and vLLM
+answers it.
+
+The fields it read stay with it (:class:`Prepared`) for the gate, which sizes the request and
+may clamp its completion limit without parsing it again. Pure: no I/O.
 
 Example::
 
     prepared = prepare(body, COMPLETIONS)
-    prepared.model, prepared.wish, prepared.body
+    prepared.model, prepared.wish, prepared.parts
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ import contextlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -34,106 +47,178 @@ import orjson
 
 from kvtax.delivery.asks import Scheme, UsageWish
 from kvtax.delivery.dialects import Dialect
+from kvtax.delivery.dialects.base import DECODE_LIMIT
 from kvtax.delivery.ledger import OTHER
 
-__all__ = ["UNNAMED", "Prepared", "prepare"]
+__all__ = ["MAX_FIELD", "UNNAMED", "WHOLE_LIMIT", "Prepared", "prepare"]
 
 # The model of a request vLLM refuses before it picks a model: counted as ``other``.
 UNNAMED = OTHER
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _OBJECTS = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+# Bytes of a field kvtax reads (model, stream, its options, limits, n) that it decodes.
+MAX_FIELD = 64 * 1024
+# A body msgspec cannot read at all (nested past its depth, which vLLM's parser refuses too) is
+# read whole by Python's parser up to this size, to learn its model; a larger one goes unread.
+WHOLE_LIMIT = 1024 * 1024
+# What Python's parser reads and msgspec does not, each written over by a JSON value of the same
+# length in the copy msgspec reads: an infinity, a NaN, a surrogate escape (a lone one is
+# refused; a pair is written over too, in the copy alone).
+_NONSTANDARD = (
+    (b"-Infinity", re.compile(rb"-Infinity"), b"-0.000000"),
+    (b"Infinity", re.compile(rb"Infinity"), b"0.000000"),
+    (b"NaN", re.compile(rb"NaN"), b"0.0"),
+    (b"\\u", re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}"), b"\\u0030"),
+)
+# Content parts that are media: base64 the gate does not count as text, never decoded.
+_MEDIA_PARTS = frozenset(
+    {
+        "image_url",
+        "input_audio",
+        "audio_url",
+        "video_url",
+        "image",
+        "document",
+        "input_image",
+        "input_file",
+        "file",
+    }
+)
+# A top level's stand-in for a body read whole: its keys, for the fields kvtax sets.
+_NULL = msgspec.Raw(b"null")
+# A top level of more keys than this, put together anew, is joined into one buffer: a write per
+# key would cost more than the copy.
+_PARTS_LIMIT = 64
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """An accounted request, its body read once: the model, the usage wish, the bytes for
-    vLLM and the JSON they hold (``payload``; None when the body is not JSON; a chat message's
-    media parts are empty objects in it, their data unread), which the gate sizes without
-    reading the body again."""
+    """An accounted request, its body read once: the model, the usage wish, the client's bytes
+    (``source``), the fields read (``payload``; None when the body is not a JSON object), which
+    the gate sizes without reading the body again, and the bytes for vLLM (:attr:`parts`)."""
 
     # None: the client named no model, and vLLM's default model serves it.
     model: str | None
     # A stream kvtax counts: what its client asked for (None: not a stream kvtax counts).
     wish: UsageWish | None
-    body: bytes
+    source: bytes
+    # The fields kvtax read and set: small ones decoded, a prompt field over DECODE_LIMIT as
+    # its raw JSON (msgspec.Raw), a read field over MAX_FIELD too (no value kvtax acts on).
     payload: Any = None
-    # Read by the standard parser: written back by it, so that vLLM reads the same values.
-    lenient: bool = False
-    # The body's top level as raw JSON values, in order (None: read whole). ``payload`` then
-    # holds only the fields kvtax reads.
-    fields: Mapping[str, msgspec.Raw] | None = None
     # How the stream's tokens are counted (kvtax.delivery.asks), when ``wish`` is set.
     scheme: Scheme = "usage"
     # The dialect the request is, its body read (a route of several APIs resolves to one);
     # None: the body is no JSON object, and the route's dialect stands.
     dialect: Dialect | None = None
+    # The body's top level as raw values (None: not an object msgspec read; nothing is set).
+    top: Mapping[str, msgspec.Raw] | None = None
+    # Read with non-standard tokens written over: a body only Python's parser reads.
+    lenient: bool = False
+    # The fields kvtax sets, each encoded, and the body for vLLM that has them (empty: the
+    # client's bytes as they came).
+    written: Mapping[str, bytes] | None = None
+    rewritten: tuple[bytes | memoryview, ...] = ()
 
-    def with_fields(self, changed: Mapping[str, Any]) -> bytes | None:
-        """This request's body with the top-level ``changed`` fields set (added at the end when
-        new); None if it cannot be written."""
-        if self.fields is None:
-            return _dumps({**self.payload, **changed}, lenient=self.lenient)
-        return _rewritten(self.fields, changed)
+    @property
+    def parts(self) -> tuple[bytes | memoryview, ...]:
+        """The body for vLLM as buffers to write in turn, the client's bytes never copied."""
+        return self.rewritten or (self.source,)
+
+    @property
+    def size(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    @property
+    def body(self) -> bytes:
+        """The body for vLLM in one piece (a copy: what the proxy sends is :attr:`parts`)."""
+        parts = self.parts
+        return parts[0] if isinstance(parts[0], bytes) and len(parts) == 1 else b"".join(parts)
+
+    def with_fields(self, changed: Mapping[str, Any] | None) -> Prepared | None:
+        """This request with the top-level ``changed`` fields set; None when they cannot be
+        (no JSON object, a value kvtax cannot write, or None given)."""
+        if changed is None or self.top is None or not isinstance(self.payload, dict):
+            return None
+        written = dict(self.written or {})
+        for key, value in changed.items():
+            data = _dumps(value)
+            if data is None:
+                return None
+            written[key] = data
+        return replace(
+            self,
+            written=written,
+            rewritten=_written(self.source, self.top, written, lenient=self.lenient),
+            payload={**self.payload, **changed},
+        )
+
+
+def _written(
+    source: bytes, top: Mapping[str, msgspec.Raw], written: Mapping[str, bytes], *, lenient: bool
+) -> tuple[bytes | memoryview, ...]:
+    """``source`` with the ``written`` fields set. Keys the client did not send go before its
+    closing brace, the client's bytes untouched. When it sent one of them, the top level is put
+    together anew from its raw values, each key once (the last of equal keys, the one Python's
+    parser keeps; a strict parser refuses two); a lenient body, which only Python's parser
+    reads, gets the keys appended all the same, and that parser keeps the last."""
+    view = memoryview(source)
+    if lenient or not any(key in top for key in written):
+        close = source.rfind(b"}")  # msgspec read it: nothing but space follows the object
+        comma = b"," if top else b""
+        fields = b",".join(_field(key, data) for key, data in written.items())
+        return (view[:close], comma + fields, view[close:])
+    parts: list[bytes | memoryview] = [b"{"]
+    for key, raw in top.items():
+        parts += (_key(key), written.get(key) or memoryview(raw), b",")
+    for key, data in written.items():
+        if key not in top:
+            parts += (_key(key), data, b",")
+    parts[-1] = b"}"
+    if len(top) > _PARTS_LIMIT:
+        return (b"".join(parts),)
+    return tuple(parts)
+
+
+def _key(key: str) -> bytes:
+    return json.dumps(key).encode() + b":"
+
+
+def _field(key: str, data: bytes) -> bytes:
+    return _key(key) + data
 
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
-def _loads(body: bytes | msgspec.Raw) -> tuple[Any, bool]:
-    """A request body as JSON, and whether it took the standard parser: orjson, or Python's
-    for what orjson refuses but Python's (vLLM's) accepts (NaN, Infinity, lone surrogates), so
-    such a body is still understood. ValueError when neither reads it.
+def _loads(body: bytes | msgspec.Raw) -> Any:
+    """A field's JSON: orjson, or Python's parser for what orjson refuses but Python's (vLLM's)
+    accepts. ValueError when neither reads it.
 
-    A body with a run of 19 or more digits goes to Python's parser first: orjson (3.10+) reads
-    an integer past 64 bits as a float, and writing the body back would hand vLLM ``1e+29``
-    for the client's exact integer. Such runs are rare, and the search is one C-level scan.
+    A value with a run of 19 or more digits goes to Python's parser first: orjson (3.10+) reads
+    an integer past 64 bits as a float, which written back would hand vLLM ``1e+29`` for the
+    client's exact integer. Such runs are rare, and the search is one C-level scan.
     """
     data = bytes(body) if isinstance(body, msgspec.Raw) else body
     if _LONG_DIGITS.search(data) is None:
         try:
-            return orjson.loads(data), False
+            return orjson.loads(data)
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(data), True
+        return json.loads(data)
     except RecursionError as exc:  # nested past what either parser follows
         raise ValueError("nested too deeply") from exc
 
 
-def _dumps(payload: Any, *, lenient: bool) -> bytes | None:
-    """``payload`` as JSON: orjson for what it read; else the standard encoder, ASCII-only, which
-    writes NaN, Infinity and lone surrogates (escaped) as Python's parser reads them, and what
-    orjson will not nest (past 254 levels). None when neither can write it."""
-    if not lenient:
-        with contextlib.suppress(orjson.JSONEncodeError):
-            return orjson.dumps(payload)
+def _dumps(value: Any) -> bytes | None:
+    """A value kvtax sets, as JSON: orjson; else the standard encoder, ASCII-only (it writes
+    what a lenient read gave back as Python's parser reads it). None when neither can."""
+    with contextlib.suppress(orjson.JSONEncodeError):
+        return orjson.dumps(value)
     try:
-        return json.dumps(payload).encode()
+        return json.dumps(value).encode()
     except (ValueError, RecursionError):
         return None
-
-
-def _rewritten(fields: Mapping[str, msgspec.Raw], changed: Mapping[str, Any]) -> bytes | None:
-    """The top level written anew from its raw values, ``changed`` ones replaced or added.
-    Only the changed values are encoded; the rest are the client's bytes. (A key the client
-    sent twice is written once, with the last value: the one vLLM's parser keeps.)"""
-    parts: list[bytes | memoryview] = []
-    try:
-        for key, raw in fields.items():
-            value = changed.get(key, raw) if key in changed else raw
-            encoded = memoryview(raw) if value is raw else _dumps(value, lenient=False)
-            if encoded is None:
-                return None
-            parts += (b"," if parts else b"", orjson.dumps(key), b":", encoded)
-        for key, value in changed.items():
-            if key not in fields:
-                encoded = _dumps(value, lenient=False)
-                if encoded is None:
-                    return None
-                parts += (b"," if parts else b"", orjson.dumps(key), b":", encoded)
-    except orjson.JSONEncodeError:  # a key with a lone surrogate
-        return None
-    return b"{" + b"".join(parts) + b"}"
 
 
 def _light_messages(raw: msgspec.Raw) -> Any:
@@ -148,42 +233,74 @@ def _light_messages(raw: msgspec.Raw) -> Any:
                 if key == "content" and bytes(memoryview(value)[:1]) == b"[":
                     kept[key] = [_light_part(part) for part in _OBJECTS.decode(value)]
                 else:
-                    kept[key] = _loads(value)[0]
+                    kept[key] = _loads(value)
             light.append(kept)
     except (msgspec.DecodeError, ValueError):
-        return _loads(raw)[0]
+        return _loads(raw)
     return light
 
 
 def _light_part(part: Mapping[str, msgspec.Raw]) -> dict[str, Any]:
-    """A content part: its text if it has one (the gate counts text), else nothing of it."""
+    """A content part as the gate reads it: a media part is its type alone (its data unread),
+    a text part its type and text, any other part (a tool call, a tool's result) whole."""
+    kind = part.get("type")
+    named = _loads(kind) if kind is not None and len(kind) <= MAX_FIELD else None
+    if isinstance(named, str) and named in _MEDIA_PARTS:
+        return {"type": named}
     text = part.get("text")
-    if text is None:
-        return {}
-    return {"text": _loads(text)[0]}
+    if text is not None:
+        return {"type": named, "text": _loads(text)}
+    return {key: _loads(value) for key, value in part.items()}
 
 
-def _read(body: bytes, keys: frozenset[str]) -> tuple[Any, bool, Mapping[str, msgspec.Raw] | None]:
-    """The body's JSON, whether the standard parser read it, and its raw top level (None when
-    read whole); of a top level read field by field, only ``keys`` are decoded. ValueError when
-    nothing reads it."""
+def _top(body: bytes) -> tuple[Mapping[str, msgspec.Raw], bool] | None:
+    """The body's top level as raw values, and whether non-standard tokens were written over
+    to read it; None when it is no JSON object msgspec reads, even with them written over.
+
+    They are written over in a copy (a bytearray, whose raw values msgspec gives as views into
+    it), which is then given back the client's bytes: the raw values read as the client sent
+    them, and a field kvtax decodes goes to Python's parser, which reads them as vLLM's does.
+    """
     try:
-        fields = _TOP.decode(body)
-    except (msgspec.DecodeError, RecursionError):  # not for msgspec (NaN, say), or too deep
-        payload, lenient = _loads(body)
-        return payload, lenient, None
+        return _TOP.decode(body), False
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    spans = [
+        (found.start(), found.end(), same_length)
+        for marker, pattern, same_length in _NONSTANDARD
+        if body.find(marker) >= 0
+        for found in pattern.finditer(body)
+    ]
+    if not spans:
+        return None
+    neutral = bytearray(body)
+    view = memoryview(neutral)
+    for start, end, same_length in spans:
+        view[start:end] = same_length
     try:
-        # Only the fields kvtax acts on are decoded: a body of a million other keys costs a
-        # scan, not a million decodes.
-        payload = {
-            key: _light_messages(raw) if key == "messages" else _loads(raw)[0]
-            for key, raw in fields.items()
-            if key in keys
-        }
-    except ValueError:
-        payload, lenient = _loads(body)
-        return payload, lenient, None
-    return payload, False, fields
+        top = _TOP.decode(neutral)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    view[:] = body
+    return top, True
+
+
+def _read(top: Mapping[str, msgspec.Raw], dialect: Dialect) -> dict[str, Any]:
+    """The fields of ``top`` that ``dialect`` reads, each decoded within its bound (see the
+    module docstring); a field that cannot be decoded stays raw."""
+    payload: dict[str, Any] = {}
+    for key, raw in top.items():
+        if key not in dialect.read_keys:
+            continue
+        prompt = key in dialect.prompt_keys
+        if len(raw) > (DECODE_LIMIT if prompt else MAX_FIELD):
+            payload[key] = raw
+            continue
+        try:
+            payload[key] = _light_messages(raw) if key == "messages" else _loads(raw)
+        except ValueError:
+            payload[key] = raw
+    return payload
 
 
 def prepare(
@@ -191,25 +308,36 @@ def prepare(
 ) -> Prepared:
     """An accounted request of ``dialect``'s API as vLLM should get it.
 
-    A stream's body is rewritten to ask vLLM for what counts it (the dialect picks the scheme
-    from vLLM's ``version``, whether this vLLM's streams came without ids, ``ids_missing``,
-    and the request's fields; the wish says what the client asked for); any other body goes
-    as it came, and vLLM answers the 400 for one that is not JSON.
-    Fields are read as vLLM reads them (:mod:`kvtax.delivery.lax`): ``"stream": "true"``, ``1``
-    or ``"yes"`` stream. The model is None when the client named none (vLLM serves its default
-    model); :data:`UNNAMED` when ``model`` is there but not a name vLLM accepts (vLLM refuses the
-    request), or the body is not a JSON object.
+    A stream's body asks vLLM for what counts it (the dialect picks the scheme from vLLM's
+    ``version``, whether this vLLM's streams came without ids, ``ids_missing``, and the
+    request's fields; the wish says what the client asked for); any other body goes as it came,
+    and vLLM answers the 400 for one that is not JSON. Fields are read as vLLM reads them
+    (:mod:`kvtax.delivery.lax`): ``"stream": "true"``, ``1`` or ``"yes"`` stream. The model is
+    None when the client named none (vLLM serves its default model); :data:`UNNAMED` when
+    ``model`` is there but not a name vLLM accepts (vLLM refuses the request), or the body is
+    not a JSON object.
     """
-    try:
-        payload, lenient, fields = _read(body, dialect.read_keys)
-    except ValueError:
-        return Prepared(UNNAMED, None, body)
+    read_top = _top(body)
+    top: Mapping[str, msgspec.Raw] | None = None
+    lenient = False
+    if read_top is not None:
+        top, lenient = read_top
+        payload: Any = _read(top, dialect)
+    elif len(body) <= WHOLE_LIMIT:
+        # Nested past msgspec's depth: read whole by Python's parser, which alone reads it.
+        try:
+            payload = _loads(body)
+        except ValueError:
+            return Prepared(UNNAMED, None, body)
+        if isinstance(payload, dict):
+            top, lenient = dict.fromkeys(payload, _NULL), True
+    else:
+        return Prepared(UNNAMED, None, body)  # too large to read whole: vLLM answers it
     if not isinstance(payload, dict):
-        return Prepared(UNNAMED, None, body, payload, lenient)
+        return Prepared(UNNAMED, None, body, payload)
     dialect = dialect.resolve(payload)
-    read = Prepared(
-        _model(dialect.model(payload)), None, body, payload, lenient, fields, dialect=dialect
-    )
+    model = _model(dialect.model(payload))
+    read = Prepared(model, None, body, payload, dialect=dialect, top=top, lenient=lenient)
     if not dialect.streams(payload):
         return read
     scheme = dialect.scheme(payload, version=version, ids_missing=ids_missing)
@@ -217,16 +345,10 @@ def prepare(
     if asked is None:  # options vLLM refuses: it answers 400, kvtax adds nothing
         return read
     wish, changes = asked
-    if not changes:  # the client asked for all of it already
-        return Prepared(read.model, wish, body, payload, lenient, fields, scheme, dialect)
-    rewritten = read.with_fields(changes)
-    if rewritten is None:  # too deep to write back: sent as it came, its usage not asked for
+    asking = read.with_fields(changes) if changes else read
+    if asking is None:  # a value kvtax cannot write: sent as it came, its usage not asked for
         return read
-    # What the gate reads is what vLLM gets: a clamp starts from the body as it now is.
-    upstream = {**payload, **changes}
-    if fields is not None:
-        fields = {**fields, **{key: msgspec.Raw(orjson.dumps(v)) for key, v in changes.items()}}
-    return Prepared(read.model, wish, rewritten, upstream, lenient, fields, scheme, dialect)
+    return replace(asking, wish=wish, scheme=scheme)
 
 
 def _model(value: Any) -> str | None:

@@ -194,12 +194,15 @@ class Proxy:
 
         From the start nothing new goes to vLLM, on any path: an idle keep-alive connection is
         closed at once, a busy one carries no request after the one it is answering (that
-        answer says ``Connection: close``), and a request queued in the gate or not yet sent
-        gets the shutdown 503. Every accounted request vLLM still has when the grace period
-        ends, answering or not yet answered, has its upstream closed, so vLLM frees its KV, and
-        settles with the outcome ``shutdown``. A stream gets an OpenAI-style error event and a
-        clean end of stream; a non-streamed answer cut short breaks the client's connection, so
-        it never looks complete; one not answered yet gets the 503.
+        answer says ``Connection: close``), and a request queued in the gate or waiting its
+        turn gets the shutdown 503. The request a connection is answering, or whose body it is
+        reading, is in flight: its body is read to the end, and it goes to vLLM and is relayed
+        (past a closed gate, within the token budget) like any other. Every accounted request
+        vLLM still has when the grace period ends, answering or not yet answered, has its
+        upstream closed, so vLLM frees its KV, and settles with the outcome ``shutdown``. A
+        stream gets an error event in its API's shape and a clean end of stream; a non-streamed
+        answer cut short breaks the client's connection, so it never looks complete; one not
+        answered yet gets the 503.
         """
         server, self._server = self._server, None
         if server is not None:
@@ -280,7 +283,7 @@ class Proxy:
                     await AccountedRequest(exchange, dialect, self.shared).run()
                 finally:
                     self.in_flight -= 1
-            elif self.state != "serving":
+            elif self.state != "serving" and not (self.state == "draining" and exchange.carried):
                 exchange.answer(shutting_down())  # nothing new goes to vLLM
             else:
                 await pass_through(

@@ -43,7 +43,7 @@ from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.dialects import Dialect
 from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.timing import SloTargets, StreamTiming
-from kvtax.serve.proxy.acks import AckTracker
+from kvtax.serve.proxy.acks import AckTracker, acknowledged
 from kvtax.serve.proxy.answers import shutting_down, too_large, undecodable, upstream_failure
 from kvtax.serve.proxy.client import Cut, Unreachable, Upstream, UpstreamBroke, UpstreamConnection
 from kvtax.serve.proxy.forward import (
@@ -56,7 +56,7 @@ from kvtax.serve.proxy.forward import (
 )
 from kvtax.serve.proxy.gatekeeper import CLOSED, Gate, Refused
 from kvtax.serve.proxy.outcome import Facts, outcome_of, record_of
-from kvtax.serve.proxy.prepare import UNNAMED, prepare
+from kvtax.serve.proxy.prepare import UNNAMED, Prepared, prepare
 from kvtax.serve.proxy.relay import (
     INFLATABLE,
     BodySink,
@@ -70,6 +70,10 @@ from kvtax.serve.proxy.wire import Framing
 __all__ = ["AccountedRequest", "Schemes", "Shared"]
 
 log = logging.getLogger("kvtax.serve.proxy")
+
+# A body past this is read, prepared and sized in separate turns of the event loop: each step
+# costs a scan of its bytes (tens of ms for tens of MiB), and no stream waits on all of them.
+_LARGE_BODY = 1024 * 1024
 
 
 class Schemes:
@@ -165,7 +169,7 @@ class AccountedRequest:
             facts.model, facts.too_large = UNNAMED, True  # vLLM never saw it: not its default
             exchange.answer(too_large(shared.max_body, self.dialect))
             return
-        if shared.relay.phase() != "serving":
+        if not self._may_go_on():
             facts.model, facts.turned_away = UNNAMED, True
             exchange.answer(shutting_down(self.dialect))
             return
@@ -180,19 +184,25 @@ class AccountedRequest:
                 exchange.answer(too_large(shared.max_body, self.dialect))
             return
         facts.started = shared.relay.clock()  # the request is whole: vLLM's part starts now
-        began = time.perf_counter()  # ... and kvtax's forwarding of it
+        large = len(body) > _LARGE_BODY
+        if large:
+            await asyncio.sleep(0)  # every other connection has a turn between the steps
+        began = time.perf_counter()  # kvtax's forwarding of it, for its cost
         version = shared.schemes.version()
         prepared = prepare(
             body, self.dialect, version=version, ids_missing=shared.schemes.ids_missing(version)
         )
+        del body  # the request's bytes are the prepared request's from here on
         facts.model, facts.scheme = prepared.model, prepared.scheme
         self.api = prepared.dialect or self.dialect
         gate = shared.gate
         if gate is None:
-            await self._forward(prepared.wish, prepared.body, began=began)
+            await self._forward(prepared, began=began)
             return
         admitting = time.perf_counter()
-        verdict = await gate.admit(prepared, self.dialect)
+        if large:
+            await asyncio.sleep(0)
+        verdict = await gate.admit(prepared, self.dialect, carried=exchange.carried)
         began += time.perf_counter() - admitting  # the gate's queue is not the relay's cost
         if isinstance(verdict, Refused):
             if verdict.reason == CLOSED:
@@ -203,21 +213,27 @@ class AccountedRequest:
             return
         self._release = verdict.release
         facts.prompt_bytes = verdict.prompt_bytes
-        await self._forward(prepared.wish, verdict.body, began=began)
+        await self._forward(verdict.prepared, began=began)
+
+    def _may_go_on(self) -> bool:
+        """The request may go on to vLLM: kvtax is serving, or draining and the request was in
+        flight as the drain began (its body still arriving, say), until the grace runs out."""
+        phase = self.shared.relay.phase()
+        return phase == "serving" or (phase == "draining" and self.exchange.carried)
 
     # -- forward, relay ----------------------------------------------------------------------
-    async def _forward(self, wish: UsageWish | None, body: bytes, *, began: float) -> None:
+    async def _forward(self, prepared: Prepared, *, began: float) -> None:
         """Send the request to vLLM and relay its answer. ``began``: when kvtax's forwarding
         of it began (perf_counter), for its cost."""
         exchange, facts, shared = self.exchange, self.facts, self.shared
         dialect = self.dialect
-        if shared.relay.phase() != "serving":
+        if not self._may_go_on():
             facts.turned_away = True  # shutdown began: nothing new goes to vLLM
             exchange.answer(shutting_down(dialect))
             return
-        head = upstream_head(exchange, shared.upstream, len(body), identity=True)
+        head = upstream_head(exchange, shared.upstream, prepared.size, identity=True)
         try:
-            conn = await shared.upstream.send(head + body, interim=interim_to(exchange))
+            conn = await shared.upstream.send((head, *prepared.parts), interim=interim_to(exchange))
         except Unreachable:
             exchange.answer(upstream_failure(False, shared.timeout, dialect=dialect))
             return
@@ -238,12 +254,32 @@ class AccountedRequest:
         shared.relay.cost.forward.observe(conn.sent_at - began - conn.connecting)
         facts.status = conn.status
         self.conn = conn
-        sink = self.sink = self._sink(conn, wish)
+        sink = self.sink = self._sink(conn, prepared.wish)
         if sink is None:
             return  # the client was answered instead; the connection closes as we settle
         shared.streams.add(self)
         source = sink if isinstance(sink, InflatingStreamSink) else None
         await relay(exchange, conn, sink, relaying=shared.relaying, source=source)
+        await self._acknowledged()
+
+    async def _acknowledged(self) -> None:
+        """The answer is written: wait for the client's acknowledgements of it
+        (:func:`~kvtax.serve.proxy.acks.acknowledged`). A client that leaves meanwhile, or
+        takes nothing for ``send_timeout`` (its connection is then aborted), is gone: what it
+        did not acknowledge, it never had."""
+        facts, exchange = self.facts, self.exchange
+        facts.answered_at = self.shared.relay.clock()
+        if facts.acks is None:
+            return
+        ending = await acknowledged(
+            facts.acks,
+            gone=lambda: exchange.disconnected or self.shared.relay.phase() == "cutting",
+            patience=exchange.flow.send_timeout,
+        )
+        if ending == "stalled":
+            exchange.flow.give_up()
+        if ending != "acknowledged":
+            facts.client_gone = True
 
     def _sink(
         self, conn: UpstreamConnection, wish: UsageWish | None
@@ -326,7 +362,9 @@ class AccountedRequest:
             noted(facts, self.sink)
         acks = facts.acks
         if acks is not None:
-            acks.refresh()  # a last reading: the client may have acknowledged since
+            # A last reading (the client may have acknowledged since), a write it took part
+            # of counted by its share.
+            acks.refresh(partial=True)
         outcome = outcome_of(facts, shared.relay.phase())
         conn = self.conn
         if conn is not None:
@@ -343,7 +381,8 @@ class AccountedRequest:
         counter = facts.counter
         if counter is not None:
             shared.schemes.counted(facts.scheme, counter.ids_missing)
-        record = record_of(facts, outcome, ended=shared.relay.clock(), slo=shared.slo)
+        ended = facts.answered_at if facts.answered_at is not None else shared.relay.clock()
+        record = record_of(facts, outcome, ended=ended, slo=shared.slo)
         shared.ledger.settle(record)
         gate = shared.gate
         if gate is not None and facts.prompt_bytes and record.prompt_tokens:

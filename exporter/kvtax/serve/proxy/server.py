@@ -162,6 +162,9 @@ class Exchange:
         self.limit = limit
         self.body_buffer = body_buffer
         self.draining = draining  # kvtax is shutting down: this is the last answer on it
+        # The connection was answering it, or reading its body, when the drain began: it is
+        # carried to its end within the grace period, as any request in flight.
+        self.carried = False
         self._stop_reading = stop_reading
         # Set when the request is refused whatever it says (a bad head): answered in its turn.
         self.refusal: Answer | None = None
@@ -197,8 +200,11 @@ class Exchange:
             self._overflow()
             return
         self._parts.append(data)
-        if self.limit is None and self.size > self.body_buffer:
-            self.flow.hold(Hold.BODY)  # until stream_body takes it
+        if self.size > self.body_buffer and (self.limit is None or not self._asked):
+            # Until stream_body takes it, or, held whole, until its request's turn comes
+            # (want_body): a pipelined request waiting behind a long answer holds no more than
+            # this of its body, however large a body its limit allows.
+            self.flow.hold(Hold.BODY)
 
     def body_done(self) -> None:
         """The body's last byte was read (the connection calls this)."""
@@ -208,10 +214,15 @@ class Exchange:
         self._wake()
 
     def want_body(self) -> None:
-        """The exchange is ready for its body: the client waiting on a 100 gets it now."""
-        if self._asked or self.body_complete or self.too_large:
+        """The exchange is ready for its body: reading it resumes, and the client waiting on a
+        100 gets it now."""
+        if self._asked:
             return
         self._asked = True
+        if self.limit is not None:
+            self.flow.release(Hold.BODY)
+        if self.body_complete or self.too_large:
+            return
         if self.head.expect and self.size == 0 and not self.draining:
             self.write(CONTINUE)
 
@@ -641,11 +652,17 @@ class Connection(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """kvtax is stopping: an idle connection closes now, a busy one after its answer (which
-        says ``Connection: close``); nothing more is read or answered on it."""
+        says ``Connection: close``); no request after it is read or answered on it. The one it
+        is answering is carried to its end: a body still arriving is read to its last byte
+        (reading stops at the next request line instead)."""
         self.draining = True
         for exchange in self.pipeline:
             exchange.draining = True
-        self._hold(Hold.DRAINING)
+        current = self.current
+        if current is not None:
+            current.carried = True
+        if self._receiving is None:
+            self._hold(Hold.DRAINING)
         if not self.pipeline:
             self.close()
 
