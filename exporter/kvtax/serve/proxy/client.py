@@ -76,7 +76,7 @@ __all__ = [
 log = logging.getLogger("kvtax.serve.proxy")
 
 # A request for vLLM: one buffer, or several written in turn (a head and a body's parts).
-Outgoing: TypeAlias = bytes | tuple[bytes | memoryview, ...]
+Outgoing: TypeAlias = bytes | tuple[bytes | bytearray | memoryview, ...]
 
 
 class Unreachable(UpstreamError):

@@ -40,7 +40,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 import orjson
@@ -52,6 +52,8 @@ from kvtax.delivery.ledger import OTHER
 
 __all__ = ["MAX_FIELD", "UNNAMED", "WHOLE_LIMIT", "Prepared", "prepare"]
 
+# A piece of the body for vLLM: the client's bytes (or a view of them), or fields kvtax wrote.
+Buffer: TypeAlias = bytes | bytearray | memoryview
 # The model of a request vLLM refuses before it picks a model: counted as ``other``.
 UNNAMED = OTHER
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -101,7 +103,7 @@ class Prepared:
     model: str | None
     # A stream kvtax counts: what its client asked for (None: not a stream kvtax counts).
     wish: UsageWish | None
-    source: bytes
+    source: bytes | bytearray
     # The fields kvtax read and set: small ones decoded, a prompt field over DECODE_LIMIT as
     # its raw JSON (msgspec.Raw), a read field over MAX_FIELD too (no value kvtax acts on).
     payload: Any = None
@@ -117,10 +119,10 @@ class Prepared:
     # The fields kvtax sets, each encoded, and the body for vLLM that has them (empty: the
     # client's bytes as they came).
     written: Mapping[str, bytes] | None = None
-    rewritten: tuple[bytes | memoryview, ...] = ()
+    rewritten: tuple[Buffer, ...] = ()
 
     @property
-    def parts(self) -> tuple[bytes | memoryview, ...]:
+    def parts(self) -> tuple[Buffer, ...]:
         """The body for vLLM as buffers to write in turn, the client's bytes never copied."""
         return self.rewritten or (self.source,)
 
@@ -154,8 +156,12 @@ class Prepared:
 
 
 def _written(
-    source: bytes, top: Mapping[str, msgspec.Raw], written: Mapping[str, bytes], *, lenient: bool
-) -> tuple[bytes | memoryview, ...]:
+    source: bytes | bytearray,
+    top: Mapping[str, msgspec.Raw],
+    written: Mapping[str, bytes],
+    *,
+    lenient: bool,
+) -> tuple[Buffer, ...]:
     """``source`` with the ``written`` fields set. Keys the client did not send go before its
     closing brace, the client's bytes untouched. When it sent one of them, the top level is put
     together anew from its raw values, each key once (the last of equal keys, the one Python's
@@ -167,7 +173,7 @@ def _written(
         comma = b"," if top else b""
         fields = b",".join(_field(key, data) for key, data in written.items())
         return (view[:close], comma + fields, view[close:])
-    parts: list[bytes | memoryview] = [b"{"]
+    parts: list[Buffer] = [b"{"]
     for key, raw in top.items():
         parts += (_key(key), written.get(key) or memoryview(raw), b",")
     for key, data in written.items():
@@ -190,7 +196,7 @@ def _field(key: str, data: bytes) -> bytes:
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
-def _loads(body: bytes | msgspec.Raw) -> Any:
+def _loads(body: bytes | bytearray | msgspec.Raw) -> Any:
     """A field's JSON: orjson, or Python's parser for what orjson refuses but Python's (vLLM's)
     accepts. ValueError when neither reads it.
 
@@ -253,7 +259,7 @@ def _light_part(part: Mapping[str, msgspec.Raw]) -> dict[str, Any]:
     return {key: _loads(value) for key, value in part.items()}
 
 
-def _top(body: bytes) -> tuple[Mapping[str, msgspec.Raw], bool] | None:
+def _top(body: bytes | bytearray) -> tuple[Mapping[str, msgspec.Raw], bool] | None:
     """The body's top level as raw values, and whether non-standard tokens were written over
     to read it; None when it is no JSON object msgspec reads, even with them written over.
 
@@ -304,7 +310,11 @@ def _read(top: Mapping[str, msgspec.Raw], dialect: Dialect) -> dict[str, Any]:
 
 
 def prepare(
-    body: bytes, dialect: Dialect, *, version: str | None = None, ids_missing: bool = False
+    body: bytes | bytearray,
+    dialect: Dialect,
+    *,
+    version: str | None = None,
+    ids_missing: bool = False,
 ) -> Prepared:
     """An accounted request of ``dialect``'s API as vLLM should get it.
 

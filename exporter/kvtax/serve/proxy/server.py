@@ -171,7 +171,9 @@ class Exchange:
         self.size = 0  # body bytes received
         self.body_complete = not head.has_body
         self.too_large = limit is not None and head.length is not None and head.length > limit
-        self._parts: list[bytes] = []
+        self._parts: list[bytes] = []  # a streamed body's reads, not sent on yet
+        # A body held whole, grown in place: never a list of reads and their join beside it.
+        self._whole = bytearray()
         self._waiter: asyncio.Future[None] | None = None
         self._writer: BodyWriter | None = None
         self._asked = False
@@ -199,7 +201,10 @@ class Exchange:
         if self.limit is not None and self.size > self.limit:
             self._overflow()
             return
-        self._parts.append(data)
+        if self.limit is None:
+            self._parts.append(data)
+        else:
+            self._whole += data
         if self.size > self.body_buffer and (self.limit is None or not self._asked):
             # Until stream_body takes it, or, held whole, until its request's turn comes
             # (want_body): a pipelined request waiting behind a long answer holds no more than
@@ -236,17 +241,17 @@ class Exchange:
             writer.abort_body()
         self._wake()
 
-    async def whole_body(self) -> bytes | None:
-        """The whole body, once read; None when it is over ``limit`` (``too_large``) or its
-        framing broke (``refusal``)."""
+    async def whole_body(self) -> bytearray | None:
+        """The whole body, once read (the buffer it was read into, handed over); None when it
+        is over ``limit`` (``too_large``) or its framing broke (``refusal``)."""
         self.want_body()
         if not self.body_complete and not self.too_large and self.refusal is None:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         if self.too_large or self.refusal is not None:
             return None
-        parts, self._parts = self._parts, []
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        whole, self._whole = self._whole, bytearray()
+        return whole
 
     def buffered(self) -> bytes:
         """What arrived of a streamed body and is not sent yet (taken: sent from here on)."""
@@ -269,6 +274,7 @@ class Exchange:
     def _overflow(self) -> None:
         self.too_large = True
         self._parts.clear()
+        self._whole = bytearray()
         self._stop_reading()  # the rest of the body is never read
         self._wake()
 
