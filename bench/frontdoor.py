@@ -11,12 +11,17 @@ is measured. For each scenario the child's peak RSS (VmHWM, reset first through
   fast as the client can;
 - ``head``: vLLM answers with a 32 MiB head;
 - ``gzip-bomb``: vLLM answers a stream with gzip that inflates to 256 MiB, to a client that
-  reads 1 MiB and then nothing for the rest of the scenario.
+  reads 1 MiB and then nothing for the rest of the scenario;
+- ``body-*`` (issue 43): one accounted request of about 60 MiB of millions of small JSON
+  values (:func:`tests.unit.frontdoor.costly_bodies`; ``body-token-ids-gate`` with the gate
+  on), which vLLM answers 400 once it has it, while a probe asks the proxy's loop for
+  ``/healthz`` every 10 ms: the worst answer is what every stream of the pod waited meanwhile.
 
 Run from the repository root (take the end-to-end lock; it takes about a minute)::
 
     flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.frontdoor
     .venv/bin/python -m bench.frontdoor --only flood --seconds 6
+    .venv/bin/python -m bench.frontdoor --bodies   # the body-* scenarios only
 
 The unit tests (tests/unit/test_front_door.py) assert the bounds on what a test can see
 deterministically; this prints the RSS figures behind them.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -47,9 +53,11 @@ from tests.unit.frontdoor import (
     chunk,
     completion_event,
     connect,
+    costly_bodies,
     post,
     raw_request,
     read_head,
+    read_reply,
     sse,
     stream_head,
     usage_event,
@@ -57,6 +65,9 @@ from tests.unit.frontdoor import (
 )
 
 __all__ = ["Figure", "main"]
+
+# A scenario against the proxy child's port (and its /healthz port): what happened, in words.
+Run = Callable[[int, int], Awaitable[str]]
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1024**2
@@ -80,11 +91,18 @@ def _hwm(pid: int) -> int:
 
 
 async def _measure(
-    upstream: RawUpstream, name: str, run: Callable[[int], Awaitable[str]]
+    upstream: RawUpstream, name: str, run: Run, child_args: tuple[str, ...] = ()
 ) -> Figure:
     """Start a proxy child in front of ``upstream``, run one scenario against its port."""
     child = subprocess.Popen(
-        [sys.executable, "-m", "bench.proxy_child", f"--upstream={upstream.url}"],
+        [
+            sys.executable,
+            "-m",
+            "bench.proxy_child",
+            f"--upstream={upstream.url}",
+            "--healthz",
+            *child_args,
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'exporter'}:{ROOT}"},
@@ -93,6 +111,8 @@ async def _measure(
         assert child.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
         port = int(line.split()[1])
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+        healthz = int(line.split()[1])
         process = psutil.Process(child.pid)
         # Warm up: one plain request through (whatever the scenario's script), so that the
         # baseline includes a live connection each way.
@@ -104,7 +124,7 @@ async def _measure(
         before = process.memory_info().rss
         cpu_before = sum(process.cpu_times()[:2])
         Path(f"/proc/{child.pid}/clear_refs").write_text("5")
-        note = await run(port)
+        note = await run(port, healthz)
         peak = _hwm(child.pid)
         cpu = sum(process.cpu_times()[:2]) - cpu_before
     finally:
@@ -115,10 +135,10 @@ async def _measure(
     return Figure(name, before / MiB, (peak - before) / MiB, cpu, note)
 
 
-async def _flood(upstream: RawUpstream, seconds: float) -> Callable[[int], Awaitable[str]]:
+async def _flood(upstream: RawUpstream, seconds: float) -> Run:
     upstream.script = answer(200, [("Content-Type", "text/plain")], b"z" * 1024)
 
-    async def run(port: int) -> str:
+    async def run(port: int, healthz: int) -> str:
         start = len(upstream.seen)
         _, writer = await connect(port, rcvbuf=4096)
         writer.write(raw_request("GET", "/v1/models") * FLOOD)
@@ -130,7 +150,7 @@ async def _flood(upstream: RawUpstream, seconds: float) -> Callable[[int], Await
     return run
 
 
-async def _n2_hold(upstream: RawUpstream, total: int) -> Callable[[int], Awaitable[str]]:
+async def _n2_hold(upstream: RawUpstream, total: int) -> Run:
     async def script(seen: Seen, link: Link) -> None:
         await seen.complete.wait()
         await link.send(stream_head())
@@ -150,7 +170,7 @@ async def _n2_hold(upstream: RawUpstream, total: int) -> Callable[[int], Awaitab
 
     upstream.script = script
 
-    async def run(port: int) -> str:
+    async def run(port: int, healthz: int) -> str:
         reader, writer = await connect(port)
         writer.write(post("/v1/completions", {"model": "m", "stream": True, "n": 2}))
         got = 0
@@ -165,7 +185,7 @@ async def _n2_hold(upstream: RawUpstream, total: int) -> Callable[[int], Awaitab
     return run
 
 
-async def _head(upstream: RawUpstream, size: int) -> Callable[[int], Awaitable[str]]:
+async def _head(upstream: RawUpstream, size: int) -> Run:
     sent: list[int] = []
 
     async def script(seen: Seen, link: Link) -> None:
@@ -181,7 +201,7 @@ async def _head(upstream: RawUpstream, size: int) -> Callable[[int], Awaitable[s
 
     upstream.script = script
 
-    async def run(port: int) -> str:
+    async def run(port: int, healthz: int) -> str:
         reader, writer = await connect(port)
         writer.write(raw_request("GET", "/x"))
         status = await asyncio.wait_for(reader.readline(), 60)
@@ -208,13 +228,11 @@ def _bomb(inflated: int) -> bytes:
     return b"".join(parts)
 
 
-async def _gzip_bomb(
-    upstream: RawUpstream, inflated: int, seconds: float
-) -> Callable[[int], Awaitable[str]]:
+async def _gzip_bomb(upstream: RawUpstream, inflated: int, seconds: float) -> Run:
     bomb = _bomb(inflated)
     upstream.script = writes(stream_head([("Content-Encoding", "gzip")]), chunk(bomb) + LAST_CHUNK)
 
-    async def run(port: int) -> str:
+    async def run(port: int, healthz: int) -> str:
         reader, writer = await connect(port, rcvbuf=16 * 1024)
         writer.write(post("/v1/completions", {"model": "m", "stream": True}))
         got = 0
@@ -228,21 +246,73 @@ async def _gzip_bomb(
     return run
 
 
+async def _body(upstream: RawUpstream, path: str, body: bytes) -> Run:
+    upstream.script = answer(400, [("Content-Type", "application/json")], b'{"error":"no"}')
+
+    async def run(port: int, healthz: int) -> str:
+        probe_reader, probe_writer = await connect(healthz)
+        worst, probes, sending = 0.0, 0, True
+
+        async def probe() -> None:
+            nonlocal worst, probes
+            while sending:
+                began = time.perf_counter()
+                probe_writer.write(raw_request("GET", "/healthz"))
+                await read_reply(probe_reader)
+                worst, probes = max(worst, time.perf_counter() - began), probes + 1
+                await asyncio.sleep(0.01)
+
+        probing = asyncio.ensure_future(probe())
+        reader, writer = await connect(port)
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        writer.write(raw_request("POST", path, headers=headers))
+        for start in range(0, len(body), MiB):
+            writer.write(body[start : start + MiB])
+            await writer.drain()
+        reply = await asyncio.wait_for(read_reply(reader), 120)
+        await asyncio.sleep(0.3)  # and what the proxy does after its answer
+        sending = False
+        await probing
+        writer.close()
+        probe_writer.close()
+        return (
+            f"{len(body) / MiB:.0f} MiB, answered {reply.status}; worst /healthz of {probes}:"
+            f" {worst * 1000:.0f} ms"
+        )
+
+    return run
+
+
+def _slug(name: str) -> str:
+    return "body-" + name.replace(" ", "-")
+
+
 async def _run(args: argparse.Namespace) -> list[Figure]:
     figures: list[Figure] = []
-    scenarios: dict[str, Callable[[RawUpstream], Awaitable[Callable[[int], Awaitable[str]]]]] = {
+    scenarios: dict[str, Callable[[RawUpstream], Awaitable[Run]]] = {
         "flood": lambda up: _flood(up, args.seconds),
         "n2-hold": lambda up: _n2_hold(up, 64 * MiB),
         "head": lambda up: _head(up, 32 * MiB),
         "gzip-bomb": lambda up: _gzip_bomb(up, 256 * MiB, args.seconds),
     }
+    child_args: dict[str, tuple[str, ...]] = {}
+    if args.bodies or any(name.startswith("body-") for name in args.only or ()):
+        for label, path, body in costly_bodies(60 * MiB):
+            scenarios[_slug(label)] = functools.partial(_body, path=path, body=body)
+            if label == "token ids":
+                gated = functools.partial(_body, path=path, body=body)
+                scenarios["body-token-ids-gate"] = gated
+    child_args["body-token-ids-gate"] = ("--gate-budget=1000000000",)
     for name, make in scenarios.items():
         if args.only and name not in args.only:
+            continue
+        if args.bodies != name.startswith("body-") and not args.only:
             continue
         upstream = RawUpstream()
         await upstream.start()
         try:
-            figures.append(await _measure(upstream, name, await make(upstream)))
+            run = await make(upstream)
+            figures.append(await _measure(upstream, name, run, child_args.get(name, ())))
         finally:
             await upstream.stop()
         print(json.dumps(asdict(figures[-1])), file=sys.stderr, flush=True)
@@ -256,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         "--seconds", type=float, default=6.0, help="how long a client reads nothing"
     )
     parser.add_argument("--json", action="store_true", help="print JSON lines, not a table")
+    parser.add_argument(
+        "--bodies", action="store_true", help="run the body-* scenarios (issue 43) instead"
+    )
     args = parser.parse_args(argv)
     began = time.monotonic()
     figures = asyncio.run(_run(args))

@@ -570,6 +570,40 @@ def writes(*pieces: bytes, pause: float = 0.0, close: bool = False, whole: bool 
     return script
 
 
+def chat_messages(n: int) -> bytes:
+    """A streamed chat request of ``n`` small messages (37 bytes each)."""
+    one = b'{"role":"user","content":"hi there"}'
+    return b'{"model":"m","stream":true,"messages":[' + b",".join([one] * n) + b"]}"
+
+
+def costly_bodies(size: int) -> list[tuple[str, str, bytes]]:
+    """Issue 43's costly request bodies, each about ``size`` bytes: (name, path, body). Each is
+    millions of small JSON values but the last two: a field kvtax never reads (the control) and
+    the same with a NaN, which only Python's parser (vLLM's) reads."""
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    pad = b'"' + b"a" * size + b'"'
+    return [
+        ("small messages", chat, chat_messages(size // 37)),
+        ("empty messages", chat, b'{"model":"m","messages":[' + _many(b"{}", size // 3) + b"]}"),
+        ("token ids", completions, b'{"model":"m","prompt":[' + _many(b"1", size // 2) + b"]}"),
+        (
+            "empty prompt lists",
+            completions,
+            b'{"model":"m","prompt":[' + _many(b"[]", size // 3) + b"]}",
+        ),
+        ("an unread field", completions, b'{"model":"m","prompt":"x","pad":' + pad + b"}"),
+        (
+            "an unread field and NaN",
+            completions,
+            b'{"model":"m","prompt":"x","x":NaN,"pad":' + pad + b"}",
+        ),
+    ]
+
+
+def _many(value: bytes, n: int) -> bytes:
+    return b",".join([value] * n)
+
+
 def _dump(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 

@@ -17,7 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ from tests.unit.frontdoor import (
     Seen,
     StartFront,
     VllmLike,
+    chat_messages,
+    costly_bodies,
     post,
     raw_request,
     read_reply,
@@ -50,28 +52,7 @@ MiB = 1024**2
 
 
 # == 1. a body costs a scan of its bytes ===========================================================
-def _messages(n: int) -> bytes:
-    one = b'{"role":"user","content":"hi there"}'
-    return b'{"model":"m","stream":true,"messages":[' + b",".join([one] * n) + b"]}"
-
-
-def _bodies(size: int) -> Iterator[tuple[str, str, bytes]]:
-    """The issue's body shapes, each about ``size`` bytes: (name, path, body)."""
-    chat, completions = "/v1/chat/completions", "/v1/completions"
-    yield "small messages", chat, _messages(size // 37)
-    empty = b'{"model":"m","messages":[' + b",".join([b"{}"] * (size // 3)) + b"]}"
-    yield "empty messages", chat, empty
-    ids = b'{"model":"m","prompt":[' + b",".join([b"1"] * (size // 2)) + b"]}"
-    yield "token ids", completions, ids
-    lists = b'{"model":"m","prompt":[' + b",".join([b"[]"] * (size // 3)) + b"]}"
-    yield "empty prompt lists", completions, lists
-    pad = b'"' + b"a" * size + b'"'
-    yield "an unread field", completions, b'{"model":"m","prompt":"x","pad":' + pad + b"}"
-    nan = b'{"model":"m","prompt":"x","x":NaN,"pad":' + pad + b"}"
-    yield "an unread field and NaN", completions, nan
-
-
-SHAPES = list(_bodies(8 * MiB))
+SHAPES = costly_bodies(8 * MiB)
 
 
 class _Decoding:
@@ -145,7 +126,7 @@ def _hwm_bytes(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-async def test_kvtax_grows_by_at_most_twice_a_large_body_of_small_messages(
+async def test_kvtax_grows_by_at_most_twice_a_large_body_of_smallchat_messages(
     front_door: StartFront,
 ) -> None:
     # Finding 1: 2 M small chat messages (60 MiB) grew kvtax by 1.31 GiB: each decoded into
@@ -158,8 +139,8 @@ async def test_kvtax_grows_by_at_most_twice_a_large_body_of_small_messages(
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'exporter'}:{ROOT}"},
     )
-    body = _messages(16 * MiB // 37)
-    request = post("/v1/chat/completions", json.loads(_messages(1)))
+    body = chat_messages(16 * MiB // 37)
+    request = post("/v1/chat/completions", json.loads(chat_messages(1)))
     try:
         assert child.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), WAIT)

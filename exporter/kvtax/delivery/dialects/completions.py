@@ -49,12 +49,10 @@ class Completions(OpenAIDialect):
             return Shape(0, None)
         prompt = payload.get("prompt", "")
         if isinstance(prompt, msgspec.Raw):  # too long to decode: its bytes, scanned
-            data = bytes(prompt)  # a copy, for bytes.count (a memoryview has none)
             # A string's quotes are no prompt; its escapes count as written (a little more).
-            size = len(data) - 2 if data[:1] == b'"' else len(data)
-            return Shape(
-                size, self._limit(payload), False, _raw_prompts(data), count_of(payload.get("n"))
-            )
+            size = len(prompt) - 2 if bytes(memoryview(prompt)[:1]) == b'"' else len(prompt)
+            n = count_of(payload.get("n"))
+            return Shape(size, self._limit(payload), False, _raw_prompts(prompt), n)
         return Shape(
             size_of(prompt, whole),
             self._limit(payload),
@@ -83,19 +81,24 @@ def _prompts_in(prompt: Any) -> int:
 _FIRST_ITEM = re.compile(rb"\[\s*(.)", re.DOTALL)
 
 
-def _raw_prompts(raw: bytes) -> int:
+def _raw_prompts(raw: msgspec.Raw) -> int:
     """The prompts of a ``prompt`` left raw, counted by a scan: a list of token-id lists has
     one ``[`` per item, a list of strings two unescaped quotes per item (a string that ends in
-    an escaped backslash counts one more: a larger footprint, never a smaller one)."""
-    first = _FIRST_ITEM.match(raw.lstrip())
-    if first is None:
-        return 1  # a string, or no list vLLM serves
+    an escaped backslash counts one more: a larger footprint, never a smaller one). Only those
+    two are copied, to be counted (a memoryview has no count); a string or a list of ids is one
+    prompt, known from its first bytes."""
+    first = _FIRST_ITEM.match(bytes(memoryview(raw)[:_HEAD]).lstrip())
+    if first is None or first[1] not in (b"[", b'"'):
+        return 1  # a string, token ids, or no list vLLM serves
+    data = bytes(raw)
     if first[1] == b"[":
-        return max(1, min(raw.count(b"[") - 1, MAX_COUNT))
-    if first[1] == b'"':
-        quotes = raw.count(b'"') - raw.count(b'\\"')
-        return max(1, min(quotes // 2, MAX_COUNT))
-    return 1  # token ids: one prompt
+        return max(1, min(data.count(b"[") - 1, MAX_COUNT))
+    quotes = data.count(b'"') - data.count(b'\\"')
+    return max(1, min(quotes // 2, MAX_COUNT))
+
+
+# Bytes of a raw prompt read to tell its shape (past any whitespace before its first item).
+_HEAD = 4096
 
 
 COMPLETIONS = Completions()

@@ -74,6 +74,15 @@ log = logging.getLogger("kvtax.serve.proxy")
 # A body past this is read, prepared and sized in separate turns of the event loop: each step
 # costs a scan of its bytes (tens of ms for tens of MiB), and no stream waits on all of them.
 _LARGE_BODY = 1024 * 1024
+# How long such a request gives way between its steps. A turn (sleep(0)) is not enough: the
+# request's next step is queued ahead of the tasks that the other connections' reads wake, and
+# would run before them; a millisecond lets those run first.
+_GIVE_WAY = 0.001
+
+
+async def _give_way() -> None:
+    """Let every other connection of the loop go first (a large body's next step waits)."""
+    await asyncio.sleep(_GIVE_WAY)
 
 
 class Schemes:
@@ -186,7 +195,7 @@ class AccountedRequest:
         facts.started = shared.relay.clock()  # the request is whole: vLLM's part starts now
         large = len(body) > _LARGE_BODY
         if large:
-            await asyncio.sleep(0)  # every other connection has a turn between the steps
+            await _give_way()
         began = time.perf_counter()  # kvtax's forwarding of it, for its cost
         version = shared.schemes.version()
         prepared = prepare(
@@ -201,7 +210,7 @@ class AccountedRequest:
             return
         admitting = time.perf_counter()
         if large:
-            await asyncio.sleep(0)
+            await _give_way()
         verdict = await gate.admit(prepared, self.dialect, carried=exchange.carried)
         began += time.perf_counter() - admitting  # the gate's queue is not the relay's cost
         if isinstance(verdict, Refused):
