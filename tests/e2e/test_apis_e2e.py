@@ -335,22 +335,37 @@ def test_a_client_that_leaves_mid_stream_settles_once_by_its_api_s_rule(
         assert kvtax.proxy_url is not None
         before = _generated(vllm_engine)
 
+        requests_key = series_key(
+            "kvtax_api_requests_total",
+            {"model_name": M, "api": api, "outcome": "client_disconnected"},
+        )
+
         async def leave() -> bytes:
             async with aiohttp.ClientSession() as session:
-                resp = await session.post(f"{kvtax.proxy_url}{path}", json=body)
-                read = b""
-                while read.count(marker) < 5:
-                    read += await resp.content.readany()
-                resp.close()
+
+                async def five_events() -> tuple[aiohttp.ClientResponse, bytes]:
+                    resp = await session.post(f"{kvtax.proxy_url}{path}", json=body)
+                    read = b""
+                    while read.count(marker) < 5:
+                        read += await resp.content.readany()
+                    return resp, read
+
+                # The engine computes in slices until five events are in, and stays stopped
+                # while the client leaves and kvtax settles it: however fast it would have
+                # run, the request is still in vLLM when kvtax closes its side.
+                with vllm_engine.freezer() as freezer:
+                    reading = asyncio.ensure_future(five_events())
+                    assert await freezer.run_until(reading.done), "no five events"
+                    resp, read = reading.result()
+                    resp.close()
+                    await asyncio.to_thread(
+                        kvtax.wait_for, lambda m: m.get(requests_key) == 1.0, what="one disconnect"
+                    )
                 return read
 
         read = asyncio.run(leave())
         vllm_engine.wait_idle()  # vLLM aborted it: nothing runs
         generated = _generated(vllm_engine) - before
-        requests_key = series_key(
-            "kvtax_api_requests_total",
-            {"model_name": M, "api": api, "outcome": "client_disconnected"},
-        )
         page = kvtax.wait_for(lambda m: m.get(requests_key) == 1.0, what="one disconnect")
     delivered = _api_series(page, "kvtax_api_delivered_tokens_total")[api]
     assert generated < 900  # vLLM stopped well before the end
@@ -384,10 +399,10 @@ def test_the_gate_gives_every_api_the_same_verdict_each_in_its_own_shape(
     with KvtaxProcess(vllm_engine.url, proxy=True, extra_args=GATE_FLAGS) as kvtax:
         kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
         assert kvtax.proxy_url is not None
-        asyncio.run(_gate_verdicts(kvtax))
+        asyncio.run(_gate_verdicts(kvtax, vllm_engine))
 
 
-async def _gate_verdicts(kvtax: KvtaxProcess) -> None:
+async def _gate_verdicts(kvtax: KvtaxProcess, engine: VllmEngine) -> None:
     url = kvtax.proxy_url
     assert url is not None
     claude = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
@@ -407,30 +422,55 @@ async def _gate_verdicts(kvtax: KvtaxProcess) -> None:
             assert resp.status == 400
             assert "token-budget" in (await resp.json())["error"]["message"]
         # The cap of one held by a long stream, the queue of one by another: everything else
-        # is shed at once.
+        # is shed at once. The engine is stopped once the stream's first event is out, so the
+        # stream holds the cap however fast the engine would have finished it.
         hold = {"model": M, "prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}
-        held = await session.post(url + "/v1/completions", json=hold)
-        await held.content.readuntil(b"\n\n")
-        queued = asyncio.ensure_future(session.post(url + "/v1/completions", json=hold))
-        depth = "kvtax_gate_queue_depth"
-        await asyncio.to_thread(kvtax.wait_for, lambda m: m.get(depth) == 1.0, what="one queued")
-        with pytest.raises(anthropic.RateLimitError):
-            await claude.messages.create(model=M, max_tokens=8, messages=HELLO)
-        with pytest.raises(openai.RateLimitError):
-            await oai.responses.create(model=M, input="hi", max_output_tokens=8)
-        for path, payload in (
-            (
-                "/inference/v1/generate",
-                {"model": M, "token_ids": [5], "sampling_params": {"max_tokens": 8}},
-            ),
-            ("/v1/chat/completions/batch", {"model": M, "max_tokens": 8, "messages": [CHAT]}),
-            ("/invocations", {"model": M, "prompt": "x", "max_tokens": 8}),
-        ):
-            async with session.post(url + path, json=payload) as resp:
-                assert resp.status == 429, path
-                assert resp.headers["Retry-After"].isdigit()
-                assert (await resp.json())["error"]["type"] == "rate_limit_exceeded"
-        held.close()
-        queued.cancel()
+
+        async def first_event() -> aiohttp.ClientResponse:
+            resp = await session.post(url + "/v1/completions", json=hold)
+            await resp.content.readuntil(b"\n\n")
+            return resp
+
+        with engine.freezer() as freezer:
+            starting = asyncio.ensure_future(first_event())
+            assert await freezer.run_until(starting.done), "no first event"
+            held = starting.result()
+            await _shed_while_held(kvtax, session, claude=claude, oai=oai, held=held, hold=hold)
     await claude.close()
     await oai.close()
+
+
+async def _shed_while_held(
+    kvtax: KvtaxProcess,
+    session: aiohttp.ClientSession,
+    *,
+    claude: anthropic.AsyncAnthropic,
+    oai: openai.AsyncOpenAI,
+    held: aiohttp.ClientResponse,
+    hold: dict[str, Any],
+) -> None:
+    """With the cap held by ``held`` and the engine stopped: the queue of one filled, every
+    API's next request is shed, each in its API's shape."""
+    url = kvtax.proxy_url
+    assert url is not None
+    queued = asyncio.ensure_future(session.post(url + "/v1/completions", json=hold))
+    depth = "kvtax_gate_queue_depth"
+    await asyncio.to_thread(kvtax.wait_for, lambda m: m.get(depth) == 1.0, what="one queued")
+    with pytest.raises(anthropic.RateLimitError):
+        await claude.messages.create(model=M, max_tokens=8, messages=HELLO)
+    with pytest.raises(openai.RateLimitError):
+        await oai.responses.create(model=M, input="hi", max_output_tokens=8)
+    for path, payload in (
+        (
+            "/inference/v1/generate",
+            {"model": M, "token_ids": [5], "sampling_params": {"max_tokens": 8}},
+        ),
+        ("/v1/chat/completions/batch", {"model": M, "max_tokens": 8, "messages": [CHAT]}),
+        ("/invocations", {"model": M, "prompt": "x", "max_tokens": 8}),
+    ):
+        async with session.post(url + path, json=payload) as resp:
+            assert resp.status == 429, path
+            assert resp.headers["Retry-After"].isdigit()
+            assert (await resp.json())["error"]["type"] == "rate_limit_exceeded"
+    held.close()
+    queued.cancel()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -289,6 +290,58 @@ def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: Kv
     )
     waste = _window_ratio(page, "kvtax_waste_ratio")
     assert waste > _window_ratio(page, "kvtax_preemption_tax_ratio")
+
+
+def test_a_reader_that_stalls_then_resets_is_counted_what_its_stack_acknowledged(
+    vllm_engine: VllmEngine, kvtax: KvtaxProcess
+) -> None:
+    """A client that reads only the head of a 300-token stream, lets vLLM finish it, then
+    resets, is counted the tokens its TCP stack took (what its socket holds, within one event),
+    outcome client_disconnected: the stream fit kvtax's kernel send buffer whole, so only the
+    client's acknowledgements tell how much of it arrived."""
+    assert kvtax.proxy_url is not None
+    host, port = kvtax.proxy_url.removeprefix("http://").rsplit(":", 1)
+    max_tokens = 300
+    delivered = series_key("kvtax_delivered_tokens_total", {"model_name": M, "source": "proxy"})
+    disconnected = series_key(
+        "kvtax_requests_total", {"model_name": M, "outcome": "client_disconnected"}
+    )
+    page = kvtax.metrics()
+    delivered_before, left_before = page.get(delivered, 0.0), page.get(disconnected, 0.0)
+    finished = "vllm:request_success_total/length"
+    finished_before = _vllm(vllm_engine).get(finished, 0.0)
+
+    body = json.dumps(_body("completion", True, max_tokens, ignore_eos=True)).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # A small receive buffer (no autotuning): the client's stack takes a few KiB, then its
+    # window shuts, and the rest of the stream waits in kvtax's socket.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: kvtax\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += sock.recv(256)
+        deadline = time.monotonic() + 120
+        while _vllm(vllm_engine).get(finished, 0.0) == finished_before:
+            assert time.monotonic() < deadline, "vLLM never finished the stream"
+            time.sleep(0.05)
+        time.sleep(1.0)  # kvtax relays vLLM's last bytes, the client's stack acknowledges
+        held = got.split(b"\r\n\r\n", 1)[1] + sock.recv(1 << 20, socket.MSG_PEEK)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        sock.close()  # with SO_LINGER 0: a reset
+    has = held.count(b"}\n\n")  # token events the client's stack took whole
+    page = kvtax.wait_for(
+        lambda m: m.get(disconnected, 0.0) - left_before == 1, what="settled as a disconnect"
+    )
+    counted = page.get(delivered, 0.0) - delivered_before
+    print(f"stalled reader: its stack took {has} token events; kvtax counted {counted:.0f}")
+    assert 0 < has < max_tokens
+    assert has - 1 <= counted <= has
 
 
 def _window_ratio(page: dict[str, float], name: str) -> float:
