@@ -19,7 +19,10 @@ captured from the real engine): Anthropic's ``/v1/messages`` and OpenAI's ``/v1/
 named events (usage at their end only; ``per_chunk`` tokens per content event), the token-in,
 token-out ``/inference/v1/generate`` (ids in every event), ``/v1/chat/completions/batch`` (one
 choice per conversation, never streamed) and SageMaker's ``/invocations`` (a chat or a
-completions body).
+completions body). ``/v1/audio/transcriptions`` and ``/translations`` read the multipart form as
+Starlette does for vLLM (the last of two fields of one name) and replay the stream vLLM's own
+generator wrote (``tests/fixtures/vllm/apis/0.32-transcription.sse``: nine tokens, one of them
+with no text and no chunk of its own), its usage kept as the form's options ask.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import asyncio
 import json
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
@@ -35,6 +39,24 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 FINGERPRINT = "vllm-0.32.0-fake1234"
 ROOT = "/models/fake"
+
+
+def _speech(name: str) -> list[dict[str, Any]]:
+    """The chunks of a stream vLLM's own generator wrote, with every usage option on."""
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "apis" / name
+    events = path.read_bytes().split(b"\n\n")
+    return [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+
+
+SPEECH = {
+    "transcription": _speech("0.32-transcription.sse"),
+    "translation": _speech("0.32-translation.sse"),
+}
+
+
+def _flag(value: str | None) -> bool:
+    """A form's boolean as pydantic reads it (vLLM's request models)."""
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on", "t", "y")
 
 
 def _dump(obj: dict[str, Any]) -> bytes:
@@ -110,7 +132,7 @@ class FakeVllm:
     pause_after: int | None = None
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=256 * 1024**2)  # uploads, as vLLM takes them
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_post("/v1/chat/completions/batch", self.batch)
@@ -118,6 +140,8 @@ class FakeVllm:
         app.router.add_post("/v1/messages", self.named)
         app.router.add_post("/v1/responses", self.named)
         app.router.add_post("/inference/v1/generate", self.generate)
+        app.router.add_post("/v1/audio/transcriptions", self.speech)
+        app.router.add_post("/v1/audio/translations", self.speech)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         return app
@@ -431,6 +455,46 @@ class FakeVllm:
             total["completion_tokens"] = sum(sent)
             final = {"request_id": head["request_id"], "usage": total, "output_mode": "tokens"}
             await response.write(b"data: " + _dump({**final, "choices": []}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        """The audio APIs: the form read as vLLM's server reads it, the recorded stream."""
+        form = await request.post()
+        fields = {key: str(form.getall(key)[-1]) for key in form if key != "file"}
+        upload = form.get("file")
+        size = 0
+        if isinstance(upload, web.FileField):
+            with upload.file:
+                size = len(upload.file.read())
+        fields["file_bytes"] = str(size)
+        self.requests.append(fields)
+        self.headers.append(dict(request.headers))
+        if self.status != 200:
+            return self._error(self.status)
+        stream = _flag(fields.get("stream"))
+        include = _flag(fields.get("stream_include_usage"))
+        continuous = include and _flag(fields.get("stream_continuous_usage_stats"))
+        if not stream and (include or _flag(fields.get("stream_continuous_usage_stats"))):
+            return self._error(400, "Stream options can only be defined when `stream=True`.")
+        kind = "translation" if request.path.endswith("translations") else "transcription"
+        chunks = SPEECH[kind]
+        if not stream:
+            text = "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"])
+            answer = {"text": text, "usage": {"type": "duration", "seconds": 1}}
+            return web.Response(body=_dump(answer), headers={"Content-Type": "application/json"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for count, chunk in enumerate(chunks):
+            if count == self.pause_after:
+                await asyncio.sleep(STALL)
+            if not chunk["choices"] and not include:
+                continue  # the final usage chunk, sent only when asked for
+            sent = chunk
+            if chunk["choices"] and not continuous:
+                sent = {key: value for key, value in chunk.items() if key != "usage"}
+            await response.write(b"data: " + _dump(sent) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

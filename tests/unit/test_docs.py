@@ -175,3 +175,13 @@ def test_a_name_that_moved_does_not_resolve() -> None:
     assert resolves("kvtax.serve.proxy.outcome.outcome_of")
     assert not resolves("kvtax.serve.proxy.exchange.outcome_of")
     assert not resolves("kvtax.serve.proxy.outcome.no_such_function")
+
+
+def test_the_api_series_help_names_every_generation_api() -> None:
+    """The api label's values, as kvtax_api_delivered_tokens_total's help lists them (and so
+    docs/metrics.md), are the dialects' names: an API added is an API named."""
+    from kvtax.delivery.dialects import APIS
+
+    spec = catalog.METRICS["kvtax_api_delivered_tokens_total"]
+    named = spec.help.split("kvtax.delivery.dialects: ", 1)[1].split(")", 1)[0]
+    assert [name.strip() for name in named.split(",")] == list(APIS)

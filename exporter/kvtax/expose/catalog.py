@@ -457,7 +457,8 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
         "counter",
         "Completion tokens the proxy delivered, by the generation API the request came through "
         "(kvtax.delivery.dialects: completions, chat, chat_batch, responses, messages, "
-        'generate, invocations); a part of kvtax_delivered_tokens_total{source="proxy"}.',
+        "generate, invocations, transcription, translation); a part of "
+        'kvtax_delivered_tokens_total{source="proxy"}.',
         (M, "api"),
         "delivery",
     ),

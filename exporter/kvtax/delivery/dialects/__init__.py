@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+from kvtax.delivery.dialects.audio import TRANSCRIPTIONS, TRANSLATIONS
 from kvtax.delivery.dialects.base import Dialect, Shape, StreamCounter
 from kvtax.delivery.dialects.batch import BATCH_CHAT
 from kvtax.delivery.dialects.chat import CHAT
@@ -38,6 +39,8 @@ __all__ = [
     "INVOCATIONS",
     "MESSAGES",
     "RESPONSES",
+    "TRANSCRIPTIONS",
+    "TRANSLATIONS",
     "UNCOUNTED",
     "Dialect",
     "Shape",
@@ -53,18 +56,18 @@ DIALECTS: tuple[Dialect, ...] = (
     MESSAGES,
     GENERATE,
     INVOCATIONS,
+    TRANSCRIPTIONS,
+    TRANSLATIONS,
 )
 # The API label of kvtax's series: one per dialect, a small fixed set.
 APIS: tuple[str, ...] = tuple(dialect.name for dialect in DIALECTS)
 
-# Routes on which vLLM 0.32 generates tokens that kvtax relays without counting them: audio
-# (a multipart upload), Cohere's chat, and two scoring APIs that generate a token per item.
+# Routes on which vLLM 0.32 generates tokens that kvtax relays without counting them: Cohere's
+# chat, and two scoring APIs that generate a token per item.
 # They are no dialect, but their requests are the engine's work all the same: the join's
 # denominator counts them, so that their traffic shows as coverage below 1, never as tokens
 # generated and not delivered.
 UNCOUNTED: tuple[str, ...] = (
-    "/v1/audio/transcriptions",
-    "/v1/audio/translations",
     "/cohere/v2/chat",
     "/v1/systemone",
     "/generative_scoring",

@@ -144,6 +144,9 @@ class Dialect(ABC):
     #: Those of them that hold the prompt: decoded up to :data:`DECODE_LIMIT` bytes, a longer
     #: one measured raw (:func:`scanned`).
     prompt_keys: ClassVar[frozenset[str]] = frozenset()
+    #: The request is a multipart form (an upload), read as it passes on to vLLM, never held
+    #: whole; its fields' values are the form's text, and so are those kvtax sets.
+    form: ClassVar[bool] = False
 
     def resolve(self, payload: dict[str, Any]) -> Dialect:
         """The dialect this request is, its body read (itself but for a route of several)."""

@@ -138,8 +138,8 @@ class Config:
         "generate...), with or without Content-Length; larger ones get 413. These bodies are "
         "held whole (to read the model and ask for usage), so this bounds memory per request: "
         "a 128k-token prompt is about 0.5 MiB, a chat request with base64 images tens of MiB. "
-        "Other paths' bodies (audio uploads, say) are streamed to vLLM as they arrive, with no "
-        "limit of kvtax's own.",
+        "Other paths' bodies, and the audio APIs' uploads (whose form fields are read as they "
+        "pass), are streamed to vLLM as they arrive, with no limit of kvtax's own.",
         "BYTES",
     )
     proxy_timeout: float = option(

@@ -50,7 +50,7 @@ from kvtax.delivery.dialects import Dialect
 from kvtax.delivery.dialects.base import DECODE_LIMIT
 from kvtax.delivery.ledger import OTHER
 
-__all__ = ["MAX_FIELD", "UNNAMED", "WHOLE_LIMIT", "Prepared", "prepare"]
+__all__ = ["MAX_FIELD", "UNNAMED", "WHOLE_LIMIT", "Prepared", "prepare", "prepare_form"]
 
 # A piece of the body for vLLM: the client's bytes (or a view of them), or fields kvtax wrote.
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -120,6 +120,9 @@ class Prepared:
     # client's bytes as they came).
     written: Mapping[str, bytes] | None = None
     rewritten: tuple[Buffer, ...] = ()
+    # A multipart form's fields (an upload, never held): the fields kvtax sets are written into
+    # it as it passes (kvtax.serve.proxy.form), as text; ``written`` holds them, UTF-8.
+    form: bool = False
 
     @property
     def parts(self) -> tuple[Buffer, ...]:
@@ -139,9 +142,14 @@ class Prepared:
     def with_fields(self, changed: Mapping[str, Any] | None) -> Prepared | None:
         """This request with the top-level ``changed`` fields set; None when they cannot be
         (no JSON object, a value kvtax cannot write, or None given)."""
-        if changed is None or self.top is None or not isinstance(self.payload, dict):
+        if changed is None or not isinstance(self.payload, dict):
             return None
         written = dict(self.written or {})
+        if self.form:
+            written.update({key: str(value).encode() for key, value in changed.items()})
+            return replace(self, written=written, payload={**self.payload, **changed})
+        if self.top is None:
+            return None
         for key, value in changed.items():
             data = _dumps(value)
             if data is None:
@@ -358,6 +366,30 @@ def prepare(
     asking = read.with_fields(changes) if changes else read
     if asking is None:  # a value kvtax cannot write: sent as it came, its usage not asked for
         return read
+    return replace(asking, wish=wish, scheme=scheme)
+
+
+def prepare_form(
+    fields: Mapping[str, str],
+    dialect: Dialect,
+    *,
+    version: str | None = None,
+    ids_missing: bool = False,
+) -> Prepared:
+    """An upload's request (a multipart form of ``dialect``'s API) from the ``fields`` read of
+    it so far, as :func:`prepare` reads a JSON body: its model, and for a stream the wish and
+    the fields to set (:attr:`Prepared.written`), which go into the form at its end."""
+    payload = dict(fields)
+    read = Prepared(_model(dialect.model(payload)), None, b"", payload, dialect=dialect, form=True)
+    if not dialect.streams(payload):
+        return read
+    scheme = dialect.scheme(payload, version=version, ids_missing=ids_missing)
+    asked = dialect.asks(payload, scheme)
+    if asked is None:
+        return read
+    wish, changes = asked
+    asking = read.with_fields(changes) if changes else read
+    assert asking is not None  # a form's fields are text: always written
     return replace(asking, wish=wish, scheme=scheme)
 
 

@@ -266,9 +266,11 @@ class Proxy:
         return dialect_for(head.route) if head.method == b"POST" else None
 
     def body_limit(self, head: RequestHead) -> int | None:
-        """An accounted request's body is held whole within ``--proxy.max-body``; any other is
-        streamed on, with no limit of kvtax's own."""
-        return self.settings.max_body if self._dialect(head) is not None else None
+        """An accounted request's body is held whole within ``--proxy.max-body``; an upload (a
+        form, read as it passes) and any other request's is streamed on, with no limit of
+        kvtax's own."""
+        dialect = self._dialect(head)
+        return self.settings.max_body if dialect is not None and not dialect.form else None
 
     async def handle(self, exchange: Exchange) -> None:
         """Answer ``exchange``; the client connection calls this for each, in order."""

@@ -35,7 +35,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvtax.delivery.asks import Scheme, UsageWish, asked_everything
@@ -46,6 +46,7 @@ from kvtax.delivery.timing import SloTargets, StreamTiming
 from kvtax.serve.proxy.acks import AckTracker, acknowledged
 from kvtax.serve.proxy.answers import shutting_down, too_large, undecodable, upstream_failure
 from kvtax.serve.proxy.client import Cut, Unreachable, Upstream, UpstreamBroke, UpstreamConnection
+from kvtax.serve.proxy.form import FormTap, Upload
 from kvtax.serve.proxy.forward import (
     coding_of,
     interim_to,
@@ -56,7 +57,7 @@ from kvtax.serve.proxy.forward import (
 )
 from kvtax.serve.proxy.gatekeeper import CLOSED, Gate, Refused
 from kvtax.serve.proxy.outcome import Facts, outcome_of, record_of
-from kvtax.serve.proxy.prepare import UNNAMED, Prepared, prepare
+from kvtax.serve.proxy.prepare import UNNAMED, Prepared, prepare, prepare_form
 from kvtax.serve.proxy.relay import (
     INFLATABLE,
     BodySink,
@@ -182,6 +183,9 @@ class AccountedRequest:
             facts.model, facts.turned_away = UNNAMED, True
             exchange.answer(shutting_down(self.dialect))
             return
+        if self.dialect.form:
+            await self._answer_form()
+            return
         body = await exchange.whole_body()
         if body is None:
             facts.model = UNNAMED
@@ -230,46 +234,143 @@ class AccountedRequest:
         phase = self.shared.relay.phase()
         return phase == "serving" or (phase == "draining" and self.exchange.carried)
 
+    async def _admit_form(self, gate: Gate, early: Prepared) -> dict[str, str] | None:
+        """An upload through the gate, on the fields read before its file: the fields its clamp
+        sets (empty: none), or None when it was refused (and answered)."""
+        verdict = await gate.admit(early, self.dialect, carried=self.exchange.carried)
+        if isinstance(verdict, Refused):
+            if verdict.reason == CLOSED:
+                self.facts.turned_away = True
+            else:
+                self.facts.shed = verdict.reason
+            self.exchange.answer(verdict.answer)
+            return None
+        self._release = verdict.release
+        own = early.written or {}
+        written = verdict.prepared.written or {}
+        return {key: value.decode() for key, value in written.items() if key not in own}
+
     # -- forward, relay ----------------------------------------------------------------------
     async def _forward(self, prepared: Prepared, *, began: float) -> None:
         """Send the request to vLLM and relay its answer. ``began``: when kvtax's forwarding
         of it began (perf_counter), for its cost."""
+        exchange, upstream = self.exchange, self.shared.upstream
+        head = upstream_head(exchange, upstream, prepared.size, identity=True)
+        conn = await self._send(
+            lambda: upstream.send((head, *prepared.parts), interim=interim_to(exchange)),
+            began=began,
+        )
+        if conn is not None:
+            await self._relay(conn, prepared.wish)
+
+    async def _send(
+        self, send: Callable[[], Awaitable[UpstreamConnection]], *, began: float
+    ) -> UpstreamConnection | None:
+        """vLLM's connection once its answer's head is in (``send`` sends the request); None
+        when the client was answered instead (shutdown, or vLLM failed)."""
         exchange, facts, shared = self.exchange, self.facts, self.shared
         dialect = self.dialect
         if not self._may_go_on():
             facts.turned_away = True  # shutdown began: nothing new goes to vLLM
             exchange.answer(shutting_down(dialect))
-            return
-        head = upstream_head(exchange, shared.upstream, prepared.size, identity=True)
+            return None
         try:
-            conn = await shared.upstream.send((head, *prepared.parts), interim=interim_to(exchange))
+            conn = await send()
         except Unreachable:
             exchange.answer(upstream_failure(False, shared.timeout, dialect=dialect))
-            return
+            return None
         except TimeoutError:
             facts.sent = True  # vLLM had the request: its HTTP counter counts it
             exchange.answer(upstream_failure(True, shared.timeout, dialect=dialect))
-            return
+            return None
         except UpstreamBroke as exc:
             facts.sent = True
-            exchange.answer(upstream_failure(False, shared.timeout, str(exc), dialect))
-            return
+            if exchange.refusal is not None:  # the upload's framing broke as it streamed
+                exchange.answer(exchange.refusal)
+            else:
+                exchange.answer(upstream_failure(False, shared.timeout, str(exc), dialect))
+            return None
         except Cut:
             # The cut came before vLLM's status line; the connection is closed, so vLLM, which
             # had the request, aborts it.
             facts.sent = facts.turned_away = True
             exchange.answer(shutting_down(dialect))
-            return
+            return None
         shared.relay.cost.forward.observe(conn.sent_at - began - conn.connecting)
         facts.status = conn.status
         self.conn = conn
-        sink = self.sink = self._sink(conn, prepared.wish)
+        return conn
+
+    async def _relay(self, conn: UpstreamConnection, wish: UsageWish | None) -> None:
+        """vLLM's answer to the client, through the sink its kind takes, then its end's
+        acknowledgements."""
+        sink = self.sink = self._sink(conn, wish)
         if sink is None:
             return  # the client was answered instead; the connection closes as we settle
-        shared.streams.add(self)
+        self.shared.streams.add(self)
         source = sink if isinstance(sink, InflatingStreamSink) else None
-        await relay(exchange, conn, sink, relaying=shared.relaying, source=source)
+        await relay(self.exchange, conn, sink, relaying=self.shared.relaying, source=source)
         await self._acknowledged()
+
+    # -- an upload ---------------------------------------------------------------------------
+    async def _answer_form(self) -> None:
+        """An upload (its API's request is a multipart form): its fields read as it passes on
+        to vLLM (:mod:`~kvtax.serve.proxy.form`), never held whole. The gate decides once the
+        fields before the first file are in (clients send them first); the fields kvtax sets,
+        the usage options by the fields read at the body's end and the gate's clamp, are
+        written before the form's closing delimiter."""
+        exchange, facts, shared = self.exchange, self.facts, self.shared
+        dialect = self.dialect
+        version = shared.schemes.version()
+        ids_missing = shared.schemes.ids_missing(version)
+        tap = FormTap.of(exchange.head.headers, dialect.read_keys)
+        clamped: dict[str, str] = {}
+        ended: list[Prepared] = []
+
+        def extra(tap: FormTap) -> dict[str, str]:
+            read = prepare_form(tap.fields, dialect, version=version, ids_missing=ids_missing)
+            ended.append(read)
+            return {**{k: v.decode() for k, v in (read.written or {}).items()}, **clamped}
+
+        upload = Upload(
+            tap, holder=exchange.upstream_holder, limit=exchange.body_buffer, extra=extra
+        )
+        exchange.stream_body(upload)
+        await upload.ready
+        if exchange.refusal is not None:  # its chunked framing broke: never vLLM's
+            facts.model, facts.turned_away = UNNAMED, True
+            exchange.answer(exchange.refusal)
+            return
+        early = prepare_form(tap.fields, dialect, version=version, ids_missing=ids_missing)
+        facts.model, facts.scheme = (UNNAMED if tap.broken else early.model), early.scheme
+        began = time.perf_counter()
+        if shared.gate is not None:
+            admitting = time.perf_counter()
+            admitted = await self._admit_form(shared.gate, early)
+            began += time.perf_counter() - admitting
+            if admitted is None:
+                return
+            clamped.update(admitted)
+        head = upstream_head(exchange, shared.upstream, None, identity=True, chunked=True)
+        conn = await self._send(
+            lambda: shared.upstream.send(
+                head,
+                streamed=upload.attach,
+                chunked=True,
+                holder=exchange.upstream_holder,
+                interim=interim_to(exchange),
+            ),
+            began=began,
+        )
+        if conn is None:
+            return
+        read = ended[-1] if ended else early  # vLLM read the whole form before answering
+        if not tap.broken:
+            facts.model = read.model
+        facts.scheme = read.scheme
+        # A stream is counted as asked for only when the fields were set (or none were needed).
+        wish = read.wish if upload.set or not read.written else None
+        await self._relay(conn, wish)
 
     async def _acknowledged(self) -> None:
         """The answer is written: wait for the client's acknowledgements of it
