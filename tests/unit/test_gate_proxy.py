@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.figures.derive import ModelFigures
 from kvtax.gate.cap import CapSettings
 from kvtax.gate.footprint import TokenEstimator
 from kvtax.serve.config import Config
@@ -629,3 +630,43 @@ async def test_a_stream_frees_its_slot_once_its_end_is_relayed(
     finally:
         fake.let_go.set()
         await runner.cleanup()
+
+
+def _vllm_latency(total_s: float, finished: float) -> dict[str, ModelFigures]:
+    """A scrape's figures of a vLLM that has finished ``finished`` requests in ``total_s``."""
+    totals = {"e2e_latency_sum": total_s, "e2e_latency_count": finished}
+    return {"m": ModelFigures(engine=True, totals=totals)}
+
+
+@pytest.mark.parametrize("history", [True, False], ids=["vllm-has-history", "fresh-vllm"])
+async def test_a_gate_started_under_load_knows_its_waits_from_vllm_s_latency(
+    vllm: tuple[HeldVllm, str], proxies: Started, history: bool
+) -> None:
+    """A fresh kvtax has served nobody, so it has no service time of its own; vLLM's mean
+    request latency (its lifetime, at kvtax's first scrape) stands for it. A request that
+    would wait past --gate.max-wait is refused at once, from the first request; against a vLLM
+    with no history the wait is unknown, and it queues as before."""
+    # Protection: until three requests had completed, the wait estimate did not exist, and
+    # early arrivals were refused only once their wait expired (5 s and more under load).
+    fake, upstream = vllm
+    gate = _gate(max_wait=30.0)
+    url = await _start(proxies, upstream, gate)
+    gate.on_figures(_vllm_latency(600.0, 10.0) if history else _vllm_latency(0.0, 0.0))
+    async with aiohttp.ClientSession() as client:
+        first = asyncio.ensure_future(_post(client, url))
+        assert await until(lambda: len(fake.bodies) == 1)  # the cap of one is held
+        second = asyncio.ensure_future(_post(client, url))
+        assert await until(lambda: second.done() or gate.queued == 1)
+        if history:  # 60 s a request, one in flight: a 60 s wait, past the 30 s bound
+            status, _, body = await second
+            assert status == 429
+            assert "--gate.max-wait" in body["error"]["message"]
+            assert gate.rejections["wait_predicted"] == 1
+        else:
+            assert not second.done()
+            assert gate.rejections["wait_predicted"] == 0
+        fake.slots.release()
+        fake.slots.release()
+        await first
+        if not history:
+            assert (await second)[0] == 200

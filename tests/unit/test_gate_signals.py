@@ -1,70 +1,41 @@
-"""The gate's cap from the sidecar's figures, and what /metrics shows of it."""
+"""One scrape's signals for the gate: vLLM's request latency as the gate's first service time."""
 
 from __future__ import annotations
 
-from kvtax.expose.exposition import build_families
 from kvtax.figures.derive import ModelFigures
-from kvtax.gate.cap import CapSettings
-from kvtax.serve.config import Config
-from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
-from kvtax.serve.wiring import build
+from kvtax.gate.cap import Signals
+from kvtax.gate.signals import Totals, signals_of
 
 
-def _figures(
-    preemptions: float, usage: float = 0.5, recomputed: float = 0.0
-) -> dict[str, ModelFigures]:
-    totals = {"preemptions": preemptions, "recomputed_blocks": recomputed}
+def _figures(**models: tuple[float, float]) -> dict[str, ModelFigures]:
     return {
-        "m": ModelFigures(
-            engine=True,
-            totals=totals,
-            kv_usage=usage,
-            kv_capacity_tokens=2048.0,
-            length_p95=180.0,
-        )
+        name: ModelFigures(engine=True, totals={"e2e_latency_sum": s, "e2e_latency_count": n})
+        for name, (s, n) in models.items()
     }
 
 
-def test_the_gate_cuts_on_new_preemptions_only() -> None:
-    gate = Gate(GateSettings(cap=CapSettings(mode="adaptive", floor=1, ceiling=64, cooldown=1)))
-    gate.ticket(30, 150)  # it has seen a request of 180 tokens, as the engine's p95
-    gate.in_flight = 10  # as if ten requests ran
-    gate.observe(_figures(preemptions=40.0))  # the lifetime total before the gate: no cut
-    assert gate.state.cap == 10
-    gate.observe(_figures(preemptions=40.0))
-    assert gate.state.cap == 10
-    gate.observe(_figures(preemptions=41.0))
-    assert gate.state.cap == 5
-    assert gate.state.source == "cut"
+def _signals(
+    figures: dict[str, ModelFigures], before: Totals | None = None
+) -> tuple[Signals, Totals]:
+    return signals_of(figures, before or {}, queued=0, in_flight=0, footprint_p95=None)
 
 
-def test_a_model_gone_from_the_page_adds_nothing() -> None:
-    gate = Gate(GateSettings(cap=CapSettings(mode="adaptive", floor=1, ceiling=64)))
-    gate.observe(_figures(preemptions=5.0))
-    gate.observe({"m": ModelFigures(engine=False)})
-    gate.observe(_figures(preemptions=5.0))
-    assert gate.state.cuts == 0
+def test_the_first_scrape_gives_vllm_s_lifetime_mean_latency() -> None:
+    """At kvtax's first scrape, vLLM's lifetime: all its finished requests, all models."""
+    signals, _ = _signals(_figures(a=(30.0, 10.0), b=(10.0, 10.0)))
+    assert signals.service_time == 2.0
 
 
-def test_off_publishes_the_advice_only() -> None:
-    stack = build(Config())
-    assert stack.proxy.gate is None
-    stack.gate.observe(_figures(preemptions=0.0))
-    names = {f.name for f in build_families(stack.gate.samples())}
-    assert names == {"kvtax_gate_advised_cap"}
-    assert stack.gate.state.advice == 10
+def test_later_scrapes_give_the_mean_of_the_requests_finished_since() -> None:
+    """After it, only what finished between two scrapes: the engine as it is now."""
+    _, totals = _signals(_figures(a=(30.0, 10.0)))
+    signals, _ = _signals(_figures(a=(30.0 + 5 * 8.0, 15.0)), totals)
+    assert signals.service_time == 8.0
 
 
-def test_on_publishes_every_gate_family() -> None:
-    stack = build(Config(gate_mode="budget"))
-    assert stack.proxy.gate is stack.gate
-    stack.gate.observe(_figures(preemptions=0.0))
-    names = {f.name for f in build_families(stack.gate.samples())}
-    assert {
-        "kvtax_gate_cap",
-        "kvtax_gate_budget_blocks",
-        "kvtax_gate_queue_depth",
-        "kvtax_gate_queue_wait_seconds",
-        "kvtax_gate_rejections",
-        "kvtax_gate_cap_changes",
-    } <= names
+def test_no_request_finished_gives_no_service_time() -> None:
+    """A fresh vLLM, or a quiet interval: nothing is known, and the gate keeps what it had."""
+    first, totals = _signals(_figures(a=(0.0, 0.0)))
+    assert first.service_time is None
+    quiet, _ = _signals(_figures(a=(0.0, 0.0)), totals)
+    assert quiet.service_time is None

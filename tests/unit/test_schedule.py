@@ -21,6 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer, unused_port
 
 from kvtax.figures.derive import ModelFigures
+from kvtax.gate.order import SERVICE_ENOUGH
 from kvtax.serve.config import load_config
 from kvtax.serve.schedule import Periodic
 from kvtax.serve.scrape.job import ScrapeJob
@@ -127,6 +128,19 @@ def test_the_gate_is_handed_the_figures_of_each_fold() -> None:
     # The first fold already told the gate the KV pool's size: nothing polled for it.
     assert before is None
     assert stack.gate.capacity_tokens is not None
+    # ... and vLLM's mean request latency, the gate's service time until its own is known.
+    count = _value(PAGE, "vllm:e2e_request_latency_seconds_count")
+    mean = _value(PAGE, "vllm:e2e_request_latency_seconds_sum") / count
+    samples, service_time = stack.gate._service.reading()
+    assert samples == SERVICE_ENOUGH
+    assert service_time == pytest.approx(mean)
+
+
+def _value(page: str, name: str) -> float:
+    """The sum of ``name``'s samples on ``page``."""
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(name + "{")
+    )
 
 
 class _Recorder:

@@ -351,6 +351,12 @@ def _paired(
 def _fold_counters(state: _ModelState, m: ModelMetrics, v0: bool) -> dict[str, float]:
     """Grow the tracked totals; returns each one's increase at this scrape."""
     deltas = {c: state.tracker.update(c, m.values[c]) for c in TRACKED if c in m.values}
+    latency = m.histograms.get("e2e_latency")
+    if latency is not None:
+        # vLLM's request latency, sum and count: the gate's service time before it has its own
+        # (kvtax.gate.signals).
+        state.tracker.update("e2e_latency_sum", latency.sum)
+        state.tracker.update("e2e_latency_count", latency.count)
     computed = recompute.computed_prompt_raw(m, v0=v0)
     if computed is not None:
         state.tracker.update("prompt_computed", computed)

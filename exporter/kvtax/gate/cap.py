@@ -113,6 +113,9 @@ class Signals:
     queued: int = 0
     in_flight: int = 0
     block_size: int | None = None  # vLLM's KV block size, tokens (cache_config_info)
+    # vLLM's mean request latency, seconds: of the requests it finished since the previous
+    # scrape, or over its lifetime at the first one (None: it has finished none).
+    service_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

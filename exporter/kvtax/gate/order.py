@@ -110,12 +110,23 @@ class ServiceTime:
     ever cannot drift it: O(1) amortized. A mean of the last N, not a moving average, so that a
     request stops counting once N have left after it, and the mean, not the median, since
     Little's law needs the mean (slots free at the mean's pace when lengths are mixed).
+
+    Until :data:`SERVICE_ENOUGH` requests have left, the reading is vLLM's own mean request
+    latency as the last scrape showed it (:meth:`seed`; its lifetime mean at kvtax's first
+    scrape), when there is one: a gate started under load (a rollout, an eviction) knows its
+    waits from the first request, not after three have finished.
     """
 
     def __init__(self) -> None:
         self._durations: deque[float] = deque(maxlen=SERVICE_SAMPLES)
         self._total = 0.0
         self._adds = 0
+        self._seed: float | None = None
+
+    def seed(self, mean: float) -> None:
+        """vLLM's mean request latency, seconds, as a scrape showed it."""
+        if math.isfinite(mean) and mean >= 0:
+            self._seed = mean
 
     def add(self, duration: float) -> None:
         """One request left ``duration`` seconds after its admission."""
@@ -130,8 +141,11 @@ class ServiceTime:
             self._total = math.fsum(durations)
 
     def reading(self) -> tuple[int, float]:
-        """The durations in the window and their mean (0 with none)."""
+        """The durations in the window and their mean (0 with none); before enough have left,
+        the seed counts as enough, when vLLM gave one."""
         n = len(self._durations)
+        if n < SERVICE_ENOUGH and self._seed is not None:
+            return SERVICE_ENOUGH, self._seed
         return n, (self._total / n if n else 0.0)
 
 

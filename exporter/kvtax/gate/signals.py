@@ -22,8 +22,9 @@ from kvtax.gate.cap import Signals
 
 __all__ = ["Totals", "signals_of"]
 
-# (preemptions, recomputed tokens) per model, as of the last call.
-Totals = Mapping[str, tuple[float, float]]
+# (preemptions, recomputed tokens, e2e latency sum, e2e latency count) per model, as of the last
+# call.
+Totals = Mapping[str, tuple[float, float, float, float]]
 
 
 def _recomputed(totals: Mapping[str, float]) -> float:
@@ -39,17 +40,27 @@ def signals_of(
     queued: int,
     in_flight: int,
     footprint_p95: float | None,
-) -> tuple[Signals, dict[str, tuple[float, float]]]:
+) -> tuple[Signals, dict[str, tuple[float, float, float, float]]]:
     """The signals of this scrape and the totals to pass to the next call."""
     engine = {m: f for m, f in figures.items() if f.engine}
     totals = {
-        m: (f.totals.get("preemptions", 0.0), _recomputed(f.totals)) for m, f in engine.items()
+        m: (
+            f.totals.get("preemptions", 0.0),
+            _recomputed(f.totals),
+            f.totals.get("e2e_latency_sum", 0.0),
+            f.totals.get("e2e_latency_count", 0.0),
+        )
+        for m, f in engine.items()
     }
-    preempted = recomputed = 0.0
-    for model, (p, r) in totals.items():
-        p0, r0 = before.get(model, (p, r))  # a model seen for the first time adds nothing
+    preempted = recomputed = latency = finished = 0.0
+    first_latency = first_finished = 0.0
+    for model, (p, r, s, n) in totals.items():
+        p0, r0, s0, n0 = before.get(model, (p, r, s, n))  # a model new here adds nothing
         preempted += max(0.0, p - p0)
         recomputed += max(0.0, r - r0)
+        latency += max(0.0, s - s0)
+        finished += max(0.0, n - n0)
+        first_latency, first_finished = first_latency + s, first_finished + n
     capacities = [f.kv_capacity_tokens for f in engine.values() if f.kv_capacity_tokens]
     lengths = [f.length_p95 for f in engine.values() if f.length_p95]
     usages = [f.kv_usage for f in engine.values() if f.kv_usage is not None]
@@ -65,5 +76,13 @@ def signals_of(
         queued=queued,
         in_flight=in_flight,
         block_size=max(sizes, default=None),
+        service_time=_mean(latency, finished) if before else _mean(first_latency, first_finished),
     )
     return signals, totals
+
+
+def _mean(total: float, count: float) -> float | None:
+    """A histogram's mean over ``count`` observations; None with none (or a bad sum)."""
+    if count < 1 or total < 0:
+        return None
+    return total / count

@@ -77,7 +77,7 @@ from kvtax.gate.order import (
     queue_key,
     retry_after,
 )
-from kvtax.gate.signals import signals_of
+from kvtax.gate.signals import Totals, signals_of
 from kvtax.serve.proxy.answers import over_budget, shed, shutting_down
 from kvtax.serve.proxy.prepare import Prepared
 from kvtax.serve.proxy.wire import Answer
@@ -184,7 +184,7 @@ class Gate:
         self._done = CompletionRate(clock())
         self._service = ServiceTime()
         self._footprints: deque[int] = deque(maxlen=256)
-        self._totals: Mapping[str, tuple[float, float]] = {}
+        self._totals: Totals = {}
 
     # -- the one call --------------------------------------------------------------------------
     async def admit(
@@ -479,6 +479,8 @@ class Gate:
         )
         if signals.capacity_tokens is not None:
             self.capacity_tokens = signals.capacity_tokens
+        if signals.service_time is not None:
+            self._service.seed(signals.service_time)
         self._learn_block_size(signals.block_size)
         # A scrape that lacks it (vLLM down) keeps the last one seen, as the tickets do.
         signals = replace(signals, block_size=self.vllm_block_size)
