@@ -22,6 +22,7 @@ from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax.serve.wiring import build
+from kvtax_dev.ports import refused_port
 from kvtax_dev.process import until
 from tests.unit.fake_vllm import serve
 
@@ -127,6 +128,7 @@ async def test_a_full_queue_answers_429_with_retry_after_and_an_openai_error(
         status, headers, body = await _post(client, url)
         assert status == 429
         assert int(headers["Retry-After"]) >= 1
+        assert headers["X-Kvtax-Dropped-Reason"] == "queue_full"
         assert body["error"]["type"] == "rate_limit_exceeded"
         assert body["error"]["code"] == 429
         assert "--gate.max-queue" in body["error"]["message"]
@@ -153,6 +155,7 @@ async def test_a_wait_past_max_wait_answers_429_with_retry_after(
         status, headers, body = await _post(client, url)
         assert status == 429
         assert "Retry-After" in headers
+        assert headers["X-Kvtax-Dropped-Reason"] == "wait_expired"
         assert "--gate.max-wait" in body["error"]["message"]
         fake.slots.release()
         await first
@@ -192,6 +195,7 @@ async def test_a_wait_foretold_past_max_wait_answers_429_at_once(
             status, headers, body = await _post(client, url)
         assert status == 429
         assert headers["Retry-After"] == "1"  # at most --gate.max-wait
+        assert headers["X-Kvtax-Dropped-Reason"] == "wait_predicted"
         assert body["error"]["type"] == "rate_limit_exceeded"
         assert "--gate.max-wait" in body["error"]["message"]
     finally:
@@ -288,8 +292,9 @@ async def test_token_budget_rejects_with_a_400(
     gate = _gate(cap=CapSettings(mode="static", static_cap=8), token_budget=100)
     url = await _start(proxies, upstream, gate)
     async with aiohttp.ClientSession() as client:
-        status, _, body = await _post(client, url, {**BODY, "max_tokens": 500})
+        status, headers, body = await _post(client, url, {**BODY, "max_tokens": 500})
         assert status == 400
+        assert headers["X-Kvtax-Dropped-Reason"] == "over_budget"
         assert body["error"]["type"] == "invalid_request_error"
         assert "--gate.token-budget" in body["error"]["message"]
         assert (await _post(client, url, {**BODY, "max_tokens": 50}))[0] == 200
@@ -670,3 +675,47 @@ async def test_a_gate_started_under_load_knows_its_waits_from_vllm_s_latency(
         await first
         if not history:
             assert (await second)[0] == 200
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gate-on", "gate-off"])
+async def test_a_vllm_that_is_down_is_a_503_to_retry_elsewhere_with_the_gate_on(
+    proxies: Started, gated: bool
+) -> None:
+    """With the gate on, kvtax speaks for the pool: no engine listening (down, restarting, not
+    ready) is a 503 with Retry-After and its reason, which a load balancer retries on another
+    replica. Without it, the relay answers as nginx does: 502."""
+    with refused_port() as port:
+        url = await _start(proxies, f"http://127.0.0.1:{port}", _gate() if gated else None)
+        async with aiohttp.ClientSession() as client:
+            status, headers, body = await _post(client, url)
+    if gated:
+        assert status == 503
+        assert headers["X-Kvtax-Dropped-Reason"] == "vllm_unavailable"
+        assert int(headers["Retry-After"]) >= 1
+        assert body["error"]["type"] == "upstream_unavailable"
+    else:
+        assert status == 502
+        assert "X-Kvtax-Dropped-Reason" not in headers
+
+
+async def test_a_request_queued_when_shutdown_begins_gets_a_503_naming_it(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    """Shutdown empties the gate's queue at once: each queued request gets the shutdown 503,
+    with its reason and Retry-After, to go to another replica."""
+    fake, upstream = vllm
+    gate = _gate()
+    url = await _start(proxies, upstream, gate)
+    async with aiohttp.ClientSession() as client:
+        first = asyncio.ensure_future(_post(client, url))
+        assert await until(lambda: len(fake.bodies) == 1)
+        queued = asyncio.ensure_future(_post(client, url))
+        assert await until(lambda: gate.queued == 1)
+        stopping = asyncio.ensure_future(proxies[0].stop(grace=5.0))
+        status, headers, _ = await queued
+        fake.slots.release()
+        assert (await first)[0] == 200
+        await stopping
+    assert status == 503
+    assert headers["X-Kvtax-Dropped-Reason"] == "shutdown"
+    assert int(headers["Retry-After"]) >= 1

@@ -27,6 +27,7 @@ from kvtax.delivery.openai import error_body
 from kvtax.serve.proxy.wire import Answer
 
 __all__ = [
+    "DROPPED_REASON",
     "SHUTTING_DOWN",
     "bad_request",
     "internal_error",
@@ -38,10 +39,24 @@ __all__ = [
     "undecodable",
     "upstream_failure",
     "version_not_supported",
+    "vllm_unavailable",
 ]
 
 # The message of the shutdown 503, as an answer (shutting_down) or a stream's last event.
 SHUTTING_DOWN = "kvtax is shutting down; retry the request"
+# The header that names why kvtax answered a request itself rather than send it to vLLM: the
+# gate's reason (kvtax_gate_rejections_total's), ``shutdown`` or ``vllm_unavailable``, as llm-d's
+# flow control names its drops in x-llm-d-request-dropped-reason (docs/gate.md maps the two).
+DROPPED_REASON = b"X-Kvtax-Dropped-Reason"
+# Seconds a client told that vLLM is unavailable, or that this kvtax is stopping, should wait.
+UNAVAILABLE_RETRY_AFTER = 1
+
+
+def _dropped(reason: str, retry_after: int | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [(DROPPED_REASON, reason.encode())]
+    if retry_after is not None:
+        headers.append((b"Retry-After", str(retry_after).encode()))
+    return headers
 
 
 def _shape(dialect: Dialect | None) -> Callable[[int, str, str], Mapping[str, object]]:
@@ -131,7 +146,19 @@ def shed(reason: str, retry_after: int, dialect: Dialect | None = None) -> Answe
         429,
         _SHED_MESSAGES[reason],
         "rate_limit_exceeded",
-        headers=[(b"Retry-After", str(retry_after).encode())],
+        headers=_dropped(reason, retry_after),
+        shape=_shape(dialect),
+    )
+
+
+def vllm_unavailable(dialect: Dialect | None = None) -> Answer:
+    """The gate's 503 for a request vLLM could not take: nothing listens (down, restarting, or
+    not ready yet). Not the gate's load: another replica may serve it at once."""
+    return Answer.error(
+        503,
+        "vLLM is not serving (down, restarting, or not ready); retry the request",
+        "upstream_unavailable",
+        headers=_dropped("vllm_unavailable", UNAVAILABLE_RETRY_AFTER),
         shape=_shape(dialect),
     )
 
@@ -142,9 +169,22 @@ def shutting_down(dialect: Dialect | None = None) -> Answer:
     vLLM never answered (or aborted) it, so the client may send it again, to another replica;
     this proxy is going away, so the connection closes with it.
     """
-    return Answer.error(503, SHUTTING_DOWN, "server_shutdown", close=True, shape=_shape(dialect))
+    return Answer.error(
+        503,
+        SHUTTING_DOWN,
+        "server_shutdown",
+        close=True,
+        headers=_dropped("shutdown", UNAVAILABLE_RETRY_AFTER),
+        shape=_shape(dialect),
+    )
 
 
 def over_budget(message: str, dialect: Dialect | None = None) -> Answer:
     """The gate's 400 for a request whose prompt + max_tokens exceeds the token budget."""
-    return Answer.error(400, message, "invalid_request_error", shape=_shape(dialect))
+    return Answer.error(
+        400,
+        message,
+        "invalid_request_error",
+        headers=_dropped("over_budget"),
+        shape=_shape(dialect),
+    )

@@ -44,7 +44,13 @@ from kvtax.delivery.dialects import Dialect
 from kvtax.delivery.ledger import DeliveryLedger
 from kvtax.delivery.timing import SloTargets, StreamTiming
 from kvtax.serve.proxy.acks import AckTracker, acknowledged
-from kvtax.serve.proxy.answers import shutting_down, too_large, undecodable, upstream_failure
+from kvtax.serve.proxy.answers import (
+    shutting_down,
+    too_large,
+    undecodable,
+    upstream_failure,
+    vllm_unavailable,
+)
 from kvtax.serve.proxy.client import Cut, Unreachable, Upstream, UpstreamBroke, UpstreamConnection
 from kvtax.serve.proxy.form import FormTap, Upload
 from kvtax.serve.proxy.forward import (
@@ -277,7 +283,12 @@ class AccountedRequest:
         try:
             conn = await send()
         except Unreachable:
-            exchange.answer(upstream_failure(False, shared.timeout, dialect=dialect))
+            if shared.gate is not None and shared.gate.settings.on:
+                # The gate speaks for the pool: no engine to take it is a 503, not the relay's
+                # 502, so a load balancer sends it to another replica.
+                exchange.answer(vllm_unavailable(dialect))
+            else:
+                exchange.answer(upstream_failure(False, shared.timeout, dialect=dialect))
             return None
         except TimeoutError:
             facts.sent = True  # vLLM had the request: its HTTP counter counts it
