@@ -29,6 +29,7 @@ import yaml
 
 from kvtax import __version__ as kvtax_version
 from kvtax.cli.main import build_parser, config_from_args
+from kvtax_dev.promql import series_names, unknown_series
 from tests.unit.test_dockerfile import DOCKERFILE, stages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -513,3 +514,22 @@ def test_existing_deployment_overlay_in_the_docs_renders_as_they_say(tmp_path: P
     pod = rendered_deployment["spec"]["template"]["spec"]
     images = {c["name"]: c["image"] for c in [*pod["containers"], *pod["initContainers"]]}
     assert images["kvtax"] == images["kvtax-plugin"] == f"ghcr.io/acme/kvtax:{kvtax_version}"
+
+
+def test_the_keda_example_scales_on_series_the_gate_publishes() -> None:
+    """deploy/keda/scaledobject.yaml: each trigger's query parses as PromQL and reads only
+    series kvtax publishes (KEDA's own schema is not bundled here: the object's shape is
+    checked for what a scaler needs, a target and a threshold per trigger)."""
+    [scaled] = yaml.safe_load_all((ROOT / "deploy/keda/scaledobject.yaml").read_text())
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["kind"] == "ScaledObject"
+    assert scaled["spec"]["scaleTargetRef"]["name"]
+    queries = {}
+    for i, trigger in enumerate(scaled["spec"]["triggers"]):
+        assert trigger["type"] == "prometheus"
+        assert float(trigger["metadata"]["threshold"]) > 0
+        queries[f"trigger {i}"] = trigger["metadata"]["query"]
+    assert unknown_series(queries) == {}
+    assert {"kvtax_gate_queue_depth", "kvtax_gate_queue_wait_seconds_bucket"} <= set().union(
+        *(series_names(q) for q in queries.values())
+    )
