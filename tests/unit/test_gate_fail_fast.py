@@ -308,7 +308,7 @@ def test_the_count_ahead_is_the_queued_tickets_with_smaller_keys() -> None:
         await asyncio.gather(*leaving, return_exceptions=True)
         assert gate.queued == 200
         for footprint in range(45):
-            key = (footprint, rng.randint(0, 310))
+            key = (0, 0, (footprint, rng.randint(0, 310)))  # band 0, round 0: no fair shares
             plain = sum(1 for k, t in gate._queue if t.queued and k < key)
             assert gate._ahead(key) == plain
         for task in tasks:

@@ -719,3 +719,65 @@ async def test_a_request_queued_when_shutdown_begins_gets_a_503_naming_it(
     assert status == 503
     assert headers["X-Kvtax-Dropped-Reason"] == "shutdown"
     assert int(headers["Retry-After"]) >= 1
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fairness-on", "fairness-off"])
+async def test_one_tenant_s_burst_does_not_hold_back_another_s_request(
+    vllm: tuple[HeldVllm, str], proxies: Started, fair: bool
+) -> None:
+    """With --gate.fairness-header, the queue serves its keys in turn: tenant b's request,
+    queued behind tenant a's burst of three, goes to vLLM right after the one in flight.
+    Without it, the queue is first come, first served."""
+    fake, upstream = vllm
+    gate = _gate(fairness_header=b"x-tenant" if fair else None)
+    url = await _start(proxies, upstream, gate)
+
+    async def post(tenant: str, prompt: str) -> int:
+        body = {**BODY, "prompt": prompt}
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(url + "/v1/completions", json=body, headers={"X-Tenant": tenant}) as resp,
+        ):
+            return resp.status
+
+    first = asyncio.ensure_future(post("a", "a0"))
+    assert await until(lambda: len(fake.bodies) == 1)
+    queued = []
+    for tenant, prompt in (("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b0")):
+        queued.append(asyncio.ensure_future(post(tenant, prompt)))
+        assert await until(lambda: gate.queued == len(queued))
+    for _ in range(5):
+        fake.slots.release()
+    assert [await task for task in (first, *queued)] == [200] * 5
+    order = [json.loads(body)["prompt"] for body in fake.bodies]
+    assert order == (["a0", "b0", "a1", "a2", "a3"] if fair else ["a0", "a1", "a2", "a3", "b0"])
+
+
+async def test_a_higher_priority_band_is_served_first(
+    vllm: tuple[HeldVllm, str], proxies: Started
+) -> None:
+    """With --gate.priority-header, bands are served strictly: a priority-5 request queued
+    last goes to vLLM before every priority-0 one."""
+    fake, upstream = vllm
+    gate = _gate(priority_header=b"x-priority")
+    url = await _start(proxies, upstream, gate)
+
+    async def post(priority: str, prompt: str) -> int:
+        body = {**BODY, "prompt": prompt}
+        headers = {"X-Priority": priority}
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(url + "/v1/completions", json=body, headers=headers) as resp,
+        ):
+            return resp.status
+
+    first = asyncio.ensure_future(post("0", "low0"))
+    assert await until(lambda: len(fake.bodies) == 1)
+    queued = []
+    for priority, prompt in (("0", "low1"), ("0", "low2"), ("5", "high")):
+        queued.append(asyncio.ensure_future(post(priority, prompt)))
+        assert await until(lambda: gate.queued == len(queued))
+    for _ in range(4):
+        fake.slots.release()
+    assert [await task for task in (first, *queued)] == [200] * 4
+    assert [json.loads(body)["prompt"] for body in fake.bodies] == ["low0", "high", "low1", "low2"]

@@ -197,7 +197,13 @@ def gate_settings(config: Config) -> GateSettings:
         token_budget=config.gate_token_budget,
         over_budget=over,
         max_model_len=config.gate_max_model_len,
+        fairness_header=_header(config.gate_fairness_header),
+        priority_header=_header(config.gate_priority_header),
     )
+
+
+def _header(name: str | None) -> bytes | None:
+    return name.encode("ascii") if name is not None else None
 
 
 def _gateway(

@@ -336,6 +336,24 @@ class Config:
         "Queue order: fifo, or shortest (smallest prompt + max_tokens first).",
         "ORDER",
     )
+    gate_fairness_header: str | None = option(
+        "gate.fairness_header",
+        None,
+        v.optional_header,
+        "A request header naming its fairness key (a tenant, a team, an API key): the keys of "
+        "a priority band are served round-robin from the queue, so one key's burst does not "
+        "hold back the others. Unset: no fairness key.",
+        "HEADER",
+    )
+    gate_priority_header: str | None = option(
+        "gate.priority_header",
+        None,
+        v.optional_header,
+        "A request header holding its priority, an integer from -1000 to 1000 (higher first; "
+        "absent or other: 0): the queue serves bands strictly, the highest first. Unset: one "
+        "band.",
+        "HEADER",
+    )
     gate_token_budget: int | None = option(
         "gate.token_budget",
         None,

@@ -191,6 +191,19 @@ def token(value: Any) -> str | None:
     return stripped
 
 
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def optional_header(value: Any) -> str | None:
+    """An HTTP header name (a token, RFC 9110 5.6.2), lower case; None when empty."""
+    stripped = "" if value is None else str(value).strip()
+    if not stripped:
+        return None
+    if not _HEADER_NAME.match(stripped):
+        raise ValueError(f"{stripped!r} is not an HTTP header name")
+    return stripped.lower()
+
+
 def selector(value: Any) -> tuple[tuple[str, str], ...]:
     """Label matches from ``a=b,c="d"`` or a YAML mapping, as (name, value) pairs."""
     if isinstance(value, Mapping):

@@ -53,7 +53,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvtax.delivery.dialects import Dialect
@@ -61,6 +61,7 @@ from kvtax.delivery.ledger import HistogramAccumulator
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
 from kvtax.gate.cap import CapSettings, CapState, block_size_of, initial, step
+from kvtax.gate.fair import FairShares
 from kvtax.gate.footprint import (
     MAX_FOOTPRINT,
     OverBudget,
@@ -81,6 +82,9 @@ from kvtax.gate.signals import Totals, signals_of
 from kvtax.serve.proxy.answers import over_budget, shed, shutting_down
 from kvtax.serve.proxy.prepare import Prepared
 from kvtax.serve.proxy.wire import Answer
+
+# A waiting request's place: (-band, round, then --gate.order's key); smaller goes first.
+QueueKey = tuple[int, int, tuple[int, int]]
 
 __all__ = [
     "CLOSED",
@@ -115,6 +119,10 @@ class GateSettings:
     # The completion length assumed for a request that states no max_tokens (the model's
     # max length); unset: the whole KV pool, the true worst case.
     max_model_len: int | None = None
+    # Fair shares (kvtax.gate.fair): the headers (lower case) naming a request's key, served
+    # round-robin with the other keys of its band, and its priority band, served strictly.
+    fairness_header: bytes | None = None
+    priority_header: bytes | None = None
 
     @property
     def on(self) -> bool:
@@ -133,6 +141,8 @@ class Ticket:
     admitted_at: float = 0.0  # the gate's clock when it was let through
     waiter: asyncio.Future[None] | None = None
     queued: bool = False  # in the queue's heap and not gone (a leaver's entry stays, unmarked)
+    band: int = 0  # its priority band (higher first); 0 without fair shares
+    turn: int = 0  # its round within its band (kvtax.gate.fair); 0 without fair shares
 
 
 @dataclass(slots=True, eq=False)
@@ -177,7 +187,9 @@ class Gate:
         self.vllm_block_size: int | None = None
         # A heap of (key, ticket); the key holds the ticket's unique seq, so tickets are never
         # compared. Entries of tickets that left stay until they reach the head or compaction.
-        self._queue: list[tuple[tuple[int, int], Ticket]] = []
+        self._queue: list[tuple[QueueKey, Ticket]] = []
+        self.shares = FairShares()
+        self._fair = settings.fairness_header is not None or settings.priority_header is not None
         self._waiting = 0  # tickets in the heap still queued
         self.closed = False  # shutdown began: close() emptied the queue, enter() refuses
         self._seq = itertools.count()
@@ -188,12 +200,18 @@ class Gate:
 
     # -- the one call --------------------------------------------------------------------------
     async def admit(
-        self, prepared: Prepared, dialect: Dialect, *, carried: bool = False
+        self,
+        prepared: Prepared,
+        dialect: Dialect,
+        *,
+        carried: bool = False,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> Admitted | Refused:
         """Let ``prepared`` (a request of ``dialect``'s API) through, perhaps after a wait in
         the queue, or refuse it: 400 over the token budget, 429 shed, 503 when shutdown began.
         ``carried``: the request was in flight when shutdown began (its body still arriving),
-        and is let through the closed gate at once, within the budget.
+        and is let through the closed gate at once, within the budget. ``headers``: the
+        request's, for its fair share (its key and band, when those headers are set).
         The gate reads the JSON :func:`~kvtax.serve.proxy.prepare.prepare` read: the body is
         parsed once, and both see the same request."""
         dialect = prepared.dialect or dialect  # the API a route of several resolved to
@@ -206,7 +224,7 @@ class Gate:
             self.rejections["over_budget"] += 1
             return Refused(over_budget(budgeted, dialect), "over_budget")
         admitted, limit = budgeted
-        ticket = self.ticket(prompt, limit, prompts=shape.prompts, n=shape.n)
+        ticket = self.ticket(prompt, limit, prompts=shape.prompts, n=shape.n, headers=headers)
         reason = await self.enter(ticket, carried=carried)
         if reason == CLOSED:
             return Refused(shutting_down(dialect), CLOSED)
@@ -244,7 +262,13 @@ class Gate:
 
     # -- sizing ------------------------------------------------------------------------------
     def ticket(
-        self, prompt: int, max_tokens: int | None, *, prompts: int = 1, n: int = 1
+        self,
+        prompt: int,
+        max_tokens: int | None,
+        *,
+        prompts: int = 1,
+        n: int = 1,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> Ticket:
         """A ticket for a request of about ``prompt`` tokens (the caller estimated them for the
         token budget already; all ``prompts`` of a prompt list together) whose completion
@@ -258,7 +282,16 @@ class Gate:
         # Each sequence holds whole blocks of its own.
         sequence = footprint_of(each, completion)
         blocks = min(MAX_FOOTPRINT, blocks_of(sequence, self.block_size) * prompts * n)
-        return Ticket(seq=next(self._seq), footprint=footprint, blocks=blocks, arrived=self.clock())
+        ticket = Ticket(
+            seq=next(self._seq), footprint=footprint, blocks=blocks, arrived=self.clock()
+        )
+        if self._fair:  # its band and key from ``headers``, its round from its key's last
+            settings = self.settings
+            ticket.band, key = self.shares.classify(
+                headers, fairness=settings.fairness_header, priority=settings.priority_header
+            )
+            ticket.turn = self.shares.turn(ticket.band, key)
+        return ticket
 
     @property
     def block_size(self) -> int:
@@ -370,11 +403,11 @@ class Gate:
             return wait is not None and wait > limit
 
         everyone = too_long(self._waiting)
-        if not everyone or self.settings.order == "fifo":
+        if not everyone or (self.settings.order == "fifo" and not self._fair):
             return everyone
         return too_long(self._ahead(self._key(ticket)))
 
-    def _ahead(self, key: tuple[int, int]) -> int:
+    def _ahead(self, key: QueueKey) -> int:
         """Queued tickets whose key is below ``key``: those the queue serves first. The walk of
         the heap stops at each entry not below ``key`` (nothing beneath it in the heap is), so
         it costs the entries below ``key``, not the whole queue."""
@@ -389,10 +422,13 @@ class Gate:
             stack.extend(child for child in (2 * i + 1, 2 * i + 2) if child < len(queue))
         return count
 
-    def _key(self, ticket: Ticket) -> tuple[int, int]:
-        return queue_key(self.settings.order, seq=ticket.seq, footprint=ticket.footprint)
+    def _key(self, ticket: Ticket) -> QueueKey:
+        order = queue_key(self.settings.order, seq=ticket.seq, footprint=ticket.footprint)
+        return (-ticket.band, ticket.turn, order)
 
     def _admit(self, ticket: Ticket) -> None:
+        if self._fair:
+            self.shares.served(ticket.band, ticket.turn)
         ticket.admitted = True
         ticket.admitted_at = now = self.clock()
         self.in_flight += 1

@@ -221,7 +221,9 @@ class AccountedRequest:
         admitting = time.perf_counter()
         if large:
             await _give_way()
-        verdict = await gate.admit(prepared, self.dialect, carried=exchange.carried)
+        verdict = await gate.admit(
+            prepared, self.dialect, carried=exchange.carried, headers=exchange.head.headers
+        )
         began += time.perf_counter() - admitting  # the gate's queue is not the relay's cost
         if isinstance(verdict, Refused):
             if verdict.reason == CLOSED:
@@ -243,7 +245,10 @@ class AccountedRequest:
     async def _admit_form(self, gate: Gate, early: Prepared) -> dict[str, str] | None:
         """An upload through the gate, on the fields read before its file: the fields its clamp
         sets (empty: none), or None when it was refused (and answered)."""
-        verdict = await gate.admit(early, self.dialect, carried=self.exchange.carried)
+        exchange = self.exchange
+        verdict = await gate.admit(
+            early, self.dialect, carried=exchange.carried, headers=exchange.head.headers
+        )
         if isinstance(verdict, Refused):
             if verdict.reason == CLOSED:
                 self.facts.turned_away = True

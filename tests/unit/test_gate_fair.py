@@ -1,0 +1,51 @@
+"""Fair shares of the gate's queue: bands strictly, keys round-robin within a band, bounded."""
+
+from __future__ import annotations
+
+from kvtax.gate.fair import MAX_KEY_BYTES, FairShares
+
+
+def test_a_burst_of_one_key_does_not_hold_back_another() -> None:
+    """Start-time fair queuing with equal weights: the second key's first request is in the
+    round after the one being served, before the burst's later requests."""
+    shares = FairShares()
+    burst = [shares.turn(0, b"a") for _ in range(4)]
+    shares.served(0, burst[0])  # the first of the burst is let through
+    other = shares.turn(0, b"b")
+    assert burst == [0, 1, 2, 3]
+    assert other == 0  # the band's current round: ahead of every request of the burst queued
+
+
+def test_a_key_back_after_a_while_starts_at_the_current_round() -> None:
+    """No credit for a quiet key: it starts where the band is, not where it left off."""
+    shares = FairShares()
+    early = shares.turn(0, b"quiet")
+    for _ in range(10):
+        shares.served(0, shares.turn(0, b"busy"))
+    assert shares.turn(0, b"quiet") == 9 > early
+
+
+def test_bands_keep_rounds_of_their_own() -> None:
+    shares = FairShares()
+    for _ in range(5):
+        shares.served(0, shares.turn(0, b"a"))
+    assert shares.turn(1, b"a") == 0
+
+
+def test_the_keys_remembered_are_bounded_and_so_is_a_key() -> None:
+    """A client inventing keys grows nothing: the least recently seen are forgotten."""
+    shares = FairShares(max_keys=100)
+    for i in range(10_000):
+        shares.turn(0, str(i).encode())
+    assert shares.keys == 100
+    band, key = shares.classify([(b"X-Tenant", b"t" * 10_000)], fairness=b"x-tenant", priority=None)
+    assert (band, len(key)) == (0, MAX_KEY_BYTES)
+
+
+def test_a_priority_is_an_integer_in_range_else_0() -> None:
+    shares = FairShares()
+    read = [
+        shares.classify([(b"x-priority", value)], fairness=None, priority=b"x-priority")[0]
+        for value in (b"5", b" -3 ", b"high", b"99999", b"")
+    ]
+    assert read == [5, -3, 0, 0, 0]
