@@ -3,7 +3,10 @@
 Every number comes from kvtax: its counters on ``/metrics``, its window gauges, and the tax
 formula and best-method rule of :mod:`kvtax.figures.derive`. Nothing here is computed twice.
 The live view and the summary show a phase's figures the same way, from counter deltas since the
-phase began; kvtax's sliding-window gauges appear only under the window's own label.
+phase began; kvtax's sliding-window gauges appear only under the window's own label. The live
+view pairs numbers taken at one instant: delivered as of vLLM's page
+(``kvtax_join_delivered_tokens_total``) beside generated from that same page, never the live
+ledger, which leads the engine's last scrape and would show more delivered than generated.
 """
 
 from __future__ import annotations
@@ -54,9 +57,16 @@ def _tax_method(metrics: Mapping[str, float]) -> str:
 
 
 def phase_result(
-    name: str, seconds: float, before: Mapping[str, float], after: Mapping[str, float]
+    name: str,
+    seconds: float,
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    *,
+    as_of_page: bool = False,
 ) -> PhaseResult:
-    """A phase's figures from kvtax's counters before and after it."""
+    """A phase's figures from kvtax's counters before and after it. ``as_of_page``: delivered
+    as of kvtax's last scrape of vLLM, the instant the engine's counters are of (the live
+    view's); else the ledger's own count (the summary's, taken once both have settled)."""
 
     def delta(metric: str, **labels: str) -> float:
         return (_get(after, metric, **labels) or 0.0) - (_get(before, metric, **labels) or 0.0)
@@ -65,11 +75,10 @@ def phase_result(
     recomputed = delta(RECOMPUTED_COUNTERS[method])
     generated = delta("kvtax_engine_generation_tokens_total")
     computed = delta("kvtax_engine_prompt_computed_tokens_total")
-    delivered = (
-        delta("kvtax_delivered_tokens_total")
-        if _get(after, "kvtax_delivered_tokens_total") is not None
-        else None
+    delivered_series = (
+        "kvtax_join_delivered_tokens_total" if as_of_page else "kvtax_delivered_tokens_total"
     )
+    delivered = delta(delivered_series) if _get(after, delivered_series) is not None else None
     return PhaseResult(
         name=name,
         seconds=seconds,
@@ -117,7 +126,7 @@ def render_status(
     labelled with their window, and the thrash state is left out while the window still
     ``holds`` an earlier phase, so that a calm phase never shows the overload's verdict.
     """
-    r = phase_result(phase, elapsed, before, now)
+    r = phase_result(phase, elapsed, before, now, as_of_page=True)
     state = _get(now, "kvtax_thrash_state")
     usage = _get(now, "kvtax_kv_cache_usage_ratio")
     rate = None if r.delivered is None or elapsed <= 0 else r.delivered / elapsed

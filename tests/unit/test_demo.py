@@ -26,6 +26,7 @@ def _page(**values: float) -> dict[str, float]:
         "re": f"kvtax_recomputed_tokens_estimated_total{{{M}}}",
         "rs": f"kvtax_recomputed_tokens_stall_estimated_total{{{M}}}",
         "d": f'kvtax_delivered_tokens_total{{{M},source="proxy"}}',
+        "j": f"kvtax_join_delivered_tokens_total{{{M}}}",
     }
     return {names[k]: v for k, v in values.items()}
 
@@ -70,8 +71,8 @@ def _window(tax: float, state: float, **values: float) -> dict[str, float]:
 
 
 def test_status_lines_show_the_phase_figures_and_label_the_window() -> None:
-    before = _window(0.0, 0.0, gen=0, pc=0, pre=0, rm=0, d=0)
-    now = _window(0.267, 2.0, gen=1000, pc=100, pre=10, rm=400, d=800)
+    before = _window(0.0, 0.0, gen=0, pc=0, pre=0, rm=0, d=0, j=0)
+    now = _window(0.267, 2.0, gen=1000, pc=100, pre=10, rm=400, d=900, j=800)
     text = "\n".join(render_status("overload", 8.0, before, now, window_s=20))
     assert "overload, last 8.0 s:" in text
     assert f"tax {400 / 1500 * 100:.1f} % (measured)" in text  # the phase's own, not the gauge
@@ -95,8 +96,8 @@ def test_status_shows_absent_figures_as_absent_not_zero() -> None:
 
 def test_calm_after_overload_never_shows_the_overloads_tax_or_thrashing() -> None:
     """Issue 21 item 16: kvtax's window still holds the overload while the calm phase runs."""
-    start = _window(0.0, 0.0, gen=0, pc=0, pre=0, rm=0, d=0)
-    overload_end = _window(0.288, 2.0, gen=32000, pc=1000, pre=224, rm=13416, d=32000)
+    start = _window(0.0, 0.0, gen=0, pc=0, pre=0, rm=0, d=0, j=0)
+    overload_end = _window(0.288, 2.0, gen=32000, pc=1000, pre=224, rm=13416, d=32000, j=32000)
     overload = render_status("overload", 14.5, start, overload_end, window_s=20)
     assert any("THRASHING" in line for line in overload)
     summary = phase_result("overload", 14.5, start, overload_end)
@@ -108,7 +109,7 @@ def test_calm_after_overload_never_shows_the_overloads_tax_or_thrashing() -> Non
     for i, elapsed in enumerate((1.0, 2.0, 4.5)):
         now = _window(
             0.288, 2.0, gen=32000 + 400 * (i + 1), pc=1000 + 50 * (i + 1), pre=224, rm=13416,
-            d=32000 + 400 * (i + 1),
+            d=32000 + 400 * (i + 1), j=32000 + 400 * (i + 1),
         )  # fmt: skip
         holds = window_holds("overload", elapsed, 20)
         frames.append(render_status("calm", elapsed, overload_end, now, window_s=20, holds=holds))
@@ -145,3 +146,18 @@ def test_summary_names_the_recommendation_and_where_things_are() -> None:
     assert "--max-num-seqs=3" in text
     assert "http://127.0.0.1:1/metrics" in text
     assert "/tmp/p" in text
+
+
+def test_the_live_line_pairs_delivered_and_generated_of_one_instant() -> None:
+    """Mid-overload the live ledger leads vLLM's last page (18,500 delivered beside 2,888
+    generated was seen); the live line shows delivered as of that page, which cannot pass what
+    the same page says was generated."""
+    start = _window(0.0, 0.0, gen=0, pc=0, pre=0, rm=0, d=0, j=0)
+    now = _window(0.1, 1.0, gen=2888, pc=500, pre=1, rm=50, d=18500, j=2800)
+    text = "\n".join(render_status("overload", 6.0, start, now, window_s=20))
+    assert "generated 2,888 tok" in text
+    assert "delivered 2,800 tok" in text
+    assert "18,500" not in text
+    live = phase_result("overload", 6.0, start, now, as_of_page=True)
+    assert live.delivered is not None
+    assert live.delivered <= live.generated
