@@ -130,13 +130,19 @@ def _stack(args: argparse.Namespace) -> Iterator[_Stack]:
 def _start_monitoring(stack: contextlib.ExitStack, running: _Stack) -> None:
     """Prometheus with kvtax's rules (short test profile) and Alertmanager with the example
     routing, its receivers pointed at a local webhook so the page can be shown."""
+    import yaml
+
     from kvtax.mixin.rules import TEST_PROFILE
     from kvtax.mixin.rules.alertmanager import alertmanager_config
+    from kvtax.mixin.rules.configfile import document_of
     from kvtax.mixin.rules.render import alerts_yaml, dump, recording_yaml
 
     rules = [running.workdir / "kvtax-recording.yaml", running.workdir / "kvtax-alerts.yaml"]
     rules[0].write_text(recording_yaml(TEST_PROFILE))
     rules[1].write_text(alerts_yaml(TEST_PROFILE))
+    # The same settings build the dashboards the previews draw: they read the windows this
+    # Prometheus records, and agree with the alerts it sends.
+    rules_config(running.workdir).write_text(yaml.safe_dump(document_of(TEST_PROFILE)))
     hook = stack.enter_context(WebhookReceiver())
     am_config = alertmanager_config(
         pager_url=hook.url + "/pager",
@@ -192,6 +198,11 @@ def _show_alerts(running: _Stack, timeout: float = 60.0) -> list[str]:
     return lines
 
 
+def rules_config(workdir: Path) -> Path:
+    """Where the demo writes the rules settings its Prometheus and its previews share."""
+    return workdir / "kvtax-rules-config.yaml"
+
+
 def _previews(running: _Stack, since: float, out: Path) -> Path | None:
     """Render the dashboards from the demo's Prometheus with ``kvtax dashboards preview``."""
     assert running.prometheus is not None
@@ -200,6 +211,7 @@ def _previews(running: _Stack, since: float, out: Path) -> Path | None:
         sys.executable, "-m", "kvtax.cli.main", "dashboards", "preview",
         "--prometheus", running.prometheus.url, "--out", str(out),
         "--range", f"{span}s", "--scrape-interval", "1s",
+        "--config", str(rules_config(running.workdir)),
     ]  # fmt: skip
     # The child must import kvtax_dev too, and sys.path edits do not reach it.
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dev_env(os.environ))

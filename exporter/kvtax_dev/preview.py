@@ -36,9 +36,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvtax.errors import RulesConfigError
 from kvtax.mixin.dashboards.generate import dashboards
 from kvtax.mixin.dashboards.model import GRID_WIDTH, JSON
 from kvtax.mixin.dashboards.queries import expand
+from kvtax.mixin.rules.config import DEFAULT
+from kvtax.mixin.rules.configfile import read
 from kvtax.serve.config import parse_duration
 from kvtax_dev.dashboard_lint import panels
 from kvtax_dev.promapi import PrometheusApi, QueryError, Series
@@ -541,9 +544,14 @@ def run_preview(args: argparse.Namespace) -> int:
         print("kvtax dashboards preview: --from must be before --to", file=sys.stderr)
         return 2
     api = PrometheusApi(args.prometheus)
+    try:
+        rules = DEFAULT if args.rules_config is None else read(args.rules_config)
+    except RulesConfigError as exc:
+        print(f"kvtax dashboards preview: {exc}", file=sys.stderr)
+        return 2
     chosen = {
         name: doc
-        for name, doc in dashboards().items()
+        for name, doc in dashboards(rules).items()
         if not args.dashboard or doc["uid"] in args.dashboard
     }
     interval = rate_interval(math.ceil(step), scrape)

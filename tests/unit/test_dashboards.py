@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from kvtax.expose.catalog import METRICS
 from kvtax.mixin.dashboards import BOARDS, artifacts, dashboards
 from kvtax.mixin.dashboards.generate import CONFIGMAP_FILE
 from kvtax.mixin.dashboards.queries import expand, kvtax, vllm
+from kvtax.mixin.rules import TEST_PROFILE
 from kvtax.mixin.rules.alerts import alert_rules
+from kvtax.mixin.rules.configfile import document_of, read
 from kvtax.mixin.rules.recording import record_names
 from kvtax_dev.dashboard_lint import panels, problems, queries
 from kvtax_dev.dashboard_schema import SCHEMA
@@ -520,3 +523,32 @@ def test_configmap_carries_every_dashboard_with_the_sidecar_label() -> None:
         assert json.loads(body) == _load(FOLDER / name)
     # kubectl apply keeps the whole object in an annotation capped at 256 KiB.
     assert len(text.encode()) < 256 * 1024
+
+
+def test_the_demo_s_dashboards_read_only_what_the_demo_s_prometheus_records() -> None:
+    """The demo loads Prometheus with the short test profile's rules; its previews are built
+    from that profile too (written to a file the preview's --config reads), so every panel
+    queries a window those rules record: the Overview's SLO row reads 2m and 22h24m windows,
+    never the default's 1h and 28d, which the demo's Prometheus has no series of."""
+    profile_file = Path(tempfile.mkdtemp()) / "rules.yaml"
+    profile_file.write_text(yaml.safe_dump(document_of(TEST_PROFILE)))
+    profile = read(profile_file)
+    assert profile == TEST_PROFILE
+    recorded = known_series(TEST_PROFILE)
+    for doc in dashboards(profile).values():
+        for _, target in queries(doc):
+            names = series_names(target["expr"])
+            assert names <= recorded, (names - recorded, target["expr"])
+    # Without the profile, the Overview would read series the demo's Prometheus never records.
+    default_names = {n for _, t in queries(_overview()) for n in series_names(t["expr"])}
+    assert default_names - recorded
+
+
+def test_preview_refuses_a_rules_config_it_cannot_read(tmp_path: Path) -> None:
+    bad = tmp_path / "rules.yaml"
+    bad.write_text("rate_window: [not a duration]\n")
+    code = main(
+        ["dashboards", "preview", "--prometheus", "http://127.0.0.1:9", "--out", str(tmp_path),
+         "--config", str(bad)]
+    )  # fmt: skip
+    assert code == 2

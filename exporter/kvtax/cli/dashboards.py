@@ -90,6 +90,15 @@ def _add_preview_parser(actions: Any) -> None:
         metavar="UID",
         help="Only this dashboard (repeatable); default: all.",
     )
+    pre.add_argument(
+        "--config",
+        dest="rules_config",
+        type=Path,
+        metavar="FILE.yaml",
+        help="The rules settings the dashboards are built with (the windows their queries "
+        "read, as `kvtax dashboards generate --config` builds them): the ones the "
+        "Prometheus being read records. Default: the built-in settings.",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:

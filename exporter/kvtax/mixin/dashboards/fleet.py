@@ -22,25 +22,42 @@ from kvtax.mixin.dashboards.common import (
     running,
     waiting,
 )
-from kvtax.mixin.dashboards.model import Board, Panel, Row, Target
+from kvtax.mixin.dashboards.model import Board, Configured, Panel, Row, Target
 from kvtax.mixin.dashboards.queries import by, kvtax, recorded
 
 __all__ = ["FLEET"]
 
-_fleet_goodput = recorded("kvtax_delivered_tokens", "rate{w}", level="fleet")
-_fleet_engine = recorded("kvtax_engine_generation_tokens", "rate{w}", level="fleet")
-_fleet_tax = recorded("kvtax_preemption_tax", "ratio_rate{w}", level="fleet")
-_fleet_waste = recorded("kvtax_waste", "ratio_rate{w}", level="fleet")
-_fleet_capacity = recorded("kvtax_kv_capacity_tokens", "sum", level="fleet")
-_pod_tax = recorded("kvtax_preemption_tax", "ratio_rate{w}")
-_pod_waste = recorded("kvtax_waste", "ratio_rate{w}")
-_pod_goodput = recorded("kvtax_delivered_tokens", "rate{w}")
-_pod_usage = recorded("vllm_kv_cache_usage", "max")
+
+def _record(metric: str, operation: str, level: str = "pod") -> Configured:
+    """A recording rule's selector as the rules the dashboard is built with record it (their
+    rate window), checked against them when built."""
+    recorded(metric, operation, level=level)  # a rule the defaults record: a typo fails here
+    return lambda rules: recorded(metric, operation, level=level, rules=rules)
+
+
+def _by(labels: str, fn: str, selector: Configured) -> Configured:
+    return lambda rules: by(labels, fn, selector(rules))
+
+
+def _top5(labels: str, selector: Configured) -> Configured:
+    return lambda rules: f"topk(5, {by(labels, 'max', selector(rules))})"
+
+
+_fleet_goodput = _record("kvtax_delivered_tokens", "rate{w}", level="fleet")
+_fleet_engine = _record("kvtax_engine_generation_tokens", "rate{w}", level="fleet")
+_fleet_tax = _record("kvtax_preemption_tax", "ratio_rate{w}", level="fleet")
+_fleet_waste = _record("kvtax_waste", "ratio_rate{w}", level="fleet")
+_fleet_capacity = _record("kvtax_kv_capacity_tokens", "sum", level="fleet")
+_pod_tax = _record("kvtax_preemption_tax", "ratio_rate{w}")
+_pod_waste = _record("kvtax_waste", "ratio_rate{w}")
+_pod_goodput = _record("kvtax_delivered_tokens", "rate{w}")
+_pod_usage = _record("vllm_kv_cache_usage", "max")
 
 FLEET = Board(
     "Fleet",
     "Every replica of a model side by side: which pods pay the most tax, fleet goodput, and the "
-    "sum of KV capacity against demand. Built on kvtax's recording rules (5m windows).",
+    "sum of KV capacity against demand. Built on kvtax's recording rules (their rate window: "
+    "5m by default).",
     rows=(
         Row(
             "Fleet",
@@ -63,8 +80,10 @@ FLEET = Board(
                     "Fleet preemption tax and waste",
                     "timeseries",
                     (
-                        Target(by(MODEL, "max", _fleet_tax), "tax {{model_name}}"),
-                        Target(by(MODEL, "max", _fleet_waste), "waste {{model_name}}", dashed=True),
+                        Target(_by(MODEL, "max", _fleet_tax), "tax {{model_name}}"),
+                        Target(
+                            _by(MODEL, "max", _fleet_waste), "waste {{model_name}}", dashed=True
+                        ),
                     ),
                     "percentunit",
                     "Recompute (tax) and recompute plus undelivered (waste) as shares of the "
@@ -112,7 +131,7 @@ FLEET = Board(
                     "bargauge",
                     (
                         Target(
-                            f"topk(5, {by('namespace, pod, model_name', 'max', _pod_tax)})",
+                            _top5("namespace, pod, model_name", _pod_tax),
                             "{{namespace}}/{{pod}} {{model_name}}",
                             instant=True,
                         ),
@@ -131,7 +150,7 @@ FLEET = Board(
                     "bargauge",
                     (
                         Target(
-                            f"topk(5, {by(POD, 'max', _pod_waste)})",
+                            _top5(POD, _pod_waste),
                             "{{namespace}}/{{pod}} {{model_name}}",
                             instant=True,
                         ),
@@ -168,7 +187,7 @@ FLEET = Board(
                 Panel(
                     "Goodput by pod",
                     "timeseries",
-                    (Target(by(POD, "sum", _pod_goodput), "{{pod}} {{model_name}}"),),
+                    (Target(_by(POD, "sum", _pod_goodput), "{{pod}} {{model_name}}"),),
                     TOK_S,
                     "Delivered tokens per second per replica. Replicas of one model behind one "
                     "balancer should look alike; a low one is starved or thrashing.",
@@ -181,7 +200,7 @@ FLEET = Board(
                     "timeseries",
                     (
                         Target(
-                            by(f"{POD}, method", "max", _pod_tax),
+                            _by(f"{POD}, method", "max", _pod_tax),
                             "{{pod}} {{model_name}} ({{method}})",
                         ),
                     ),
@@ -198,7 +217,7 @@ FLEET = Board(
                 Panel(
                     "KV cache usage by pod",
                     "timeseries",
-                    (Target(by(POD, "max", _pod_usage), "{{pod}} {{model_name}}"),),
+                    (Target(_by(POD, "max", _pod_usage), "{{pod}} {{model_name}}"),),
                     "percentunit",
                     "KV usage of each replica's fullest engine, never summed (a sum of fractions "
                     "means nothing). Pods above the orange line are the ones about to preempt.",

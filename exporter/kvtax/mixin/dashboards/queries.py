@@ -102,16 +102,16 @@ def objective_record(rules: RulesConfig, name: str) -> str:
     return f'{name}{{model_name=~"$model_name"}}'
 
 
-def recorded(metric: str, operation: str, *, level: str = "pod") -> str:
+def recorded(metric: str, operation: str, *, level: str = "pod", rules: RulesConfig = RULES) -> str:
     """A selector for a recording rule of :mod:`kvtax.mixin.rules.recording` (``level`` pod or
-    fleet).
+    fleet), as ``rules`` records it.
 
     ``operation`` may say ``{w}`` for the rules' rate window, e.g. ``"rate{w}"`` -> ``rate5m``.
     Fleet records carry only model_name, so only the model variable narrows them.
     """
-    operation = operation.format(w=RULES.rate_window)
+    operation = operation.format(w=rules.rate_window)
     name = per_pod(metric, operation) if level == "pod" else fleet(metric, operation)
-    if name not in record_names(RULES):
+    if name not in record_names(rules):
         raise ValueError(f"no recording rule {name}")
     if level == "pod":
         return f"{name}{{{SELECTOR}}}"

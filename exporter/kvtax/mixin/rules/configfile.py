@@ -60,6 +60,7 @@ __all__ = [
     "MAX_DURATION",
     "MAX_DURATION_MS",
     "RulesConfigError",
+    "document_of",
     "duration_ms",
     "from_mapping",
     "read",
@@ -238,3 +239,20 @@ def read(path: Path) -> RulesConfig:
     if not isinstance(document, Mapping):
         raise RulesConfigError(f"{path}: expected a mapping of settings")
     return from_mapping(document, source=str(path))
+
+
+def document_of(config: RulesConfig) -> dict[str, Any]:
+    """The YAML document of ``config``'s settings that differ from the defaults, which
+    :func:`read` reads back to ``config``: a profile built in code (the end-to-end tests' short
+    one, say) handed to a command that takes ``--config``."""
+    document: dict[str, Any] = {}
+    for f in fields(RulesConfig):
+        value = getattr(config, f.name)
+        if value == getattr(DEFAULT, f.name):
+            continue
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        document[f.name] = value
+    return document
