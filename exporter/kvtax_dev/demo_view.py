@@ -11,7 +11,7 @@ ledger, which leads the engine's last scrape and would show more delivered than 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,14 @@ from kvtax.expose.publish import RECOMPUTED_COUNTERS
 from kvtax.figures.derive import best_method, tax_ratio
 from kvtax.figures.recompute import METHODS
 
-__all__ = ["PhaseResult", "phase_result", "render_status", "render_summary", "window_holds"]
+__all__ = [
+    "PhaseResult",
+    "phase_result",
+    "render_empty_panels",
+    "render_status",
+    "render_summary",
+    "window_holds",
+]
 
 THRASH = {0: "ok", 1: "at risk", 2: "THRASHING"}
 
@@ -186,3 +193,16 @@ def render_summary(
     else:
         lines.append("Run with --with-prometheus for alerts and dashboard previews.")
     return "\n".join(lines)
+
+
+def render_empty_panels(records: Sequence[Mapping[str, object]]) -> list[str]:
+    """The panels the previews drew without data, from the ``panels.json`` records the
+    preview wrote, each with the reason its dashboard gives (or none): a reader then knows
+    whether an empty panel is expected (the gate off) or a gap worth a bug report."""
+    lines = []
+    for record in records:
+        empty = record.get("no_data") or {}
+        assert isinstance(empty, Mapping)
+        for panel, why in empty.items():
+            lines.append(f"  {record.get('title')} / {panel}: {why or 'no data'}")
+    return lines or ["  (none: every panel of every preview had data)"]

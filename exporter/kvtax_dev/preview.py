@@ -41,7 +41,7 @@ from kvtax.mixin.dashboards.generate import dashboards
 from kvtax.mixin.dashboards.model import GRID_WIDTH, JSON
 from kvtax.mixin.dashboards.queries import expand
 from kvtax.mixin.rules.config import DEFAULT
-from kvtax.mixin.rules.configfile import read
+from kvtax.mixin.rules.configfile import document_of, read
 from kvtax.serve.config import parse_duration
 from kvtax_dev.dashboard_lint import panels
 from kvtax_dev.promapi import PrometheusApi, QueryError, Series
@@ -51,14 +51,17 @@ __all__ = [
     "TargetData",
     "draw",
     "fetch",
+    "first_rows",
     "format_value",
     "legend_text",
     "panel_titles",
+    "panels_without_data",
     "rate_interval",
     "record_path",
     "record_problems",
     "require_matplotlib",
     "run_preview",
+    "stat_values",
 ]
 
 
@@ -213,12 +216,14 @@ def _last(series: Series) -> float | None:
     return series.points[-1][1] if series.points else None
 
 
-def _no_data(ax: Any, data: list[TargetData]) -> None:
+def _no_data(ax: Any, data: list[TargetData], why: str = "") -> None:
+    """What an empty panel says: the first query error, else the panel's own reason (Grafana's
+    noValue), else "no data"."""
     errors = [d.error for d in data if d.error]
     ax.text(
         0.5,
         0.5,
-        "query error: " + errors[0][:80] if errors else "no data",
+        "query error: " + errors[0][:80] if errors else why or "no data",
         ha="center",
         va="center",
         transform=ax.transAxes,
@@ -261,7 +266,7 @@ def _draw_timeseries(ax: Any, panel: JSON, data: list[TargetData]) -> None:
                 )
             drawn += 1
     if not drawn:
-        _no_data(ax, data)
+        _no_data(ax, data, str(defaults.get("noValue", "")))
     if defaults.get("custom", {}).get("thresholdsStyle", {}).get("mode") == "line":
         for step in defaults.get("thresholds", {}).get("steps", []):
             if step.get("value") is not None:
@@ -292,7 +297,7 @@ def _draw_stat(ax: Any, panel: JSON, data: list[TargetData]) -> None:
     ]
     ax.set_axis_off()
     if not tiles:
-        _no_data(ax, data)
+        _no_data(ax, data, str(defaults.get("noValue", "")))
         return
     width = 1 / len(tiles)
     # Scale text to the tile: a panel split into three tiles gets smaller print.
@@ -347,7 +352,7 @@ def _draw_bargauge(ax: Any, panel: JSON, data: list[TargetData]) -> None:
     ]
     if not bars:
         ax.set_axis_off()
-        _no_data(ax, data)
+        _no_data(ax, data, str(defaults.get("noValue", "")))
         return
     bars.sort(key=lambda b: b[1])
     labels = [b[0] for b in bars]
@@ -395,10 +400,12 @@ def draw(
     end: float,
     width_inches: float = 14.0,
     dpi: int = 80,
+    rules: Mapping[str, Any] | None = None,
 ) -> Path:
     """Draw every panel at its grid position into one PNG at ``path``, and record beside it
-    (:func:`record_path`) the dashboard's uid, the span drawn, the PNG's sha256 and the title of
-    every panel drawn."""
+    (:func:`record_path`) the dashboard's uid, the span drawn, the PNG's sha256, the title of
+    every panel drawn, those without data, and ``rules``: the settings document
+    (:func:`~kvtax.mixin.rules.configfile.document_of`) the dashboards were built from."""
     plt = _pyplot()
     every = dashboard.get("panels", [])
     rows = max((p["gridPos"]["y"] + p["gridPos"]["h"] for p in every), default=1)
@@ -450,7 +457,7 @@ def draw(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
-    _write_record(dashboard, path, start=start, end=end)
+    _write_record(dashboard, path, data, start=start, end=end, rules=rules)
     return path
 
 
@@ -460,6 +467,47 @@ def draw(
 def panel_titles(dashboard: JSON) -> list[str]:
     """The title of every panel :func:`draw` draws (rows included), in the dashboard's order."""
     return [str(p["title"]) for p in dashboard.get("panels", [])]
+
+
+def _has_value(rows: list[TargetData]) -> bool:
+    return any(
+        not math.isnan(value) for row in rows for series in row.series for _, value in series.points
+    )
+
+
+def panels_without_data(dashboard: JSON, data: Mapping[int, list[TargetData]]) -> dict[str, str]:
+    """The panels (rows aside) none of whose queries gave a number, what the picture shows
+    empty or NaN: title -> the reason the panel gives for it (its noValue), or ``""``."""
+    return {
+        str(p["title"]): str(p.get("fieldConfig", {}).get("defaults", {}).get("noValue", ""))
+        for p in panels(dashboard)
+        if not _has_value(list(data.get(int(p["id"]), [])))
+    }
+
+
+def stat_values(
+    dashboard: JSON, data: Mapping[int, list[TargetData]]
+) -> dict[str, dict[str, float]]:
+    """What each stat tile reads: panel title -> series name -> its last finite value."""
+    out: dict[str, dict[str, float]] = {}
+    for panel in panels(dashboard):
+        if panel["type"] != "stat":
+            continue
+        tiles = out.setdefault(str(panel["title"]), {})
+        for row in data.get(int(panel["id"]), []):
+            for series in row.series:
+                last = _last(series)
+                if last is not None and not math.isnan(last):
+                    tiles[legend_text(row.legend, series.labels)] = last
+    return out
+
+
+def first_rows(dashboard: JSON, count: int) -> list[str]:
+    """The titles of the panels in the first ``count`` rows of the grid, as the eye meets them:
+    panels that start at one of the ``count`` smallest heights (row headers aside)."""
+    drawn = list(panels(dashboard))
+    heights = sorted({int(p["gridPos"]["y"]) for p in drawn})[:count]
+    return [str(p["title"]) for p in drawn if int(p["gridPos"]["y"]) in heights]
 
 
 def record_path(png: Path) -> Path:
@@ -472,7 +520,15 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _write_record(dashboard: JSON, png: Path, *, start: float, end: float) -> Path:
+def _write_record(
+    dashboard: JSON,
+    png: Path,
+    data: Mapping[int, list[TargetData]],
+    *,
+    start: float,
+    end: float,
+    rules: Mapping[str, Any] | None,
+) -> Path:
     record = {
         "dashboard": dashboard.get("uid", ""),
         "title": dashboard.get("title", ""),
@@ -480,6 +536,11 @@ def _write_record(dashboard: JSON, png: Path, *, start: float, end: float) -> Pa
         "to": datetime.fromtimestamp(end, UTC).isoformat(timespec="seconds"),
         "png_sha256": _sha256(png),
         "panels": panel_titles(dashboard),
+        # What a reader checks first: which panels the picture shows empty, and which rules
+        # settings the dashboards were built from (the demo's short profile or the default).
+        "no_data": panels_without_data(dashboard, data),
+        "stats": stat_values(dashboard, data),
+        "rules": dict(rules) if rules is not None else None,
     }
     path = record_path(png)
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
@@ -555,15 +616,19 @@ def run_preview(args: argparse.Namespace) -> int:
         if not args.dashboard or doc["uid"] in args.dashboard
     }
     interval = rate_interval(math.ceil(step), scrape)
+    settings = document_of(rules)
     failed = 0
     for doc in chosen.values():
         data = fetch(
             doc, api, start=start, end=end, step=step, rate_interval=interval, values=values
         )
-        path = draw(doc, data, args.out / f"{doc['uid']}.png", start=start, end=end)
+        path = draw(doc, data, args.out / f"{doc['uid']}.png", start=start, end=end, rules=settings)
         errors = [d.error for rows in data.values() for d in rows if d.error]
-        empty = sum(1 for rows in data.values() for d in rows if not d.series and not d.error)
-        print(f"{path}: {len(errors)} query errors, {empty} queries without data")
+        empty = panels_without_data(doc, data)
+        print(
+            f"{path}: {len(errors)} query errors, {len(empty)} panels without data"
+            + (f": {', '.join(empty)}" if empty else "")
+        )
         if errors:
             print(f"kvtax dashboards preview: first error: {errors[0]}", file=sys.stderr)
         failed += len(errors)

@@ -9,7 +9,7 @@ filled in as Grafana would, must parse and return at least one series with a num
 and ``kvtax dashboards preview`` must draw each dashboard from that Prometheus.
 
 Set ``KVTAX_SAVE_PREVIEW=DIR`` to keep the PNGs and their ``.panels.json`` records (the README's
-picture, docs/img/kvtax-overview.png, comes from this run).
+picture, docs/img/kvtax-overview.png, comes from ``scripts/demo --with-prometheus`` instead).
 """
 
 from __future__ import annotations

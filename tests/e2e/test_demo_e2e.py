@@ -10,16 +10,21 @@ the lane beside the session engine's (tests/e2e/conftest.py).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from kvtax.mixin.dashboards import dashboards
+from kvtax.mixin.rules import TEST_PROFILE
 from kvtax_dev import dev_env
+from kvtax_dev.preview import first_rows
 from kvtax_dev.testbed.engine import beside_cores
 
 HANG_GUARD_S = 600.0  # fails a hung run; not a performance claim
@@ -60,10 +65,13 @@ def _alive(port: str) -> list[str]:
     return [line for line in found.stdout.splitlines() if "pgrep" not in line]
 
 
-def test_demo_summary_shows_tax_in_overload_and_none_after() -> None:
-    proc = _demo()
+def test_demo_summary_shows_tax_in_overload_and_none_after(tmp_path: Path) -> None:
+    """The demo with Prometheus, as the README runs it: a tax in the overload and none after,
+    its previews full where the eye starts, and a nothing-started-survives exit."""
+    proc = _demo("--with-prometheus", "--previews-out", str(tmp_path))
     output, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, output[-3000:]
+    _first_rows_full_and_agreeing_with_the_page(tmp_path, output)
     rows = {
         m.group(1): float(m.group(2))
         for m in re.finditer(r"^(overload|calm)\s.*?([\d.]+)%$", output, flags=re.M)
@@ -73,6 +81,26 @@ def test_demo_summary_shows_tax_in_overload_and_none_after() -> None:
     assert "kvtax recommends --max-num-seqs=" in output
     for port in set(_ports(output)):
         assert not _alive(port), f"port {port} still served after the demo: {_alive(port)}"
+
+
+def _first_rows_full_and_agreeing_with_the_page(previews: Path, output: str) -> None:
+    """No panel of the Overview's first two rows is empty in the demo's preview, and its SLO
+    row reads what the burn-rate page said: a burn over the page's long window at or above the
+    page's threshold, and an attainment that makes that burn."""
+    record = json.loads((previews / "kvtax-overview.panels.json").read_text())
+    overview = dashboards(TEST_PROFILE)["kvtax-overview.json"]
+    assert not set(first_rows(overview, 2)) & set(record["no_data"]), record["no_data"]
+    assert "Panels the previews drew without data:" in output
+    page = re.search(
+        r"KvtaxErrorBudgetBurn .*?over the last (\S+), .*?\(threshold ([\d.]+)x", output
+    )
+    assert page, output[-3000:]
+    window, threshold = page.group(1), float(page.group(2))
+    tiles = record["stats"]
+    burn = next(v for name, v in tiles["Burn rate"].items() if name.startswith(f"{window} "))
+    assert burn >= threshold, tiles
+    (attained,) = tiles["SLO attainment"].values()
+    assert (1 - attained) / (1 - TEST_PROFILE.slo_objective) == pytest.approx(burn, rel=0.15)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])

@@ -18,15 +18,19 @@ import pytest
 
 from kvtax.cli.main import main
 from kvtax.mixin.dashboards import dashboards
+from kvtax.mixin.rules import TEST_PROFILE
+from kvtax.mixin.rules.configfile import document_of, from_mapping
 from kvtax_dev import repo_root
 from kvtax_dev.dashboard_lint import panels, queries
 from kvtax_dev.preview import (
     TargetData,
     draw,
     fetch,
+    first_rows,
     format_value,
     legend_text,
     panel_titles,
+    panels_without_data,
     rate_interval,
     record_path,
     record_problems,
@@ -144,6 +148,49 @@ def test_draw_says_no_data_instead_of_failing(tmp_path: Path) -> None:
     empty = {p["id"]: [TargetData("A", "", ())] for p in panels(doc)}
     path = draw(doc, empty, tmp_path / "empty.png", start=T0, end=T0 + 300)
     assert path.exists()
+    assert json.loads(record_path(path).read_text())["no_data"] == {
+        p["title"]: "" for p in panels(doc)
+    }
+
+
+def test_the_record_names_empty_panels_with_their_reason_and_what_tiles_read(
+    tmp_path: Path,
+) -> None:
+    doc = dashboards()["kvtax-overview.json"]
+    data = _fetch_all(doc, _FakeApi())
+    gate = [p for p in panels(doc) if p["title"] in ("Gate queue", "Gate answers")]
+    attainment = next(p for p in panels(doc) if p["title"] == "SLO attainment")
+    nan = Series({"model_name": "m"}, ((T0, math.nan),))
+    for p in gate:
+        data[p["id"]] = [TargetData("A", "", ())]
+    data[attainment["id"]] = [TargetData("A", "{{model_name}}", (nan,))]
+    png = draw(doc, data, tmp_path / "o.png", start=T0, end=T0 + 300, rules={"x": 1})
+    record = json.loads(record_path(png).read_text())
+    # An empty query and a NaN are both a panel without a number; a gate panel says why.
+    assert record["no_data"] == {
+        "SLO attainment": "",
+        "Gate queue": "The gate is off (--gate.mode off)",
+        "Gate answers": "The gate is off (--gate.mode off)",
+    }
+    assert record["rules"] == {"x": 1}
+    assert record["stats"]["SLO attainment"] == {}
+    assert record["stats"]["Burn rate"], record["stats"]
+    assert panels_without_data(doc, data) == record["no_data"]
+
+
+def test_the_first_rows_are_the_panels_the_eye_meets_first() -> None:
+    doc = dashboards()["kvtax-overview.json"]
+    assert first_rows(doc, 1) == [
+        "SLO attainment",
+        "Burn rate",
+        "Error budget left",
+        "Thrash state",
+        "Preemption tax",
+        "Waste",
+    ]
+    second = first_rows(doc, 2)[6:]
+    assert second[0] == "Goodput"
+    assert "Goodput against engine throughput" not in second
 
 
 # -- the Prometheus client against a stand-in HTTP server -------------------------------------
@@ -339,12 +386,31 @@ def test_the_docs_show_committed_previews() -> None:
         assert record.with_name(record.name.removesuffix(".panels.json") + ".png").is_file()
 
 
+def _drawn_with(png: Path) -> dict[str, Any]:
+    """The dashboards as built from the rules settings the picture's record names."""
+    rules = json.loads(record_path(png).read_text()).get("rules") or {}
+    return {doc["uid"]: doc for doc in dashboards(from_mapping(rules)).values()}
+
+
 @pytest.mark.parametrize("png", COMMITTED, ids=[p.name for p in COMMITTED])
 def test_a_committed_preview_shows_the_panels_the_dashboards_have(png: Path) -> None:
-    # Fails when a panel is renamed, added, removed or moved, until the picture is redrawn from
-    # a real overload: KVTAX_SAVE_PREVIEW=DIR pytest tests/e2e/test_dashboards_e2e.py -k preview,
-    # then copy DIR/<uid>.png and DIR/<uid>.panels.json into docs/img.
-    assert record_problems(png, _current()) == []
+    # Fails when a panel is renamed, added, removed or moved, until the picture is redrawn:
+    # scripts/demo --with-prometheus --previews-out DIR, then copy DIR/<uid>.png and
+    # DIR/<uid>.panels.json into docs/img.
+    assert record_problems(png, _drawn_with(png)) == []
+
+
+def test_the_readmes_overview_is_the_demos_with_its_first_rows_full() -> None:
+    """The README's picture was drawn by the demo (from the short rules profile the demo's
+    Prometheus loads), and none of the Overview's first two rows is empty in it."""
+    png = PICTURES / "kvtax-overview.png"
+    assert (
+        f"]({png.relative_to(repo_root()).as_posix()})" in (repo_root() / "README.md").read_text()
+    )
+    record = json.loads(record_path(png).read_text())
+    assert record["rules"] == document_of(TEST_PROFILE)
+    overview = _drawn_with(png)["kvtax-overview"]
+    assert not set(first_rows(overview, 2)) & set(record["no_data"]), record["no_data"]
 
 
 @pytest.fixture

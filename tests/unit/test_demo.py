@@ -9,6 +9,7 @@ import pytest
 from kvtax_dev.demo_view import (
     PhaseResult,
     phase_result,
+    render_empty_panels,
     render_status,
     render_summary,
     window_holds,
@@ -161,3 +162,17 @@ def test_the_live_line_pairs_delivered_and_generated_of_one_instant() -> None:
     live = phase_result("overload", 6.0, start, now, as_of_page=True)
     assert live.delivered is not None
     assert live.delivered <= live.generated
+
+
+def test_the_demo_names_each_empty_panel_with_its_reason() -> None:
+    records = [
+        {"title": "kvtax / Fleet", "no_data": {}},
+        {"title": "kvtax / Overview", "no_data": {"Gate queue": "The gate is off", "Odd": ""}},
+    ]
+    assert render_empty_panels(records) == [
+        "  kvtax / Overview / Gate queue: The gate is off",
+        "  kvtax / Overview / Odd: no data",
+    ]
+    assert render_empty_panels([{"title": "kvtax / Fleet", "no_data": {}}]) == [
+        "  (none: every panel of every preview had data)"
+    ]

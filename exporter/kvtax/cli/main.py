@@ -154,8 +154,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     demo.add_argument(
         "--with-prometheus",
         action="store_true",
-        help="Also run Prometheus and Alertmanager with kvtax's rules, show the preemption "
-        "alert firing, and render dashboard previews.",
+        help="Also run Prometheus and Alertmanager with kvtax's rules, show the pages that "
+        "fire (preemptions and the error budget's burn, with their runbooks), and render "
+        "dashboard previews, naming the panels without data.",
     )
     demo.add_argument(
         "--previews-out",

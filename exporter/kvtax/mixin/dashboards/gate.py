@@ -49,10 +49,12 @@ _queue = Panel(
     ),
     "short",
     "Requests waiting at the gate, and the p99 of how long a request waited before it was let "
-    "through (dashed, seconds). Waits count in the client's time to first token.",
+    "through (dashed, seconds). Waits count in the client's time to first token. Empty while "
+    "the gate is off.",
     "KvtaxGateShedding",
     width=8,
     min=0,
+    no_data="The gate is off (--gate.mode off)",
 )
 
 _shed = Panel(
@@ -73,10 +75,11 @@ _shed = Panel(
     "Requests the gate answered itself, per second, by reason: queue_full, wait_predicted and "
     "wait_expired are 429s with Retry-After (shedding), over_budget is a 400 for the "
     "per-request token budget. "
-    "Let through (dashed) went on to vLLM.",
+    "Let through (dashed) went on to vLLM. Empty while the gate is off.",
     "KvtaxGateShedding",
     width=8,
     min=0,
+    no_data="The gate is off (--gate.mode off)",
 )
 
 GATE_ROW = Row("Gate", (_cap, _queue, _shed))

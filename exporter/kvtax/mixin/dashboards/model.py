@@ -102,6 +102,9 @@ class Panel:
     # Draw the thresholds as horizontal lines on a time series (e.g. the 0.85 KV line).
     threshold_lines: bool = False
     mappings: tuple[ValueText, ...] = ()
+    # What the panel shows instead of "No data" (Grafana's noValue), where an empty panel is
+    # expected in a common setup: the gate off, no KV connector.
+    no_data: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,8 @@ def _field_config(panel: Panel, setting: Setting | None) -> JSON:
         "color": {"mode": "thresholds" if panel.kind != "timeseries" else "palette-classic"},
         "mappings": [],
     }
+    if panel.no_data:
+        defaults["noValue"] = panel.no_data
     if panel.min is not None:
         defaults["min"] = panel.min
     if panel.max is not None:

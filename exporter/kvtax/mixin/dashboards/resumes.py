@@ -62,11 +62,13 @@ _share = Panel(
     "vLLM computing them again, over the panel's rate interval. Only where vLLM runs with a "
     "connector. Low while the tax is high: the connector stores too little (LMCache stores "
     "whole chunks; without its save_decode_cache option a request's output is never stored), "
-    "or its tier evicts what preempted requests come back for.",
+    "or its tier evicts what preempted requests come back for. Empty without a connector, and "
+    "while no preempted request resumes.",
     "KvtaxPreemptionTaxHigh",
     width=8,
     min=0,
     max=1,
+    no_data="No KV connector in vLLM, or no preempted request resumed",
 )
 
 _without_connector = (
