@@ -139,6 +139,22 @@ def test_adaptive_cuts_from_what_is_in_use() -> None:
     assert states[1].cap == 4
 
 
+def test_adaptive_steps_below_what_is_in_flight_when_vllms_queue_cap_refuses() -> None:
+    """vLLM's own --max-num-queued-reqs turned requests away: it holds fewer than the gate let
+    in, so the cap goes to one below the requests in flight, and no raise returns to it until
+    the probe."""
+    settings = CapSettings(mode="adaptive", floor=1, ceiling=64, raise_after=1, probe_after=20)
+    room = Signals(POOL, 18.0, kv_usage=0.1, queued=5, in_flight=64)
+    states = _run(
+        settings,
+        [Signals(POOL, 18.0, footprint_p95=18.0), Signals(POOL, 18.0, refused=3, in_flight=12)]
+        + [room] * 5,
+    )
+    assert states[0].cap == 64
+    assert (states[1].cap, states[1].source) == (11, "cut")
+    assert max(s.cap for s in states[2:]) == 11
+
+
 def test_adaptive_does_not_raise_without_demand() -> None:
     settings = CapSettings(mode="adaptive", floor=1, ceiling=64)
     idle = Signals(POOL, 180.0, kv_usage=0.1, queued=0, in_flight=2)

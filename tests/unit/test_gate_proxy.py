@@ -32,6 +32,8 @@ class HeldVllm:
     """A vLLM that answers a completion only when the test releases it, one per release."""
 
     hold: bool = True
+    # Answer as vLLM 0.32 does when its --max-num-queued-reqs refuses (QueueOverflowError).
+    queue_full: bool = False
     bodies: list[bytes] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     gone: int = 0
@@ -45,6 +47,10 @@ class HeldVllm:
         self.headers.append(
             {k: v for k, v in request.headers.items() if k.lower() not in ("host",)}
         )
+        if self.queue_full:
+            message = "The engine is currently busy and cannot accept new requests."
+            error = {"message": message, "type": "Service Unavailable", "code": 503}
+            return web.json_response({"error": error}, status=503)
         try:
             if self.hold:
                 await self.slots.acquire()
@@ -696,6 +702,31 @@ async def test_a_vllm_that_is_down_is_a_503_to_retry_elsewhere_with_the_gate_on(
     else:
         assert status == 502
         assert "X-Kvtax-Dropped-Reason" not in headers
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gate-on", "gate-off"])
+async def test_vllms_own_queue_cap_503_names_its_reason_and_when_to_retry(
+    vllm: tuple[HeldVllm, str], proxies: Started, gated: bool
+) -> None:
+    """vLLM's own 503 (its --max-num-queued-reqs refused) behind the gate reaches the client
+    with vLLM's body, the drop reason vllm_refused and a Retry-After, and is counted beside
+    the gate's refusals; without the gate, it passes as vLLM sent it."""
+    fake, upstream = vllm
+    fake.queue_full = True
+    gate = _gate(cap=CapSettings(mode="static", static_cap=4))
+    url = await _start(proxies, upstream, gate if gated else None)
+    async with aiohttp.ClientSession() as client:
+        status, headers, body = await _post(client, url)
+    assert status == 503
+    assert body["error"]["message"].startswith("The engine is currently busy")
+    if gated:
+        assert headers["X-Kvtax-Dropped-Reason"] == "vllm_refused"
+        assert headers["Retry-After"] == "1"
+        assert gate.rejections["vllm_refused"] == 1
+        assert gate.in_flight == 0  # its slot went back
+    else:
+        assert "X-Kvtax-Dropped-Reason" not in headers
+        assert "Retry-After" not in headers
 
 
 async def test_a_request_queued_when_shutdown_begins_gets_a_503_naming_it(

@@ -79,7 +79,8 @@ GATE_METRICS: tuple[MetricSpec, ...] = (
         "Requests the gate answered itself, by reason: queue_full (429, over "
         "--gate.max-queue), wait_predicted (429 at arrival, its expected wait over "
         "--gate.max-wait), wait_expired (429, over --gate.max-wait), over_budget "
-        "(400, over --gate.token-budget).",
+        "(400, over --gate.token-budget); and vllm_refused, vLLM's own 503 to a request the "
+        "gate let through (its --max-num-queued-reqs or --max-num-queued-tokens).",
         ("reason",),
         "gate",
     ),

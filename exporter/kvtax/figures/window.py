@@ -357,6 +357,10 @@ def _fold_counters(state: _ModelState, m: ModelMetrics, v0: bool) -> dict[str, f
         # (kvtax.gate.signals).
         state.tracker.update("e2e_latency_sum", latency.sum)
         state.tracker.update("e2e_latency_count", latency.count)
+    refused = m.split.get("admission_rejections")
+    if refused is not None:
+        # Requests vLLM's own queue caps refused (0.32+): the gate keeps its cap below them.
+        state.tracker.update("admission_rejections", sum(refused.values()))
     computed = recompute.computed_prompt_raw(m, v0=v0)
     if computed is not None:
         state.tracker.update("prompt_computed", computed)

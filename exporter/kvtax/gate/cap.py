@@ -110,6 +110,8 @@ class Signals:
     kv_usage: float | None = None  # 0-1
     preemptions: float = 0.0
     recomputed: float = 0.0
+    # Requests vLLM's own queue caps (--max-num-queued-reqs/-tokens) refused with a 503.
+    refused: float = 0.0
     queued: int = 0
     in_flight: int = 0
     block_size: int | None = None  # vLLM's KV block size, tokens (cache_config_info)
@@ -252,13 +254,18 @@ def _aimd(state: CapState, signals: Signals, settings: CapSettings) -> CapState:
     usage = signals.kv_usage
     preempting = signals.preemptions > 0 or signals.recomputed > 0
     over = usage is not None and usage > settings.target_usage
-    if preempting or over:
+    refused = signals.refused > 0
+    if preempting or over or refused:
         if cooldown > 0:
             return replace(state, cooldown=cooldown, good=0)
         if preempting:
             # Cut from what is in use, not from a cap far above it.
             base = min(state.cap, max(1, signals.in_flight))
             cap = settings.bound(math.floor(base * settings.cut_factor))
+        elif refused:
+            # vLLM's own queue cap turned requests away: it holds fewer than are in flight.
+            base = min(state.cap, max(1, signals.in_flight))
+            cap = settings.bound(base - 1)
         else:  # full but not yet preempting: one step down
             base = state.cap
             cap = settings.bound(state.cap - 1)

@@ -20,11 +20,12 @@ from collections.abc import Mapping
 from kvtax.figures.derive import ModelFigures
 from kvtax.gate.cap import Signals
 
-__all__ = ["Totals", "signals_of"]
+__all__ = ["Total", "Totals", "signals_of"]
 
-# (preemptions, recomputed tokens, e2e latency sum, e2e latency count) per model, as of the last
-# call.
-Totals = Mapping[str, tuple[float, float, float, float]]
+# (preemptions, recomputed tokens, e2e latency sum, e2e latency count, requests vLLM's queue
+# caps refused) per model, as of the last call.
+Total = tuple[float, float, float, float, float]
+Totals = Mapping[str, Total]
 
 
 def _recomputed(totals: Mapping[str, float]) -> float:
@@ -40,7 +41,7 @@ def signals_of(
     queued: int,
     in_flight: int,
     footprint_p95: float | None,
-) -> tuple[Signals, dict[str, tuple[float, float, float, float]]]:
+) -> tuple[Signals, dict[str, Total]]:
     """The signals of this scrape and the totals to pass to the next call."""
     engine = {m: f for m, f in figures.items() if f.engine}
     totals = {
@@ -49,17 +50,19 @@ def signals_of(
             _recomputed(f.totals),
             f.totals.get("e2e_latency_sum", 0.0),
             f.totals.get("e2e_latency_count", 0.0),
+            f.totals.get("admission_rejections", 0.0),
         )
         for m, f in engine.items()
     }
-    preempted = recomputed = latency = finished = 0.0
+    preempted = recomputed = latency = finished = refused = 0.0
     first_latency = first_finished = 0.0
-    for model, (p, r, s, n) in totals.items():
-        p0, r0, s0, n0 = before.get(model, (p, r, s, n))  # a model new here adds nothing
+    for model, (p, r, s, n, q) in totals.items():
+        p0, r0, s0, n0, q0 = before.get(model, (p, r, s, n, q))  # a model new here adds nothing
         preempted += max(0.0, p - p0)
         recomputed += max(0.0, r - r0)
         latency += max(0.0, s - s0)
         finished += max(0.0, n - n0)
+        refused += max(0.0, q - q0)
         first_latency, first_finished = first_latency + s, first_finished + n
     capacities = [f.kv_capacity_tokens for f in engine.values() if f.kv_capacity_tokens]
     lengths = [f.length_p95 for f in engine.values() if f.length_p95]
@@ -73,6 +76,7 @@ def signals_of(
         kv_usage=max(usages, default=None),
         preemptions=preempted,
         recomputed=recomputed,
+        refused=refused,
         queued=queued,
         in_flight=in_flight,
         block_size=max(sizes, default=None),

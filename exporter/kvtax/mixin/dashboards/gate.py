@@ -74,7 +74,8 @@ _shed = Panel(
     PER_S,
     "Requests the gate answered itself, per second, by reason: queue_full, wait_predicted and "
     "wait_expired are 429s with Retry-After (shedding), over_budget is a 400 for the "
-    "per-request token budget. "
+    "per-request token budget, vllm_refused is vLLM's own 503 behind the gate (its "
+    "--max-num-queued-reqs or --max-num-queued-tokens). "
     "Let through (dashed) went on to vLLM. Empty while the gate is off.",
     "KvtaxGateShedding",
     width=8,

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 from kvtax.delivery.dialects import Dialect
 from kvtax.delivery.openai import error_body
-from kvtax.serve.proxy.wire import Answer
+from kvtax.serve.proxy.wire import Answer, Headers, header
 
 __all__ = [
     "DROPPED_REASON",
@@ -39,14 +39,16 @@ __all__ = [
     "undecodable",
     "upstream_failure",
     "version_not_supported",
+    "vllm_refused",
     "vllm_unavailable",
 ]
 
 # The message of the shutdown 503, as an answer (shutting_down) or a stream's last event.
 SHUTTING_DOWN = "kvtax is shutting down; retry the request"
 # The header that names why kvtax answered a request itself rather than send it to vLLM: the
-# gate's reason (kvtax_gate_rejections_total's), ``shutdown`` or ``vllm_unavailable``, as llm-d's
-# flow control names its drops in x-llm-d-request-dropped-reason (docs/gate.md maps the two).
+# gate's reason (kvtax_gate_rejections_total's), ``shutdown`` or ``vllm_unavailable``; or, on
+# vLLM's own 503 behind the gate, ``vllm_refused``. As llm-d's flow control names its drops in
+# x-llm-d-request-dropped-reason (docs/gate.md maps the two).
 DROPPED_REASON = b"X-Kvtax-Dropped-Reason"
 # Seconds a client told that vLLM is unavailable, or that this kvtax is stopping, should wait.
 UNAVAILABLE_RETRY_AFTER = 1
@@ -161,6 +163,17 @@ def vllm_unavailable(dialect: Dialect | None = None) -> Answer:
         headers=_dropped("vllm_unavailable", UNAVAILABLE_RETRY_AFTER),
         shape=_shape(dialect),
     )
+
+
+def vllm_refused(headers: Headers) -> Headers:
+    """What kvtax adds to vLLM's own 503 behind the gate (its queue caps,
+    ``--max-num-queued-reqs`` and ``--max-num-queued-tokens``, or a failure it calls
+    retryable): the drop reason, and a Retry-After where vLLM gave none. vLLM's body passes
+    unchanged."""
+    added = [(DROPPED_REASON, b"vllm_refused")]
+    if header(headers, b"retry-after") is None:
+        added.append((b"Retry-After", str(UNAVAILABLE_RETRY_AFTER).encode()))
+    return added
 
 
 def shutting_down(dialect: Dialect | None = None) -> Answer:

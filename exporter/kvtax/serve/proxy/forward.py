@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtax.delivery.cost import RelayCost
 from kvtax.serve.proxy.answers import shutting_down, upstream_failure
@@ -77,11 +77,16 @@ def interim_to(exchange: Exchange) -> Callable[[int, bytes, Headers], None]:
 
 
 def response_framing(
-    exchange: Exchange, conn: UpstreamConnection, *, rewritten: bool, decoded: bool = False
+    exchange: Exchange,
+    conn: UpstreamConnection,
+    *,
+    rewritten: bool,
+    decoded: bool = False,
+    added: Sequence[tuple[bytes, bytes]] = (),
 ) -> tuple[Framing, bytes]:
     """The body's framing for the client, and vLLM's status and headers for it (written with
     the first bytes of the body that are in by then). ``rewritten``: the body's length changes
-    on the way; ``decoded``: it goes to the client inflated."""
+    on the way; ``decoded``: it goes to the client inflated; ``added``: kvtax's own headers."""
     request = exchange.head
     status = conn.status
     length = None if rewritten else _length(conn)
@@ -94,7 +99,7 @@ def response_framing(
         framing = "close"
     else:
         framing = "chunked"
-    headers = forwarded(conn.headers)
+    headers = [*forwarded(conn.headers), *added]
     if decoded:  # inflated for the client: it gets the stream plain
         headers = [(k, v) for k, v in headers if k.lower() != b"content-encoding"]
     if framing == "none" and status not in _STATUS_WITHOUT_LENGTH:

@@ -100,7 +100,9 @@ __all__ = [
 # The logger keeps the name it had before this module was renamed: log filters name it.
 log = logging.getLogger("kvtax.serve.proxy.gate")
 
-REASONS = ("queue_full", "wait_predicted", "wait_expired", "over_budget")
+# The gate's own refusals, then vLLM's 503s behind it (its own queue caps): counted beside them,
+# as the answers a client of the gated pool got instead of a generation.
+REASONS = ("queue_full", "wait_predicted", "wait_expired", "over_budget", "vllm_refused")
 # What enter() says once close() ran: kvtax is shutting down (not a shed, not counted as one).
 CLOSED = "shutdown"
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -197,6 +199,12 @@ class Gate:
         self._service = ServiceTime()
         self._footprints: deque[int] = deque(maxlen=256)
         self._totals: Totals = {}
+
+    def refused_by_vllm(self) -> None:
+        """vLLM answered a request the gate let through with its own 503: its queue caps
+        (``--max-num-queued-reqs``/``-tokens``) refused it. Counted; the scrape's
+        ``vllm:admission_rejections`` then steps the adaptive cap below vLLM's."""
+        self.rejections["vllm_refused"] += 1
 
     # -- the one call --------------------------------------------------------------------------
     async def admit(

@@ -49,6 +49,7 @@ from kvtax.serve.proxy.answers import (
     too_large,
     undecodable,
     upstream_failure,
+    vllm_refused,
     vllm_unavailable,
 )
 from kvtax.serve.proxy.client import Cut, Unreachable, Upstream, UpstreamBroke, UpstreamConnection
@@ -72,7 +73,7 @@ from kvtax.serve.proxy.relay import (
     StreamSink,
 )
 from kvtax.serve.proxy.server import Exchange
-from kvtax.serve.proxy.wire import Framing
+from kvtax.serve.proxy.wire import Framing, Headers
 
 __all__ = ["AccountedRequest", "Schemes", "Shared"]
 
@@ -428,7 +429,13 @@ class AccountedRequest:
                 return None
             stream = False  # the client asked for all kvtax did: it passes unread
         decoded = stream and coding is not None
-        framing, head = response_framing(exchange, conn, rewritten=stream, decoded=decoded)
+        added: Headers = []
+        if conn.status == 503 and shared.gate is not None and shared.gate.settings.on:
+            added = vllm_refused(conn.headers)
+            shared.gate.refused_by_vllm()
+        framing, head = response_framing(
+            exchange, conn, rewritten=stream, decoded=decoded, added=added
+        )
         facts.acks = acks = AckTracker(exchange.transport, unsent=len(head))
         relaying = shared.relay
         if not stream:
