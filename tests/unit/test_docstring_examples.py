@@ -99,7 +99,7 @@ def test_a_method_called_with_arguments_it_does_not_take_is_caught() -> None:
 
 def test_a_missing_argument_is_caught() -> None:
     # Like answers' example leaving out the request.
-    assert "missing a required argument" in _wrong("expected_wait(ahead=8, in_flight=3)")[0]
+    assert "missing a required argument" in _wrong("foretold_wait(ahead=8, ages=[])")[0]
 
 
 def test_a_method_or_reference_that_does_not_exist_is_caught() -> None:
@@ -118,10 +118,7 @@ def test_a_block_that_is_not_python_is_caught() -> None:
 def test_a_placeholder_of_the_reader_s_is_left_alone() -> None:
     # Names the example leaves to the reader (clock(), body) are not the module's to define.
     assert (
-        _wrong(
-            "wait = expected_wait(ahead=len(body), in_flight=3, samples=32, service_time=clock())"
-        )
-        == []
+        _wrong("wait = retry_after(ahead=len(body), completions=3, span=1.0, limit=clock())") == []
     )
     # Nor are the methods of what the example does not say the type of.
     assert _wrong("client.answer(too_large(4))") == []

@@ -21,26 +21,44 @@ import pytest
 from kvtax.expose.samples import Sample
 from kvtax.gate.cap import CapSettings
 from kvtax.gate.order import (
+    OUTLIVED_SHARE,
     RATE_ENOUGH,
     SERVICE_SAMPLES,
     Order,
     ServiceTime,
-    expected_wait,
+    foretold_wait,
 )
 from kvtax.serve.proxy.gatekeeper import REASONS, Gate, GateSettings, Ticket
 
 T0 = 1000.0
 
 
-def test_the_expected_wait_is_those_ahead_and_one_at_the_pace_slots_free() -> None:
-    # 3 in flight of 10 s each free a slot every 10/3 s: 20 ahead and the request, 70 s.
-    assert expected_wait(ahead=20, in_flight=3, samples=3, service_time=10.0) == 70.0
-    assert expected_wait(ahead=8, in_flight=3, samples=32, service_time=10.0) == 30.0
-    # Nobody in flight (a cap of 0) counts as one.
-    assert expected_wait(ahead=1, in_flight=0, samples=5, service_time=2.0) == 4.0
-    # No data, or too little to say: unknown, never a guess.
-    assert expected_wait(ahead=100, in_flight=1, samples=0, service_time=50.0) is None
-    assert expected_wait(ahead=100, in_flight=1, samples=2, service_time=50.0) is None
+def test_the_wait_is_when_the_requests_in_flight_have_freed_a_slot_for_each_ahead() -> None:
+    def wait(ahead: int, ages: list[float], cap: int, durations: list[float]) -> float | None:
+        return foretold_wait(
+            ahead=ahead, ages=ages, cap=cap, samples=3, durations=durations, mean=10.0
+        )
+
+    # 3 in flight just admitted, 10 s each: they leave together at 10 s, and the next 3 at 20.
+    assert wait(2, [0.0, 0.0, 0.0], 3, []) == 10.0
+    assert wait(3, [0.0, 0.0, 0.0], 3, []) == 20.0
+    # Little's law read the first 5 s (3 slots at 10/3 s each): half the wait, half the time.
+    assert wait(0, [0.0, 0.0], 2, []) == 10.0
+    # An older request leaves sooner: 7 s gone of 10, 3 s left.
+    assert wait(0, [7.0, 1.0], 2, []) == 3.0
+    # Past its age, what the recent ones that lasted longer took: 14 and 18 s, 16 on average,
+    # 4 s left at 12 s of age (not the mean's -2).
+    assert wait(0, [12.0, 0.0], 2, [4.0, 6.0, 14.0, 18.0]) == 4.0
+    # A request older than every recent one still holds its slot a while.
+    assert wait(0, [60.0], 1, [10.0] * 3) == OUTLIVED_SHARE * 10.0
+    # A cap cut below those in flight: its first leave lets nobody in.
+    assert wait(0, [8.0, 0.0, 0.0], 2, []) == 10.0
+    # Too little to say: unknown, never a guess.
+    for samples in (0, 2):
+        assert (
+            foretold_wait(ahead=1, ages=[0.0], cap=1, samples=samples, durations=[], mean=5.0)
+            is None
+        )
 
 
 def test_the_service_time_is_the_mean_of_the_last_requests() -> None:

@@ -10,15 +10,16 @@ Retry-After divides the requests ahead by the current completion rate, which
 fixed number of completions spans ever less time as the rate rises, and a rate taken over
 more time than it covers reads low (4,096 completions over 60 s made 200/s read 68/s).
 
-Fail fast: a request that must queue is refused at once when :func:`expected_wait` says it
+Fail fast: a request that must queue is refused at once when :func:`foretold_wait` says it
 would wait past ``--gate.max-wait``; its client hears "no" now, not once the wait has been
 spent. That wait comes from the requests' service time, not from the completion rate:
-:class:`ServiceTime` keeps the mean time from admission to leave of the last
-:data:`SERVICE_SAMPLES` requests, and by Little's law the slots in flight free at about
-``in_flight / service_time`` a second. The completion rate measures the traffic as much as the
-engine (a quiet gate completes one request a minute however fast each is), and a new backlog
-needs many completions to measure its own, which a slow engine takes longer than the wait to
-give; a service time is known after :data:`SERVICE_ENOUGH` requests of any traffic.
+:class:`ServiceTime` keeps the time from admission to leave of the last
+:data:`SERVICE_SAMPLES` requests, and each request in flight frees its slot after what the
+recent requests that lasted longer than its age took past it. The completion rate measures
+the traffic as much as the engine (a quiet gate completes one request a minute however fast
+each is), and a new backlog needs many completions to measure its own, which a slow engine
+takes longer than the wait to give; a service time is known after :data:`SERVICE_ENOUGH`
+requests of any traffic.
 
 Example:
 
@@ -26,14 +27,16 @@ Example:
     (300, 7)
     >>> retry_after(ahead=10, completions=20, span=10.0, limit=60)
     6
-    >>> expected_wait(ahead=8, in_flight=3, samples=32, service_time=10.0)
-    30.0
+    >>> foretold_wait(ahead=2, ages=[0.0, 0.0, 0.0], cap=3, samples=32, durations=[], mean=10.0)
+    10.0
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Literal
 
 __all__ = [
@@ -45,8 +48,9 @@ __all__ = [
     "CompletionRate",
     "Order",
     "ServiceTime",
-    "expected_wait",
+    "foretold_wait",
     "queue_key",
+    "residual",
     "retry_after",
 ]
 
@@ -69,25 +73,61 @@ def retry_after(*, ahead: int, completions: int, span: float, limit: float) -> i
     return max(1, min(math.ceil(limit), math.ceil((ahead + 1) / rate)))
 
 
-def expected_wait(*, ahead: int, in_flight: int, samples: int, service_time: float) -> float | None:
-    """Seconds a request joining the queue behind ``ahead`` others should expect to wait:
-    (ahead + 1) x ``service_time`` / max(1, ``in_flight``). By Little's law the ``in_flight``
-    requests, each held ``service_time`` seconds on average (the mean of ``samples`` finished
-    ones), free about in_flight / service_time slots a second, and the request is in once those
-    ahead and one more have been freed. The count of requests is what frees slots in budget
-    mode too, where the cap is also on KV blocks: a leave gives a slot back whatever blocks it
-    frees (a large head may need several, several small ones may pass on one).
+# A request in flight longer than every recent one is expected to need this share of the mean
+# service time more: it is near its end (or an outlier whose end nothing foretells), and none
+# frees its slot at once.
+OUTLIVED_SHARE = 0.25
+
+
+def residual(age: float, durations: Sequence[float], mean: float) -> float:
+    """Seconds a request admitted ``age`` seconds ago should still hold its slot: the mean of
+    what the recent requests (``durations``) that lasted longer than ``age`` took past it. With
+    no durations (the service time is vLLM's own mean), ``mean - age``. At least
+    :data:`OUTLIVED_SHARE` of ``mean`` either way."""
+    longer = [d - age for d in durations if d > age]
+    left = math.fsum(longer) / len(longer) if longer else mean - age
+    return max(left, OUTLIVED_SHARE * mean)
+
+
+def foretold_wait(
+    *,
+    ahead: int,
+    ages: Sequence[float],
+    cap: int,
+    samples: int,
+    durations: Sequence[float],
+    mean: float,
+) -> float | None:
+    """Seconds until the request behind ``ahead`` queued ones is let in: the requests in flight
+    (admitted ``ages`` seconds ago) leave at their :func:`residual` times, each request let in
+    after them holds its slot ``mean`` seconds (the service time, of ``samples`` requests), and
+    the queue enters while fewer than ``cap`` are in flight.
 
     None, the wait unknown, with fewer than :data:`SERVICE_ENOUGH` samples: none at all says
     nothing (a gate that has served nobody refuses nobody on a guess), and one or two may be an
-    outlier (a request that stopped at its first tokens, a client gone). Unlike a completion
-    rate, a service time is the requests' own, so it holds for the first request to queue as
-    for the last: a request queues only when those in flight fill the cap. The caller refuses
-    nobody on an unknown wait: the queue and ``wait_expired`` then bound it as before.
-    """
-    if samples < SERVICE_ENOUGH or not math.isfinite(service_time) or service_time < 0:
+    outlier. The caller refuses nobody on an unknown wait: the queue and ``wait_expired`` then
+    bound it.
+
+    Little's law, slots freed at ``in_flight / mean`` a second from now on, reads the requests
+    in flight as half done on average. They are not when a burst has just filled the cap:
+    requests admitted together leave together, a whole service time later. A gate that foretold
+    waits that way let requests queue that then waited out ``--gate.max-wait`` (3 of 61
+    refusals, 5 s after arrival, in a cold run at twice the sustained rate). The ages also count
+    a cap cut below the requests in flight, whose first leaves let nobody in."""
+    if samples < SERVICE_ENOUGH or not math.isfinite(mean) or mean < 0:
         return None
-    return (ahead + 1) * service_time / max(1, in_flight)
+    leaving = sorted(residual(age, durations, mean) for age in ages)
+    in_flight, entered, now = len(leaving), 0, 0.0
+    while True:
+        while in_flight < max(1, cap):
+            entered += 1
+            if entered > ahead:
+                return now
+            in_flight += 1
+            heapq.heappush(leaving, now + mean)
+        # At least max(1, cap) in flight, each with its leave in the heap: never empty here.
+        now = heapq.heappop(leaving)
+        in_flight -= 1
 
 
 # The service time is the mean of the last SERVICE_SAMPLES requests' times from admission to
@@ -139,6 +179,10 @@ class ServiceTime:
         self._adds += 1
         if self._adds % SERVICE_SAMPLES == 0:
             self._total = math.fsum(durations)
+
+    def durations(self) -> tuple[float, ...]:
+        """The window's durations, oldest first (none while only vLLM's seed is known)."""
+        return tuple(self._durations)
 
     def reading(self) -> tuple[int, float]:
         """The durations in the window and their mean (0 with none); before enough have left,

@@ -5,7 +5,7 @@ The decisions are pure functions of :mod:`kvtax.gate`; this module holds the sta
 act on. :meth:`Gate.enter` admits a request at once when it fits and would head the queue,
 else queues it, or sheds it at once with a reason: ``queue_full`` past ``--gate.max-queue``,
 ``wait_predicted`` when the requests' service time says it would wait past
-``--gate.max-wait`` (:func:`~kvtax.gate.order.expected_wait`). A queued request is admitted in
+``--gate.max-wait`` (:func:`~kvtax.gate.order.foretold_wait`). A queued request is admitted in
 :mod:`~kvtax.gate.order` as slots free, or shed as ``wait_expired`` once it did wait that
 long: the backstop for a wait that ran longer than foretold, or that nothing could foretell.
 A queued client that goes away (its handler is cancelled) leaves the queue at once.
@@ -74,7 +74,7 @@ from kvtax.gate.order import (
     CompletionRate,
     Order,
     ServiceTime,
-    expected_wait,
+    foretold_wait,
     queue_key,
     retry_after,
 )
@@ -197,6 +197,7 @@ class Gate:
         self._seq = itertools.count()
         self._done = CompletionRate(clock())
         self._service = ServiceTime()
+        self._flying: set[Ticket] = set()  # admitted and not yet left: their ages foretell waits
         self._footprints: deque[int] = deque(maxlen=256)
         self._totals: Totals = {}
 
@@ -391,22 +392,28 @@ class Gate:
 
     def _foretold_too_long(self, ticket: Ticket) -> bool:
         """``ticket``, which must queue, would wait past ``--gate.max-wait``: the requests ahead
-        of it and itself, as fast as the requests in flight free their slots by their service
-        time (:func:`~kvtax.gate.order.expected_wait`). Refused now, its client can go elsewhere
+        of it and itself, as the requests in flight leave by their age and the service time
+        (:func:`~kvtax.gate.order.foretold_wait`). Refused now, its client can go elsewhere
         while waiting there still helps.
 
         The first request to queue is judged too: it queues because those in flight fill the
         cap, and they free it at the pace their service time says, whatever the traffic before.
         In ``shortest`` order only the requests it would follow count, and they are counted only
-        when everyone queued would be too many. A cap cut below the requests in flight makes the
-        wait read short (the first leaves admit nobody): the estimate errs towards queueing,
-        and ``wait_expired`` stays the backstop."""
+        when everyone queued would be too many. In budget mode a head too large for the blocks
+        left can wait longer than foretold: ``wait_expired`` stays the backstop."""
         samples, service_time = self._service.reading()
-        in_flight, limit = self.in_flight, self.settings.max_wait
+        now, limit = self.clock(), self.settings.max_wait
+        ages = [now - t.admitted_at for t in self._flying]
+        durations = self._service.durations()
 
         def too_long(ahead: int) -> bool:
-            wait = expected_wait(
-                ahead=ahead, in_flight=in_flight, samples=samples, service_time=service_time
+            wait = foretold_wait(
+                ahead=ahead,
+                ages=ages,
+                cap=self.state.cap,
+                samples=samples,
+                durations=durations,
+                mean=service_time,
             )
             return wait is not None and wait > limit
 
@@ -439,6 +446,7 @@ class Gate:
             self.shares.served(ticket.band, ticket.turn)
         ticket.admitted = True
         ticket.admitted_at = now = self.clock()
+        self._flying.add(ticket)
         self.in_flight += 1
         self.blocks_in_flight += ticket.blocks
         self.admitted += 1
@@ -481,6 +489,7 @@ class Gate:
         if not ticket.admitted:
             return
         ticket.admitted = False
+        self._flying.discard(ticket)
         self.in_flight -= 1
         self.blocks_in_flight -= ticket.blocks
         now = self.clock()
