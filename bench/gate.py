@@ -50,7 +50,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,13 +209,22 @@ def tokens_of(event: dict[str, Any], count: int) -> int:
 
 
 async def attempt(
-    session: aiohttp.ClientSession, url: str, body: bytes, rec: Record, t0: float
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    rec: Record,
+    t0: float,
+    *,
+    headers: Mapping[str, str] | None = None,
 ) -> None:
-    """One try of one request, into ``rec``; times are seconds after ``t0``."""
+    """One try of one request, into ``rec``; times are seconds after ``t0``. ``headers``: the
+    request's own besides its content type (a tenant's, for the gate's fair shares)."""
     began = time.monotonic()
     try:
         async with session.post(
-            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            url + "/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json", **(headers or {})},
         ) as resp:
             rec.status = resp.status
             if resp.status in REFUSED:
@@ -268,10 +277,18 @@ async def _finish(tasks: Sequence[asyncio.Task[None]], until: float, t0: float) 
 
 
 async def open_loop(
-    url: str, specs: Sequence[Spec], salt: str, model: str, *, duration: float, drain: float
+    url: str,
+    specs: Sequence[Spec],
+    salt: str,
+    model: str,
+    *,
+    duration: float,
+    drain: float,
+    headers: Callable[[Spec], Mapping[str, str]] | None = None,
 ) -> tuple[list[Record], float]:
     """Send each request at its time, once; wait ``drain`` seconds past the window for the
-    rest. Returns the records and the cutoff (seconds after the start)."""
+    rest. Returns the records and the cutoff (seconds after the start). ``headers``: each
+    request's own headers."""
     bodies = [request_body(s, salt, model) for s in specs]  # built before the clock starts
     records = [_record(s, s.at) for s in specs]
     async with _session() as session:
@@ -282,7 +299,7 @@ async def open_loop(
             if delay > 0:
                 await asyncio.sleep(delay)
             rec.sent = time.monotonic() - t0
-            await attempt(session, url, body, rec, t0)
+            await attempt(session, url, body, rec, t0, headers=headers(spec) if headers else None)
 
         tasks = [
             asyncio.create_task(one(s, b, r))

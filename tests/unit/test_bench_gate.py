@@ -596,3 +596,21 @@ def test_long_and_short_requests_are_shown_apart_when_the_mix_has_both() -> None
     # One kind only (the long workload): no table.
     fifo.requests = [r for r in fifo.requests if r["long"]]
     assert by_length_table([fifo]) is None
+
+
+def test_the_fairness_bench_merges_the_tenants_schedules_and_tells_them_apart() -> None:
+    """Both tenants' Poisson schedules in one, by time, each request's tenant read back from
+    its index; B's schedule is the same whether A bursts beside it or not."""
+    from bench.gate_fair import Tenant, tenant_of, tenant_specs
+
+    a, b = Tenant("a", 4.0, 25), Tenant("b", 0.3, 26)
+    both = tenant_specs([a, b], rate=1.0, duration=60.0)
+    alone = tenant_specs([b], rate=1.0, duration=60.0)
+    assert [s.at for s in both] == sorted(s.at for s in both)
+    tenants = [tenant_of(s.index, [a, b]) for s in both]
+    assert 180 < tenants.count("a") < 300  # 4 a second for 60 s
+    b_specs = [
+        (s.at, s.prompt_tokens, s.max_tokens) for s in both if tenant_of(s.index, [a, b]) == "b"
+    ]
+    assert b_specs == [(s.at, s.prompt_tokens, s.max_tokens) for s in alone]
+    assert {tenant_of(s.index, [b]) for s in alone} == {"b"}
