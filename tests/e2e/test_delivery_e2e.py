@@ -329,7 +329,12 @@ def test_a_reader_that_stalls_then_resets_is_counted_what_its_stack_acknowledged
         while _vllm(vllm_engine).get(finished, 0.0) == finished_before:
             assert time.monotonic() < deadline, "vLLM never finished the stream"
             time.sleep(0.05)
-        time.sleep(1.0)  # kvtax relays vLLM's last bytes, the client's stack acknowledges
+        # Once the client's stack advertises a zero window, kvtax can send it nothing more and
+        # the ACK that closed the window covered every byte the stack holds: the peek below is
+        # then what kvtax's count of acknowledged bytes must match, however slow kvtax is.
+        while _advertised_window(sock) > 0:
+            assert time.monotonic() < deadline, "the client's receive window never closed"
+            time.sleep(0.05)
         held = got.split(b"\r\n\r\n", 1)[1] + sock.recv(1 << 20, socket.MSG_PEEK)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     finally:
@@ -342,6 +347,20 @@ def test_a_reader_that_stalls_then_resets_is_counted_what_its_stack_acknowledged
     print(f"stalled reader: its stack took {has} token events; kvtax counted {counted:.0f}")
     assert 0 < has < max_tokens
     assert has - 1 <= counted <= has
+
+
+# struct tcp_info (linux/tcp.h): tcpi_rcv_wnd, the window this socket last advertised, is a u32
+# at byte 232 since Linux 6.2.
+_RCV_WND_AT = 232
+
+
+def _advertised_window(sock: socket.socket) -> int:
+    """The receive window the socket's stack last advertised to its peer, in bytes."""
+    raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _RCV_WND_AT + 4)
+    if len(raw) < _RCV_WND_AT + 4:
+        pytest.skip("this kernel's TCP_INFO has no tcpi_rcv_wnd (Linux 6.2 added it)")
+    (window,) = struct.unpack_from("=I", raw, _RCV_WND_AT)
+    return int(window)
 
 
 def _window_ratio(page: dict[str, float], name: str) -> float:
