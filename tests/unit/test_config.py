@@ -122,6 +122,7 @@ def test_bad_yaml_value_names_the_file_and_key(tmp_path: Path) -> None:
         ({"scrape.interval": "5s", "scrape.timeout": "5s"}, ("timeout", "5.0", "interval")),
         ({"scrape.interval": "5s", "scrape.timeout": "9s"}, ("timeout", "9.0", "interval")),
         ({"scrape.interval": "5s", "window": "8s"}, ("window", "8.0")),
+        ({"gate.fair_reserve": "true"}, ("--gate.fair-reserve", "--gate.fairness-header")),
     ],
 )
 def test_cross_field_checks(flags: dict[str, str], words: tuple[str, ...]) -> None:

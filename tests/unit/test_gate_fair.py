@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtax.gate.fair import MAX_KEY_BYTES, FairShares
+from kvtax.gate.fair import MAX_KEY_BYTES, RECENT_S, FairShares, Holdings
 
 
 def test_a_burst_of_one_key_does_not_hold_back_another() -> None:
@@ -49,3 +49,35 @@ def test_a_priority_is_an_integer_in_range_else_0() -> None:
         for value in (b"5", b" -3 ", b"high", b"99999", b"")
     ]
     assert read == [5, -3, 0, 0, 0]
+
+
+def test_a_key_holds_its_share_of_the_cap_among_the_keys_seen_lately() -> None:
+    """Reserve: with two keys of a band seen lately, each may hold half the cap (rounded up);
+    once one has been quiet for RECENT_S, the other may hold all of it again."""
+    holdings = Holdings()
+    a, b = (0, b"a"), (0, b"b")
+    holdings.seen(a, 0.0)
+    holdings.seen(b, 0.0)
+    holdings.took(a)
+    assert not holdings.within_share(a, cap=2, now=1.0)
+    assert holdings.within_share(b, cap=2, now=1.0)
+    assert holdings.within_share(a, cap=3, now=1.0)  # 3 / 2 rounds up to 2
+    holdings.seen(a, RECENT_S + 5.0)  # b quiet since 0
+    assert holdings.within_share(a, cap=2, now=RECENT_S + 5.0)
+    holdings.gave(a)
+    holdings.gave(a)  # more gives than takes hold nothing, not less than nothing
+    holdings.took(a)
+    assert holdings.within_share(a, cap=2, now=RECENT_S + 5.0)
+
+
+def test_a_new_key_is_counted_at_once_and_other_bands_not_at_all() -> None:
+    """The count of keys seen lately is reused for a second, except when a key turns up:
+    then the band's share changes at its first request. Keys of another band do not count."""
+    holdings = Holdings()
+    a = (0, b"a")
+    holdings.seen(a, 0.0)
+    holdings.seen((1, b"other-band"), 0.0)
+    holdings.took(a)
+    assert holdings.within_share(a, cap=2, now=0.1)  # the count (1 key in band 0) is cached
+    holdings.seen((0, b"b"), 0.2)
+    assert not holdings.within_share(a, cap=2, now=0.3)

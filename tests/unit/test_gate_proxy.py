@@ -812,3 +812,42 @@ async def test_a_higher_priority_band_is_served_first(
         fake.slots.release()
     assert [await task for task in (first, *queued)] == [200] * 4
     assert [json.loads(body)["prompt"] for body in fake.bodies] == ["low0", "high", "low1", "low2"]
+
+
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserve-on", "reserve-off"])
+async def test_a_reserved_share_lets_a_quiet_tenant_in_while_a_burst_waits(
+    vllm: tuple[HeldVllm, str], proxies: Started, reserve: bool
+) -> None:
+    """With --gate.fair-reserve, tenant a holds at most its half of a cap of 2 once tenant b
+    has been seen: b's next request goes to vLLM at once, beside a's one in flight, while a's
+    burst waits. Without it, a's burst fills the cap and b's request queues behind it."""
+    fake, upstream = vllm
+    gate = _gate(
+        cap=CapSettings(mode="static", static_cap=2),
+        fairness_header=b"x-tenant",
+        fair_reserve=reserve,
+    )
+    url = await _start(proxies, upstream, gate)
+
+    async def post(tenant: str, prompt: str) -> int:
+        body = {**BODY, "prompt": prompt}
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(url + "/v1/completions", json=body, headers={"X-Tenant": tenant}) as resp,
+        ):
+            return resp.status
+
+    seen = asyncio.ensure_future(post("b", "b0"))  # b is seen, and leaves
+    assert await until(lambda: len(fake.bodies) == 1)
+    fake.slots.release()
+    assert await seen == 200
+    burst = [asyncio.ensure_future(post("a", f"a{i}")) for i in range(3)]
+    assert await until(lambda: gate.in_flight + gate.queued == 3)
+    quiet = asyncio.ensure_future(post("b", "b1"))
+    assert await until(lambda: gate.in_flight + gate.queued == 4 and len(fake.bodies) == 3)
+    tenants = [json.loads(body)["prompt"][0] for body in fake.bodies]
+    assert tenants == (["b", "a", "b"] if reserve else ["b", "a", "a"])
+    assert (gate.in_flight, gate.queued) == (2, 2)
+    for _ in range(4):
+        fake.slots.release()
+    assert [await task for task in (*burst, quiet)] == [200] * 4

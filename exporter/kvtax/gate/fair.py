@@ -14,6 +14,13 @@ The keys remembered are bounded (:data:`MAX_KEYS`, the least recently seen forgo
 forgotten key starts at the current round, as a new one does), and so is a key's length
 (:data:`MAX_KEY_BYTES`): a client cannot grow kvtax by inventing keys.
 
+Reserved shares (``--gate.fair-reserve``, :class:`Holdings`): the queue's order cannot help a
+request that must wait for the requests already in flight, so a key that sends now and then can
+still wait behind a burst that fills the cap. With reserve on, no key holds more than its equal
+share of the cap, rounded up, among the keys of its band seen in the last :data:`RECENT_S`
+seconds: a quiet key's next request finds a slot free. The price is capacity held back while
+that key is quiet.
+
 Example::
 
     shares = FairShares()
@@ -27,12 +34,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["MAX_KEYS", "MAX_KEY_BYTES", "PRIORITY_RANGE", "FairShares"]
+__all__ = ["MAX_KEYS", "MAX_KEY_BYTES", "PRIORITY_RANGE", "RECENT_S", "FairShares", "Holdings"]
 
 MAX_KEYS = 4096
 MAX_KEY_BYTES = 256
 # A priority is an integer in this range; outside it, or not an integer, it is 0.
 PRIORITY_RANGE = (-1000, 1000)
+# A key seen this recently keeps its share of the cap reserved (--gate.fair-reserve).
+RECENT_S = 60.0
+# How long a band's count of recent keys is reused: counting walks the keys seen lately.
+_RECOUNT_S = 1.0
 
 
 class FairShares:
@@ -80,6 +91,58 @@ class FairShares:
     @property
     def keys(self) -> int:
         return len(self._last)
+
+
+Slot = tuple[int, bytes]  # (band, key)
+
+
+class Holdings:
+    """The requests each key has in flight, and each key's reserved share of the cap; see the
+    module docstring. Keys are remembered as :class:`FairShares` remembers them (bounded)."""
+
+    def __init__(self, *, recent: float = RECENT_S, max_keys: int = MAX_KEYS) -> None:
+        self.recent = recent
+        self.max_keys = max_keys
+        self._holding: dict[Slot, int] = {}
+        self._seen: OrderedDict[Slot, float] = OrderedDict()
+        self._counted: dict[int, tuple[float, int]] = {}  # band -> (when, keys seen lately)
+
+    def seen(self, slot: Slot, now: float) -> None:
+        """A request of ``slot``'s key arrived at ``now``."""
+        last = self._seen.get(slot)
+        if last is None or now - last >= self.recent:
+            self._counted.pop(slot[0], None)  # one more key seen lately: count them again
+        self._seen[slot] = now
+        self._seen.move_to_end(slot)
+        while len(self._seen) > self.max_keys:
+            self._seen.popitem(last=False)
+
+    def within_share(self, slot: Slot, cap: int, now: float) -> bool:
+        """``slot``'s key may take one more request in flight under a cap of ``cap``."""
+        return self._holding.get(slot, 0) < -(-cap // self._recent_keys(slot[0], now))
+
+    def took(self, slot: Slot) -> None:
+        self._holding[slot] = self._holding.get(slot, 0) + 1
+
+    def gave(self, slot: Slot) -> None:
+        left = self._holding.get(slot, 0) - 1
+        if left > 0:
+            self._holding[slot] = left
+        else:
+            self._holding.pop(slot, None)
+
+    def _recent_keys(self, band: int, now: float) -> int:
+        counted = self._counted.get(band)
+        if counted is not None and now - counted[0] < _RECOUNT_S:
+            return counted[1]
+        since, keys = now - self.recent, 0
+        for (seen_band, _), at in reversed(self._seen.items()):
+            if at < since:
+                break  # the rest were seen earlier still
+            keys += seen_band == band
+        keys = max(1, keys)
+        self._counted[band] = (now, keys)
+        return keys
 
 
 def _priority(value: bytes) -> int:

@@ -199,6 +199,7 @@ def gate_settings(config: Config) -> GateSettings:
         max_model_len=config.gate_max_model_len,
         fairness_header=_header(config.gate_fairness_header),
         priority_header=_header(config.gate_priority_header),
+        fair_reserve=config.gate_fair_reserve,
     )
 
 

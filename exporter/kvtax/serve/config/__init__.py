@@ -168,6 +168,11 @@ def _check_together(config: Config) -> None:
             f"--gate.floor={config.gate_floor} is invalid: must not exceed "
             f"--gate.ceiling={config.gate_ceiling}"
         )
+    if config.gate_fair_reserve and config.gate_fairness_header is None:
+        raise ConfigError(
+            "--gate.fair-reserve=true is invalid: it reserves shares of fairness keys; "
+            "set --gate.fairness-header too"
+        )
 
 
 def _with_token_file(config: Config) -> Config:

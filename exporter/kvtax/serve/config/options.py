@@ -354,6 +354,15 @@ class Config:
         "band.",
         "HEADER",
     )
+    gate_fair_reserve: bool = option(
+        "gate.fair_reserve",
+        "false",
+        v.boolean,
+        "With --gate.fairness-header: no key holds more than its equal share of the cap among "
+        "the keys of its band seen in the last minute, so a quiet key's next request finds a "
+        "slot free. The slots held back stay idle while that key is quiet.",
+        "BOOL",
+    )
     gate_token_budget: int | None = option(
         "gate.token_budget",
         None,

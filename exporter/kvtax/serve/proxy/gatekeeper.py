@@ -61,7 +61,7 @@ from kvtax.delivery.ledger import HistogramAccumulator
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.derive import ModelFigures
 from kvtax.gate.cap import CapSettings, CapState, block_size_of, initial, step
-from kvtax.gate.fair import FairShares
+from kvtax.gate.fair import FairShares, Holdings
 from kvtax.gate.footprint import (
     MAX_FOOTPRINT,
     OverBudget,
@@ -125,6 +125,8 @@ class GateSettings:
     # round-robin with the other keys of its band, and its priority band, served strictly.
     fairness_header: bytes | None = None
     priority_header: bytes | None = None
+    # With a fairness header: no key holds more than its share of the cap (kvtax.gate.fair).
+    fair_reserve: bool = False
 
     @property
     def on(self) -> bool:
@@ -145,6 +147,7 @@ class Ticket:
     queued: bool = False  # in the queue's heap and not gone (a leaver's entry stays, unmarked)
     band: int = 0  # its priority band (higher first); 0 without fair shares
     turn: int = 0  # its round within its band (kvtax.gate.fair); 0 without fair shares
+    key: bytes = b""  # its fairness key; empty without fair shares
 
 
 @dataclass(slots=True, eq=False)
@@ -192,6 +195,8 @@ class Gate:
         self._queue: list[tuple[QueueKey, Ticket]] = []
         self.shares = FairShares()
         self._fair = settings.fairness_header is not None or settings.priority_header is not None
+        self.holdings = Holdings()
+        self._reserve = self._fair and settings.fair_reserve
         self._waiting = 0  # tickets in the heap still queued
         self.closed = False  # shutdown began: close() emptied the queue, enter() refuses
         self._seq = itertools.count()
@@ -296,10 +301,12 @@ class Gate:
         )
         if self._fair:  # its band and key from ``headers``, its round from its key's last
             settings = self.settings
-            ticket.band, key = self.shares.classify(
+            ticket.band, ticket.key = self.shares.classify(
                 headers, fairness=settings.fairness_header, priority=settings.priority_header
             )
-            ticket.turn = self.shares.turn(ticket.band, key)
+            ticket.turn = self.shares.turn(ticket.band, ticket.key)
+            if self._reserve:
+                self.holdings.seen((ticket.band, ticket.key), ticket.arrived)
         return ticket
 
     @property
@@ -334,6 +341,14 @@ class Gate:
         return self._waiting
 
     def fits(self, ticket: Ticket) -> bool:
+        return self._room_for(ticket) and self._within_share(ticket)
+
+    def _within_share(self, ticket: Ticket) -> bool:
+        if not self._reserve:
+            return True
+        return self.holdings.within_share((ticket.band, ticket.key), self.state.cap, self.clock())
+
+    def _room_for(self, ticket: Ticket) -> bool:
         if self.in_flight >= self.state.cap:
             return False
         budget = self.state.budget_blocks
@@ -365,6 +380,8 @@ class Gate:
         heapq.heappush(self._queue, (self._key(ticket), ticket))
         ticket.queued = True
         self._waiting += 1
+        if self._reserve:  # the heads may be keys at their share, with room for this one
+            self._pump()
         try:
             async with asyncio.timeout(self.settings.max_wait):
                 await ticket.waiter
@@ -444,6 +461,8 @@ class Gate:
     def _admit(self, ticket: Ticket) -> None:
         if self._fair:
             self.shares.served(ticket.band, ticket.turn)
+        if self._reserve:
+            self.holdings.took((ticket.band, ticket.key))
         ticket.admitted = True
         ticket.admitted_at = now = self.clock()
         self._flying.add(ticket)
@@ -478,11 +497,19 @@ class Gate:
         return queue[0][1] if queue else None
 
     def _pump(self) -> None:
-        while (head := self._head()) is not None and self.fits(head):
-            heapq.heappop(self._queue)
+        """Admit from the head while there is room. A head whose key holds its share already
+        (--gate.fair-reserve) is set aside for this pass, so the keys behind it get their turn."""
+        aside: list[tuple[QueueKey, Ticket]] = []
+        while (head := self._head()) is not None and self._room_for(head):
+            entry = heapq.heappop(self._queue)
+            if not self._within_share(head):
+                aside.append(entry)
+                continue
             head.queued = False
             self._waiting -= 1
             self._admit(head)
+        for entry in aside:
+            heapq.heappush(self._queue, entry)
 
     def leave(self, ticket: Ticket) -> None:
         """The request ended: its slot and blocks go to the next in line."""
@@ -490,6 +517,8 @@ class Gate:
             return
         ticket.admitted = False
         self._flying.discard(ticket)
+        if self._reserve:
+            self.holdings.gave((ticket.band, ticket.key))
         self.in_flight -= 1
         self.blocks_in_flight -= ticket.blocks
         now = self.clock()
