@@ -33,7 +33,15 @@ from typing import Self, TypeVar
 
 import requests
 
-__all__ = ["ChildProcess", "ChildStartError", "http_ok", "poll_until", "port_open", "tail"]
+__all__ = [
+    "HANG_GUARD_S",
+    "ChildProcess",
+    "ChildStartError",
+    "http_ok",
+    "poll_until",
+    "port_open",
+    "tail",
+]
 
 T = TypeVar("T")
 TAIL_LINES = 40
@@ -71,6 +79,12 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
             return True
     except OSError:
         return False
+
+
+# The one hang guard of the end-to-end tests' waits: a wait that reaches it is a hang, not a
+# slow machine, so it is set far above any wait seen on a loaded two-core CI runner. Waits are
+# for conditions; nothing is timed against it.
+HANG_GUARD_S = 600.0
 
 
 async def until(condition: Callable[[], bool], limit: float = 30.0) -> bool:

@@ -25,6 +25,7 @@ from kvtax.mixin.rules.alertmanager import alertmanager_config
 from kvtax.mixin.rules.recording import METHOD_PREFERENCE
 from kvtax.mixin.rules.render import alerts_yaml, dump, recording_yaml
 from kvtax.serve.config.values import parse_duration
+from kvtax_dev.process import HANG_GUARD_S
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import RequestResult, drive
 from kvtax_dev.testbed.promstack import AlertmanagerProcess, PrometheusProcess, prometheus_config
@@ -33,7 +34,6 @@ from kvtax_dev.testbed.webhook import Notification, WebhookReceiver
 
 pytestmark = pytest.mark.e2e
 
-HANG_GUARD_S = 420.0  # fails a hung run; not a performance claim
 ALERT = "KvtaxVllmPreempting"
 PREEMPTIONS = CONCEPTS["preemptions"].names[0]
 TAX = per_pod("kvtax_preemption_tax", f"ratio_rate{TEST_PROFILE.rate_window}")

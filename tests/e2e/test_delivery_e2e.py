@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 import requests
 
+from kvtax_dev.process import HANG_GUARD_S
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.sidecar import KvtaxProcess, parse_metrics, series_key
 
@@ -245,7 +246,7 @@ def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: Kv
     warm = requests.post(
         vllm_engine.url + "/v1/completions",
         json=_body("completion", False, 2, logprobs=5),
-        timeout=120,
+        timeout=HANG_GUARD_S,
     )
     warm.raise_for_status()
     finished = "vllm:request_success_total/length"
@@ -253,7 +254,7 @@ def test_client_disconnect_aborts_the_request(vllm_engine: VllmEngine, kvtax: Kv
     asyncio.run(read_a_little_back_up_then_leave(before))
     let_go = time.monotonic()
     # Wait (bounded only against hangs) for vLLM to drop the request from its batch.
-    deadline = let_go + 60
+    deadline = let_go + HANG_GUARD_S
     while _vllm(vllm_engine).get("vllm:num_requests_running", 1.0) > 0:
         assert time.monotonic() < deadline, "vLLM kept running the abandoned request"
         time.sleep(0.02)
@@ -325,7 +326,7 @@ def test_a_reader_that_stalls_then_resets_is_counted_what_its_stack_acknowledged
         got = b""
         while b"\r\n\r\n" not in got:
             got += sock.recv(256)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while _vllm(vllm_engine).get(finished, 0.0) == finished_before:
             assert time.monotonic() < deadline, "vLLM never finished the stream"
             time.sleep(0.05)

@@ -25,9 +25,9 @@ from kvtax.mixin.dashboards import dashboards
 from kvtax.mixin.rules import TEST_PROFILE
 from kvtax_dev import dev_env
 from kvtax_dev.preview import first_rows
+from kvtax_dev.process import HANG_GUARD_S
 from kvtax_dev.testbed.engine import beside_cores
 
-HANG_GUARD_S = 600.0  # fails a hung run; not a performance claim
 _cores = beside_cores()
 _BESIDE = {"VLLM_CPU_OMP_THREADS_BIND": _cores} if _cores is not None else {}
 

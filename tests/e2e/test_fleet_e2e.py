@@ -62,6 +62,7 @@ from kvtax_dev import repo_root
 from kvtax_dev.dashboard_lint import queries
 from kvtax_dev.exposition import read_samples, read_series
 from kvtax_dev.plugindir import build_plugin_dir
+from kvtax_dev.process import HANG_GUARD_S
 from kvtax_dev.promapi import PrometheusApi
 from kvtax_dev.testbed import EngineStartError, VllmEngine
 from kvtax_dev.testbed.engine import cache_dir, ensure_vllm_venv
@@ -107,7 +108,6 @@ HOT_CORES, CALM_CORES = "[0]", "[1]"
 # Measured in three runs: |recorded - by hand| 0.0002, 0.0000, 0.0002 (fleet taxes 0.22-0.25).
 # The bound is in tax points (a share, 0-1).
 TAX_TOLERANCE = 0.005
-HANG_GUARD_S = 420.0  # fails a hung run; not a performance claim
 ALERT_WAIT_S = 90.0  # how long past the load's end the alerts may still take to fire
 # How long past the load's end the calm pod is still watched: the test profile's 20 s windows
 # sliding past the load's last samples, plus its 5 s hold and a few evaluations.

@@ -33,14 +33,13 @@ from pathlib import Path
 import requests
 
 from kvtax_dev import dev_env
-from kvtax_dev.process import poll_until
+from kvtax_dev.process import HANG_GUARD_S, poll_until
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.freeze import Freezer
 
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} (\S+)$", re.MULTILINE)
 _PNG = b"\x89PNG\r\n\x1a\n"
 LEVELS = (1, 2, 4, 6, 8)
-HANG_GUARD_S = 120.0  # fails a hung run; not a performance claim
 _RECEIVED = re.compile(r"\bbytes_received:(\d+)")
 
 
