@@ -6,7 +6,8 @@ both open loop (Poisson arrivals, nothing retried), for ``--duration`` seconds, 
 
 - ``b-alone``: B's arrivals only, as the reference of what B gets from this engine;
 - ``reserve``: both tenants, with ``--gate.fairness-header=x-tenant --gate.fair-reserve=true``:
-  the keys round-robin, and neither holds more than half the cap while both are seen;
+  the keys round-robin, and a key with requests in flight leaves a slot free for the other
+  while that one has none;
 - ``fair``: both tenants, with ``--gate.fairness-header=x-tenant``: the queue serves the keys
   round-robin;
 - ``unfair``: both tenants, the same gate without the header: one FIFO queue.

@@ -51,33 +51,44 @@ def test_a_priority_is_an_integer_in_range_else_0() -> None:
     assert read == [5, -3, 0, 0, 0]
 
 
-def test_a_key_holds_its_share_of_the_cap_among_the_keys_seen_lately() -> None:
-    """Reserve: with two keys of a band seen lately, each may hold half the cap (rounded up);
-    once one has been quiet for RECENT_S, the other may hold all of it again."""
+def test_a_busy_key_leaves_a_free_slot_for_each_quiet_key_seen_lately() -> None:
+    """Reserve: a key holding requests does not take the last free slot while another key seen
+    lately holds none; that key may take any free slot. Once it has been quiet for RECENT_S,
+    its slot is no longer kept."""
     holdings = Holdings()
     a, b = (0, b"a"), (0, b"b")
     holdings.seen(a, 0.0)
     holdings.seen(b, 0.0)
+    assert holdings.may_take(a, cap=2, in_flight=0, now=1.0)  # a holds none
     holdings.took(a)
-    assert not holdings.within_share(a, cap=2, now=1.0)
-    assert holdings.within_share(b, cap=2, now=1.0)
-    assert holdings.within_share(a, cap=3, now=1.0)  # 3 / 2 rounds up to 2
-    holdings.seen(a, RECENT_S + 5.0)  # b quiet since 0
-    assert holdings.within_share(a, cap=2, now=RECENT_S + 5.0)
-    holdings.gave(a)
-    holdings.gave(a)  # more gives than takes hold nothing, not less than nothing
+    assert not holdings.may_take(a, cap=2, in_flight=1, now=1.0)  # the last slot is b's
+    assert holdings.may_take(a, cap=3, in_flight=1, now=1.0)
+    assert holdings.may_take(b, cap=2, in_flight=1, now=1.0)
+    holdings.took(b)  # b holds one now: nothing is kept for it
+    assert holdings.may_take(a, cap=3, in_flight=2, now=1.0)
+    holdings.seen(a, RECENT_S + 5.0)
+    holdings.gave(b)  # b left, and has been quiet since 0
+    assert holdings.may_take(a, cap=2, in_flight=1, now=RECENT_S + 5.0)
+
+
+def test_more_gives_than_takes_hold_nothing() -> None:
+    holdings = Holdings()
+    a, b = (0, b"a"), (0, b"b")
+    holdings.seen(a, 0.0)
+    holdings.seen(b, 0.0)
+    holdings.gave(b)
     holdings.took(a)
-    assert holdings.within_share(a, cap=2, now=RECENT_S + 5.0)
+    assert not holdings.may_take(a, cap=2, in_flight=1, now=0.0)  # b still counted as quiet
 
 
 def test_a_new_key_is_counted_at_once_and_other_bands_not_at_all() -> None:
     """The count of keys seen lately is reused for a second, except when a key turns up:
-    then the band's share changes at its first request. Keys of another band do not count."""
+    then the slots kept free change at its first request. Keys of another band do not count."""
     holdings = Holdings()
     a = (0, b"a")
     holdings.seen(a, 0.0)
     holdings.seen((1, b"other-band"), 0.0)
     holdings.took(a)
-    assert holdings.within_share(a, cap=2, now=0.1)  # the count (1 key in band 0) is cached
+    assert holdings.may_take(a, cap=2, in_flight=1, now=0.1)  # the count (1 key in band 0)
     holdings.seen((0, b"b"), 0.2)
-    assert not holdings.within_share(a, cap=2, now=0.3)
+    assert not holdings.may_take(a, cap=2, in_flight=1, now=0.3)

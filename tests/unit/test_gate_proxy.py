@@ -815,12 +815,13 @@ async def test_a_higher_priority_band_is_served_first(
 
 
 @pytest.mark.parametrize("reserve", [True, False], ids=["reserve-on", "reserve-off"])
-async def test_a_reserved_share_lets_a_quiet_tenant_in_while_a_burst_waits(
+async def test_a_reserved_slot_lets_a_quiet_tenant_in_while_a_burst_waits(
     vllm: tuple[HeldVllm, str], proxies: Started, reserve: bool
 ) -> None:
-    """With --gate.fair-reserve, tenant a holds at most its half of a cap of 2 once tenant b
-    has been seen: b's next request goes to vLLM at once, beside a's one in flight, while a's
-    burst waits. Without it, a's burst fills the cap and b's request queues behind it."""
+    """With --gate.fair-reserve, tenant a, holding one request, leaves the last slot of a cap
+    of 2 free for tenant b, seen lately and holding none: b's next request goes to vLLM at once,
+    beside a's one in flight, while a's burst waits. Without it, a's burst fills the cap and
+    b's request queues behind it."""
     fake, upstream = vllm
     gate = _gate(
         cap=CapSettings(mode="static", static_cap=2),

@@ -14,12 +14,13 @@ The keys remembered are bounded (:data:`MAX_KEYS`, the least recently seen forgo
 forgotten key starts at the current round, as a new one does), and so is a key's length
 (:data:`MAX_KEY_BYTES`): a client cannot grow kvtax by inventing keys.
 
-Reserved shares (``--gate.fair-reserve``, :class:`Holdings`): the queue's order cannot help a
+Reserved slots (``--gate.fair-reserve``, :class:`Holdings`): the queue's order cannot help a
 request that must wait for the requests already in flight, so a key that sends now and then can
-still wait behind a burst that fills the cap. With reserve on, no key holds more than its equal
-share of the cap, rounded up, among the keys of its band seen in the last :data:`RECENT_S`
-seconds: a quiet key's next request finds a slot free. The price is capacity held back while
-that key is quiet.
+still wait behind a burst that fills the cap. With reserve on, a key that already has requests
+in flight does not take the last free slots while other keys of its band, seen in the last
+:data:`RECENT_S` seconds, have none: one slot is kept free for each of them, and their next
+request is let in at once. A key with nothing in flight may take any free slot. The price is a
+slot held back while a quiet key is quiet; the busy key keeps the rest of the cap.
 
 Example::
 
@@ -97,13 +98,15 @@ Slot = tuple[int, bytes]  # (band, key)
 
 
 class Holdings:
-    """The requests each key has in flight, and each key's reserved share of the cap; see the
-    module docstring. Keys are remembered as :class:`FairShares` remembers them (bounded)."""
+    """The requests each key has in flight, and the slots kept free for the keys seen lately
+    that have none; see the module docstring. Keys are remembered as :class:`FairShares`
+    remembers them (bounded)."""
 
     def __init__(self, *, recent: float = RECENT_S, max_keys: int = MAX_KEYS) -> None:
         self.recent = recent
         self.max_keys = max_keys
         self._holding: dict[Slot, int] = {}
+        self._holders: dict[int, int] = {}  # band -> keys with requests in flight
         self._seen: OrderedDict[Slot, float] = OrderedDict()
         self._counted: dict[int, tuple[float, int]] = {}  # band -> (when, keys seen lately)
 
@@ -117,19 +120,30 @@ class Holdings:
         while len(self._seen) > self.max_keys:
             self._seen.popitem(last=False)
 
-    def within_share(self, slot: Slot, cap: int, now: float) -> bool:
-        """``slot``'s key may take one more request in flight under a cap of ``cap``."""
-        return self._holding.get(slot, 0) < -(-cap // self._recent_keys(slot[0], now))
+    def may_take(self, slot: Slot, *, cap: int, in_flight: int, now: float) -> bool:
+        """``slot``'s key may take a free slot, ``in_flight`` of ``cap`` being taken: always
+        when it holds none, else only if a slot stays free for each other key seen lately that
+        holds none. The keys holding some are counted as seen lately (a request in flight
+        longer than :data:`RECENT_S` leaves one slot fewer kept free, not more)."""
+        if self._holding.get(slot, 0) == 0:
+            return True
+        band = slot[0]
+        idle = self._recent_keys(band, now) - self._holders.get(band, 0)
+        return in_flight + 1 + max(0, idle) <= cap
 
     def took(self, slot: Slot) -> None:
-        self._holding[slot] = self._holding.get(slot, 0) + 1
+        held = self._holding.get(slot, 0)
+        if held == 0:
+            self._holders[slot[0]] = self._holders.get(slot[0], 0) + 1
+        self._holding[slot] = held + 1
 
     def gave(self, slot: Slot) -> None:
-        left = self._holding.get(slot, 0) - 1
-        if left > 0:
-            self._holding[slot] = left
-        else:
-            self._holding.pop(slot, None)
+        held = self._holding.get(slot, 0)
+        if held > 1:
+            self._holding[slot] = held - 1
+        elif held == 1:
+            del self._holding[slot]
+            self._holders[slot[0]] -= 1
 
     def _recent_keys(self, band: int, now: float) -> int:
         counted = self._counted.get(band)

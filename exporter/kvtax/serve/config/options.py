@@ -358,9 +358,9 @@ class Config:
         "gate.fair_reserve",
         "false",
         v.boolean,
-        "With --gate.fairness-header: no key holds more than its equal share of the cap among "
-        "the keys of its band seen in the last minute, so a quiet key's next request finds a "
-        "slot free. The slots held back stay idle while that key is quiet.",
+        "With --gate.fairness-header: a key with requests in flight leaves one slot of the "
+        "cap free for each other key of its band seen in the last minute that has none, so a "
+        "quiet key's next request is let in at once. Those slots stay idle while it is quiet.",
         "BOOL",
     )
     gate_token_budget: int | None = option(

@@ -125,7 +125,7 @@ class GateSettings:
     # round-robin with the other keys of its band, and its priority band, served strictly.
     fairness_header: bytes | None = None
     priority_header: bytes | None = None
-    # With a fairness header: no key holds more than its share of the cap (kvtax.gate.fair).
+    # With a fairness header: a slot kept free for each quiet key (kvtax.gate.fair).
     fair_reserve: bool = False
 
     @property
@@ -341,12 +341,17 @@ class Gate:
         return self._waiting
 
     def fits(self, ticket: Ticket) -> bool:
-        return self._room_for(ticket) and self._within_share(ticket)
+        return self._room_for(ticket) and self._may_take_free_slot(ticket)
 
-    def _within_share(self, ticket: Ticket) -> bool:
+    def _may_take_free_slot(self, ticket: Ticket) -> bool:
         if not self._reserve:
             return True
-        return self.holdings.within_share((ticket.band, ticket.key), self.state.cap, self.clock())
+        return self.holdings.may_take(
+            (ticket.band, ticket.key),
+            cap=self.state.cap,
+            in_flight=self.in_flight,
+            now=self.clock(),
+        )
 
     def _room_for(self, ticket: Ticket) -> bool:
         if self.in_flight >= self.state.cap:
@@ -380,7 +385,7 @@ class Gate:
         heapq.heappush(self._queue, (self._key(ticket), ticket))
         ticket.queued = True
         self._waiting += 1
-        if self._reserve:  # the heads may be keys at their share, with room for this one
+        if self._reserve:  # the heads may be keys kept from the free slots; this one not
             self._pump()
         try:
             async with asyncio.timeout(self.settings.max_wait):
@@ -497,12 +502,13 @@ class Gate:
         return queue[0][1] if queue else None
 
     def _pump(self) -> None:
-        """Admit from the head while there is room. A head whose key holds its share already
-        (--gate.fair-reserve) is set aside for this pass, so the keys behind it get their turn."""
+        """Admit from the head while there is room. A head whose key may not take the slots
+        kept free for quiet keys (--gate.fair-reserve) is set aside for this pass, so the keys
+        behind it get their turn."""
         aside: list[tuple[QueueKey, Ticket]] = []
         while (head := self._head()) is not None and self._room_for(head):
             entry = heapq.heappop(self._queue)
-            if not self._within_share(head):
+            if not self._may_take_free_slot(head):
                 aside.append(entry)
                 continue
             head.queued = False
