@@ -7,10 +7,10 @@ too close to call, so the sweep skips it). The sweep runs concurrency 1, 2, 4, 6
 
 Each step's first requests start in step whatever the machine's load: the test holds the
 engine still (:mod:`kvtax_dev.testbed.freeze`) from the end of one step until vLLM has taken
-every request the next one opens with, then lets it go. Without that, beside CI's other lanes
-vLLM's API server took the requests in one by one while it streamed the others, the engine
-finished some before the last came in, and 6 and 8 clients ran without a preemption (4 did once
-too, leaving the knee unconfirmed). While it runs, the test samples the engine's own
+every request the next one opens with, then lets it go: on a busy machine vLLM's API server
+takes the requests in one by one while it streams the others, and the engine can finish some
+before the last comes in, so that a step above the knee runs without a preemption. While it
+runs, the test samples the engine's own
 ``vllm:num_preemptions_total`` from its /metrics with a regular expression (not kvtax's
 parser), and checks against those samples that no step below the knee kvtax reports preempted
 and every step from the knee on did.

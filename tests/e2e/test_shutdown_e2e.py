@@ -7,10 +7,9 @@ process exits 0 and its last log line accounts for every request.
 Which stream outlives the grace period must not depend on how fast the engine is, nor on how
 late a starved kvtax's timer fires. So the engine is frozen (:mod:`kvtax_dev.testbed.freeze`)
 while the requests reach vLLM and SIGTERM comes, runs in short slices until the short streams
-have ended, and stays frozen until kvtax has exited: the long ones are barely begun. Before,
-with the engine left running, CI once saw every long stream finish ("the test proves
-nothing"); here, beside three busy processes, a 1 s grace period ended 6.7 s after SIGTERM,
-and in other runs the client read the first tokens only after every stream had ended.
+have ended, and stays frozen until kvtax has exited: the long ones are barely begun. A running
+engine on a busy machine can finish every long stream within the grace period, and the test
+would then prove nothing.
 """
 
 from __future__ import annotations

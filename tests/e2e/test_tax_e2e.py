@@ -226,7 +226,7 @@ async def _stall_and_leave(url: str, index: int, load: Load) -> RequestResult:
         while events < load.leave_after:
             # One event may be longer than the small buffer's 2 KiB: where vLLM's API server
             # falls behind it merges several tokens' outputs, each with its top-5 logprobs,
-            # into one event (CI: LineTooLong). The buffer stays small; a line may not.
+            # into one event (aiohttp's LineTooLong). The buffer stays small; a line may not.
             if b"[DONE]" in await resp.content.readuntil(b"\n\n", max_size=1 << 20):
                 break
             events += 1

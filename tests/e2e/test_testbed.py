@@ -49,8 +49,8 @@ def test_cache_config_reports_the_small_pool(vllm_engine: VllmEngine) -> None:
 
 def test_overload_preempts(vllm_engine: VllmEngine) -> None:
     # 32 x (41 + 300) tokens want ~10,900 KV tokens from a 2,048-token pool. The engine is held
-    # still until every request is in: beside CI's other lanes the requests once came slower
-    # than a fast engine finished them, and none was preempted.
+    # still until every request is in: requests that come slower than the engine finishes them
+    # never fill the pool.
     before = _preemptions(vllm_engine)
 
     async def overload() -> list[RequestResult]:

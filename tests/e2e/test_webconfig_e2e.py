@@ -82,8 +82,8 @@ def test_prometheus_scrapes_kvtax_through_tls_and_basic_auth(tmp_path: Path) -> 
                 def settled() -> dict[str, dict[str, Any]]:
                     # The targets once each has the verdict its settings call for; until then
                     # none (falsy: poll again). A scrape that timed out (1 s, the interval) says
-                    # nothing either way: beside CI's lanes the first TLS scrape of kvtax once
-                    # did, and the target read "down". One that never reaches its verdict fails.
+                    # nothing either way: a first TLS scrape on a busy machine can, and the
+                    # target reads "down". One that never reaches its verdict fails.
                     t = seen[0] = _targets_by_job(prom)
                     done = (
                         len(t) == 3

@@ -35,7 +35,7 @@ async def _cancel(*tasks: asyncio.Future[str | None]) -> None:
 
 async def test_shortest_admits_at_once_a_request_that_fits_ahead_of_a_big_head() -> None:
     # Protection: in `shortest` order a request smaller than the queue's head that fits now is
-    # admitted now; it used to be queued and wait for the next leave or scrape.
+    # admitted now, not queued to wait for the next leave or scrape.
     gate = _budget_gate("shortest", blocks=10)
     running = gate.ticket(16, 64)  # 5 blocks of 16 tokens
     assert await gate.enter(running) is None

@@ -180,7 +180,7 @@ def test_ctrl_c_still_writes_the_measured_steps(
 
 
 async def test_no_request_goes_out_on_a_connection_vllm_may_be_closing() -> None:
-    # The race CI met: vLLM arms its keep-alive close as an answer ends, and when its loop runs
+    # The race: vLLM arms its keep-alive close as an answer ends, and when its loop runs
     # late the close comes before it reads the next request on that connection. This server
     # does that every time: it answers a connection's first request, and closes it unanswered
     # on any later one. A sweep that reused a connection would fail the second request with

@@ -130,10 +130,10 @@ async def test_a_body_that_keeps_arriving_slowly_is_not_cut(
     body = json.dumps({**WHOLE, "pad": " " * 3000}).encode()
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
     loop = asyncio.get_running_loop()
-    # The client and the proxy share this process: beside CI's other lanes it once stalled for
-    # over the 2 s wait between two 10 ms gaps (the test took 14.8 s), and the wait ran out as
-    # it should. A try cut where this process saw such a gap is tried again; one cut without
-    # it fails, as every try does without the protection.
+    # The client and the proxy share this process, which a busy machine can stall for longer
+    # than the 2 s wait between two 10 ms gaps; the wait then runs out as it should. A try cut
+    # where this process saw such a gap is tried again; one cut without it fails, as every try
+    # does without the protection.
     for _ in range(3):
         reader, writer = await rig.connect()
         writer.write(head)
