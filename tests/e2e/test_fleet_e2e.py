@@ -476,7 +476,9 @@ def run(
                 lambda: len(prom.query(f"count by (pod) ({KV_USAGE})")) == 2,
                 what="both vLLMs' KV usage scraped",
             )
-            time.sleep(3.0)  # evaluations since: a pending state from before has ended
+            # An evaluation since: a pending state from before has ended.
+            since = time.time()
+            prom.wait_for(lambda: prom.evaluated_since(since), what="every group evaluated since")
             prom_started = time.monotonic()
             before = {r.pod: _work(r) for r in (hot, calm)}
             results: dict[str, list[RequestResult]] = {}
@@ -537,7 +539,11 @@ def run(
                     )
 
                 r.kvtax.wait_for(caught_up, what="kvtax caught up with its engine")
-            time.sleep(3.0)  # two Prometheus scrapes and rule evaluations
+            # Prometheus has scraped each kvtax since, and evaluated its rules on that.
+            since = time.time()
+            prom.wait_for(lambda: prom.scraped_since(since), what="every target scraped since")
+            since = time.time()
+            prom.wait_for(lambda: prom.evaluated_since(since), what="every group evaluated since")
             capacity = vllm_engine.kv_capacity_tokens + second_engine.kv_capacity_tokens
             calm_alerts = _alerts_over(prom.api, CALM, time.monotonic() - prom_started)
             calm_lows = _lows_over(prom.api, CALM, time.monotonic() - prom_started)

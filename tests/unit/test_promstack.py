@@ -1,4 +1,4 @@
-"""The Prometheus harness's wait: what its failure says."""
+"""The Prometheus harness's wait: what its failure says, and the times it reads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtax_dev.testbed.promstack import PrometheusProcess, prometheus_config
+from kvtax_dev.testbed.promstack import PrometheusProcess, epoch_of, prometheus_config
 
 
 @pytest.fixture
@@ -31,3 +31,13 @@ def test_a_failed_wait_names_what_the_probe_saw_last(prom: PrometheusProcess) ->
 def test_a_plain_name_still_names_the_condition(prom: PrometheusProcess) -> None:
     with pytest.raises(AssertionError, match=r"^prometheus: kvtax stored not met in 0.1s"):
         prom.wait_for(lambda: None, timeout=0.1, what="kvtax stored")
+
+
+def test_prometheus_times_read_to_the_microsecond_in_any_zone() -> None:
+    """Go's nanoseconds are cut to microseconds, an offset is honoured, and a target never
+    scraped (Go's zero time) reads as long ago."""
+    assert epoch_of("2026-12-07T12:00:00.123456789Z") == pytest.approx(1796644800.123456)
+    assert epoch_of("2026-12-07T13:00:00+01:00") == 1796644800.0
+    assert epoch_of("0001-01-01T00:00:00Z") < 0
+    with pytest.raises(ValueError, match="RFC 3339"):
+        epoch_of("yesterday")

@@ -17,8 +17,10 @@ Example::
 from __future__ import annotations
 
 import abc
+import datetime
 import json
 import os
+import re
 import shutil
 import tempfile
 import urllib.parse
@@ -38,6 +40,7 @@ __all__ = [
     "AlertmanagerProcess",
     "PrometheusProcess",
     "ServerStartError",
+    "epoch_of",
     "prometheus_config",
 ]
 
@@ -183,6 +186,9 @@ class _Server(abc.ABC):
         )
 
 
+_RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
+
+
 class PrometheusProcess(_Server):
     """A Prometheus server with ``config_yaml`` plus ``rule_files`` (absolute paths added).
 
@@ -243,6 +249,23 @@ class PrometheusProcess(_Server):
     def targets(self) -> list[dict[str, Any]]:
         """Active scrape targets with ``labels`` and ``health``."""
         return self.api.targets()
+
+    def scraped_since(self, since: float) -> bool:
+        """Every active target has been scraped after ``since`` (a ``time.time()``)."""
+        targets = self.targets()
+        return bool(targets) and all(epoch_of(t["lastScrape"]) > since for t in targets)
+
+
+def epoch_of(stamp: str) -> float:
+    """Seconds since the epoch of an RFC 3339 time as Prometheus' API writes it (Go's
+    nanoseconds, which datetime cannot hold, cut to microseconds)."""
+    found = _RFC3339.fullmatch(stamp)
+    if found is None:
+        raise ValueError(f"not an RFC 3339 time: {stamp!r}")
+    whole, fraction, zone = found.groups()
+    micro = (fraction or "")[:6].ljust(6, "0")
+    offset = "+00:00" if zone == "Z" else zone
+    return datetime.datetime.fromisoformat(f"{whole}.{micro}{offset}").timestamp()
 
 
 class AlertmanagerProcess(_Server):
