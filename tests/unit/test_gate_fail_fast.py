@@ -334,3 +334,24 @@ def test_the_count_ahead_is_the_queued_tickets_with_smaller_keys() -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+async def test_budget_mode_foretells_the_wait_from_the_blocks_it_holds() -> None:
+    """In budget mode the count cap is the ceiling; the wait is foretold from as many requests
+    of the newcomer's size as the KV blocks hold: two of 5 blocks in 10, each 10 s long, make
+    a third wait past a 5 s bound, and it is refused at arrival, not after 5 s."""
+    now = [T0]
+    gate = Gate(
+        GateSettings(cap=CapSettings(mode="budget", ceiling=64), max_wait=5.0, max_queue=1000),
+        clock=lambda: now[0],
+    )
+    gate.state = replace(gate.state, cap=64, budget_blocks=10)
+    for _ in range(3):  # three served, 10 s each: the service time is known
+        done = gate.ticket(16, 64)  # 5 blocks of 16 tokens
+        assert await gate.enter(done) is None
+        now[0] += 10.0
+        gate.leave(done)
+    for _ in range(2):
+        assert await gate.enter(gate.ticket(16, 64)) is None
+    assert gate.blocks_in_flight == 10
+    assert _at_once(gate.enter(gate.ticket(16, 64))) == "wait_predicted"

@@ -432,7 +432,7 @@ class Gate:
             wait = foretold_wait(
                 ahead=ahead,
                 ages=ages,
-                cap=self.state.cap,
+                cap=self._slots_for(ticket),
                 samples=samples,
                 durations=durations,
                 mean=service_time,
@@ -443,6 +443,15 @@ class Gate:
         if not everyone or (self.settings.order == "fifo" and not self._fair):
             return everyone
         return too_long(self._ahead(self._key(ticket)))
+
+    def _slots_for(self, ticket: Ticket) -> int:
+        """The requests let in at once, as the queue's wait counts them: the cap, or in budget
+        mode as many requests of ``ticket``'s size as the KV blocks hold (the count cap there
+        is the ceiling, which would foretell no wait at all)."""
+        budget = self.state.budget_blocks
+        if budget is None:
+            return self.state.cap
+        return max(1, min(self.state.cap, budget // max(1, ticket.blocks)))
 
     def _ahead(self, key: QueueKey) -> int:
         """Queued tickets whose key is below ``key``: those the queue serves first. The walk of
