@@ -64,7 +64,7 @@ def test_unset_the_gate_counts_in_the_block_size_vllm_reports() -> None:
     gate.observe(_figures(_page()))
     assert gate.block_size == 128
     assert gate.ticket(10, 64).blocks == 1
-    assert gate.state.budget_blocks == 14  # floor(2048 x 0.9 / 128), not 115 blocks of 16
+    assert gate.state.budget_blocks == 16  # 2048 / 128, not 128 blocks of 16
 
 
 def test_the_flag_wins_over_the_block_size_vllm_reports() -> None:
@@ -72,7 +72,7 @@ def test_the_flag_wins_over_the_block_size_vllm_reports() -> None:
     gate.observe(_figures(_page()))
     assert gate.block_size == 32
     assert gate.ticket(10, 64).blocks == 3
-    assert gate.state.budget_blocks == 57  # floor(2048 x 0.9 / 32)
+    assert gate.state.budget_blocks == 64  # 2048 / 32
 
 
 @pytest.mark.parametrize("label", [None, "None"])
@@ -80,7 +80,7 @@ def test_a_vllm_that_does_not_say_is_counted_in_blocks_of_16(label: str | None) 
     gate = _budget_gate()
     gate.observe(_figures(_page(label)))
     assert gate.block_size == 16
-    assert gate.state.budget_blocks == 115  # floor(2048 x 0.9 / 16)
+    assert gate.state.budget_blocks == 128  # 2048 / 16
 
 
 def test_a_scrape_without_the_block_size_keeps_the_last_one_seen() -> None:
@@ -89,7 +89,7 @@ def test_a_scrape_without_the_block_size_keeps_the_last_one_seen() -> None:
     gate.observe({})  # vLLM down: no figures
     gate.observe(_figures(_page(None)))
     assert gate.block_size == 128
-    assert gate.state.budget_blocks == 14
+    assert gate.state.budget_blocks == 16
 
 
 async def test_a_ticket_keeps_the_blocks_it_was_issued_with() -> None:

@@ -193,12 +193,12 @@ def test_cap_never_leaves_its_bounds() -> None:
             assert 3 <= state.cap <= 12
 
 
-def test_budget_mode_hands_out_capacity_times_target_in_blocks() -> None:
+def test_budget_mode_hands_out_the_whole_pool_in_blocks() -> None:
     settings = CapSettings(mode="budget", floor=2, ceiling=64, block_size=16)
     states = _run(settings, [Signals(), Signals(POOL)])
     assert states[0].budget_blocks is None
     assert states[0].cap == 2
-    assert states[1].budget_blocks == 115  # floor(2048 * 0.9 / 16)
+    assert states[1].budget_blocks == 128  # 2048 / 16
     assert states[1].cap == 64
 
 

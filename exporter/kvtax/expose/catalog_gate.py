@@ -34,7 +34,7 @@ GATE_METRICS: tuple[MetricSpec, ...] = (
     _S(
         "kvtax_gate_budget_blocks",
         "gauge",
-        "KV blocks the budget mode hands out: capacity x target usage / block size.",
+        "KV blocks the budget mode hands out: the whole pool's (capacity / block size).",
         (),
         "gate",
     ),
