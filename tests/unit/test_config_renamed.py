@@ -34,7 +34,7 @@ def _flags(*flags: str) -> tuple[Config, list[str]]:
 def test_every_gate_setting_has_its_old_admission_name() -> None:
     assert RENAMED == {"admission": "gate"}
     gate = {o.key for o in OPTIONS if o.key.startswith("gate.")}
-    assert len(gate) == 13
+    assert len(gate) == 14
     assert {o.key for o in RENAMED_KEYS.values()} == gate
     assert {old: o.key for old, o in RENAMED_KEYS.items()}["admission.max_queue"] == (
         "gate.max_queue"
