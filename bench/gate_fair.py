@@ -2,7 +2,8 @@
 
 Tenant A sends at ``--burst`` times the sustained rate, tenant B a steady ``--steady`` times it,
 both open loop (Poisson arrivals, nothing retried), for ``--duration`` seconds, through a fresh
-``kvtax serve --gate.mode=adaptive`` each run. Four runs on one engine:
+``kvtax serve --gate.mode=MODE`` (``--gate-mode``, adaptive unless told) each run. Four runs
+on one engine:
 
 - ``b-alone``: B's arrivals only, as the reference of what B gets from this engine;
 - ``reserve``: both tenants, with ``--gate.fairness-header=x-tenant --gate.fair-reserve=true``:
@@ -93,7 +94,7 @@ def run(
     progress(f"{name}: {', '.join(f'{t.name} at {t.multiple:g}x' for t in tenants)}...")
     engine.wait_idle(timeout=300)
     flags = [
-        "--gate.mode=adaptive",
+        f"--gate.mode={args.gate_mode}",
         f"--gate.block-size={BLOCK_SIZE_TOKENS}",
         f"--gate.max-model-len={args.max_model_len}",
         f"--gate.max-queue={args.gate_max_queue}",
@@ -164,7 +165,7 @@ def render(results: Sequence[RunResult], args: argparse.Namespace, started: str)
         f"{args.max_model_len}`. Sustained rate {args.rate:.3f} requests/s (given). Tenant A "
         f"at {args.burst:g}x it, tenant B at {args.steady:g}x, open loop for "
         f"{args.duration:g} s, long workload (800-1500-token prompts, 64-256 output tokens). "
-        f"Gate: `--gate.mode=adaptive --gate.max-queue={args.gate_max_queue} "
+        f"Gate: `--gate.mode={args.gate_mode} --gate.max-queue={args.gate_max_queue} "
         f"--gate.max-wait={args.gate_max_wait}`, with `--gate.fairness-header={TENANT_HEADER}` "
         "except in the unfair run, and `--gate.fair-reserve=true` in the reserve run. "
         "SLO: first token within "
@@ -226,6 +227,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-gap", type=float, default=0.5, help="SLO gap, seconds.")
     p.add_argument("--blocks", type=int, default=32, help="KV pool, blocks of 128 tokens.")
     p.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len.")
+    p.add_argument(
+        "--gate-mode",
+        default="adaptive",
+        choices=("adaptive", "auto", "budget"),
+        help="--gate.mode of every run (default adaptive).",
+    )
     p.add_argument("--gate-max-queue", type=int, default=8, help="--gate.max-queue.")
     p.add_argument("--gate-max-wait", default="5s", help="--gate.max-wait.")
     p.add_argument("--out", type=Path, help="Markdown to write (and .json beside it).")
