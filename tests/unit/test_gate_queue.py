@@ -269,3 +269,35 @@ def test_the_completion_rate_is_bounded_in_memory_and_falls_back_when_sparse() -
         sparse.add(t)
     assert sparse.reading(50.0) == (3, 50.0)  # too few in the last 10 s: the last 60 s
     assert sparse.reading(200.0) == (0, RATE_SPAN)
+
+
+async def test_budget_mode_keeps_a_quiet_key_s_slot_in_blocks() -> None:
+    """With --gate.fair-reserve in budget mode (the count cap is the ceiling), tenant a holding
+    one request of 5 blocks in a budget of 10 does not take the other 5 while tenant b, seen
+    lately, holds none; b's request then goes in at once."""
+    gate = Gate(
+        GateSettings(
+            cap=CapSettings(mode="budget", ceiling=64),
+            fairness_header=b"x-tenant",
+            fair_reserve=True,
+        )
+    )
+    gate.state = replace(gate.state, cap=64, budget_blocks=10)
+
+    def ticket(tenant: bytes) -> Any:
+        return gate.ticket(16, 64, headers=[(b"x-tenant", tenant)])  # 5 blocks of 16
+
+    seen = ticket(b"b")
+    assert await gate.enter(seen) is None
+    gate.leave(seen)
+    first, second = ticket(b"a"), ticket(b"a")
+    assert await gate.enter(first) is None
+    waiting = asyncio.ensure_future(gate.enter(second))
+    await asyncio.sleep(0)
+    try:
+        assert not second.admitted  # the last 5 blocks are kept for b
+        quiet = ticket(b"b")
+        assert await gate.enter(quiet) is None
+        assert gate.blocks_in_flight == 10
+    finally:
+        await _cancel(waiting)

@@ -344,11 +344,13 @@ class Gate:
         return self._room_for(ticket) and self._may_take_free_slot(ticket)
 
     def _may_take_free_slot(self, ticket: Ticket) -> bool:
+        """Reserve (kvtax.gate.fair): in budget mode the slots are as many requests of
+        ``ticket``'s size as the KV blocks hold, since its count cap is the ceiling."""
         if not self._reserve:
             return True
         return self.holdings.may_take(
             (ticket.band, ticket.key),
-            cap=self.state.cap,
+            cap=self._slots_for(ticket),
             in_flight=self.in_flight,
             now=self.clock(),
         )
