@@ -115,6 +115,16 @@ def _gate(**settings: Any) -> Gate:
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 16}
 
 
+async def _post_status(url: str, prompt: str, headers: dict[str, str]) -> int:
+    """The status of a completion of ``prompt`` sent with ``headers``, on its own session."""
+    body = {**BODY, "prompt": prompt}
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(url + "/v1/completions", json=body, headers=headers) as resp,
+    ):
+        return resp.status
+
+
 async def _post(client: aiohttp.ClientSession, url: str, body: Any = None) -> tuple[int, Any, Any]:
     async with client.post(url + "/v1/completions", json=body or BODY) as resp:
         return resp.status, resp.headers, await resp.json()
@@ -764,12 +774,7 @@ async def test_one_tenant_s_burst_does_not_hold_back_another_s_request(
     url = await _start(proxies, upstream, gate)
 
     async def post(tenant: str, prompt: str) -> int:
-        body = {**BODY, "prompt": prompt}
-        async with (
-            aiohttp.ClientSession() as client,
-            client.post(url + "/v1/completions", json=body, headers={"X-Tenant": tenant}) as resp,
-        ):
-            return resp.status
+        return await _post_status(url, prompt, {"X-Tenant": tenant})
 
     first = asyncio.ensure_future(post("a", "a0"))
     assert await until(lambda: len(fake.bodies) == 1)
@@ -794,13 +799,7 @@ async def test_a_higher_priority_band_is_served_first(
     url = await _start(proxies, upstream, gate)
 
     async def post(priority: str, prompt: str) -> int:
-        body = {**BODY, "prompt": prompt}
-        headers = {"X-Priority": priority}
-        async with (
-            aiohttp.ClientSession() as client,
-            client.post(url + "/v1/completions", json=body, headers=headers) as resp,
-        ):
-            return resp.status
+        return await _post_status(url, prompt, {"X-Priority": priority})
 
     first = asyncio.ensure_future(post("0", "low0"))
     assert await until(lambda: len(fake.bodies) == 1)
@@ -831,12 +830,7 @@ async def test_a_reserved_slot_lets_a_quiet_tenant_in_while_a_burst_waits(
     url = await _start(proxies, upstream, gate)
 
     async def post(tenant: str, prompt: str) -> int:
-        body = {**BODY, "prompt": prompt}
-        async with (
-            aiohttp.ClientSession() as client,
-            client.post(url + "/v1/completions", json=body, headers={"X-Tenant": tenant}) as resp,
-        ):
-            return resp.status
+        return await _post_status(url, prompt, {"X-Tenant": tenant})
 
     seen = asyncio.ensure_future(post("b", "b0"))  # b is seen, and leaves
     assert await until(lambda: len(fake.bodies) == 1)
