@@ -21,6 +21,7 @@ import pytest
 from kvtax.expose.samples import Sample
 from kvtax.gate.cap import CapSettings
 from kvtax.gate.order import (
+    FORETOLD_SHARE,
     OUTLIVED_SHARE,
     RATE_ENOUGH,
     SERVICE_SAMPLES,
@@ -89,13 +90,14 @@ def _at_once(coroutine: Coroutine[Any, Any, str | None]) -> str | None:
 
 class Bench:
     """A gate with ``cap`` slots on a fake clock, the tickets in flight (oldest admission
-    first) and those queued."""
+    first) and those queued. ``bound`` is the longest foretold wait let into the queue: its
+    ``--gate.max-wait`` is that over :data:`FORETOLD_SHARE`."""
 
-    def __init__(self, cap: int = 1, max_wait: float = 30.0, order: Order = "fifo") -> None:
+    def __init__(self, cap: int = 1, bound: float = 30.0, order: Order = "fifo") -> None:
         self.now = T0
         settings = GateSettings(
             cap=CapSettings(mode="static", static_cap=cap),
-            max_wait=max_wait,
+            max_wait=bound / FORETOLD_SHARE,
             max_queue=1000,
             order=order,
         )
@@ -147,8 +149,8 @@ class Bench:
 async def bench() -> Any:
     made: list[Bench] = []
 
-    def make(cap: int = 1, max_wait: float = 30.0, order: Order = "fifo") -> Bench:
-        made.append(Bench(cap, max_wait, order))
+    def make(cap: int = 1, bound: float = 30.0, order: Order = "fifo") -> Bench:
+        made.append(Bench(cap, bound, order))
         return made[-1]
 
     yield make
@@ -159,7 +161,7 @@ async def bench() -> Any:
 async def _slow_engine(make: Any, order: Order = "fifo") -> Bench:
     """3 slots whose requests take 10 s each: 3 served, then 3 in flight and nobody queued.
     A slot frees every 10/3 s, so 8 ahead is 30 s, the bound, and 9 ahead is past it."""
-    b: Bench = make(cap=3, max_wait=30.0, order=order)
+    b: Bench = make(cap=3, bound=30.0, order=order)
     await b.run(3)
     b.now += 10.0
     b.finish(3)
@@ -170,7 +172,7 @@ async def _slow_engine(make: Any, order: Order = "fifo") -> Bench:
 async def test_a_slow_engine_refuses_once_three_requests_have_completed(bench: Any) -> None:
     # 3 in flight of 10 s each complete 0.3 a second: a backlog's 10 completions take 33 s,
     # past the 30 s bound. The service time is known after 3, 10 s after the queue formed.
-    b = bench(cap=3, max_wait=30.0)
+    b = bench(cap=3, bound=30.0)
     for at in (0.0, 4.0, 8.0):
         b.now = T0 + at
         await b.run()
@@ -193,7 +195,7 @@ async def test_a_slow_engine_refuses_once_three_requests_have_completed(bench: A
     assert b.gate.rejections["wait_predicted"] == 1
     assert b.gate.rejections["wait_expired"] == b.gate.rejections["queue_full"] == 0
     # Retry-After: the queue's wait at the completion rate, at most --gate.max-wait.
-    assert b.gate.retry_after() == 30
+    assert b.gate.retry_after() == b.gate.settings.max_wait == 60
     assert "wait_predicted" in REASONS
     shed = {
         s.labels: s.value
@@ -201,6 +203,23 @@ async def test_a_slow_engine_refuses_once_three_requests_have_completed(bench: A
         if isinstance(s, Sample) and s.metric == "kvtax_gate_rejections_total"
     }
     assert shed[("wait_predicted",)] == 1.0
+
+
+async def test_a_wait_foretold_past_half_the_max_wait_is_refused_at_arrival() -> None:
+    """A foretold wait is of means: one of 10 s is let into the queue under a 25 s
+    --gate.max-wait and refused at arrival under a 15 s one, which it would fit but with no
+    room for the requests ahead to run long (FORETOLD_SHARE)."""
+    assert FORETOLD_SHARE == 0.5
+    for max_wait, verdict in ((15.0, "wait_predicted"), (25.0, None)):
+        b = Bench(cap=1, bound=max_wait * FORETOLD_SHARE)
+        assert b.gate.settings.max_wait == max_wait
+        await b.serve(3, seconds=10.0)
+        await b.run()  # in flight: the next one waits 10 s
+        if verdict is None:
+            await b.queue()
+        else:
+            assert b.arrive() == verdict
+        await b.close()
 
 
 async def test_a_request_that_would_fit_is_queued(bench: Any) -> None:
@@ -214,7 +233,7 @@ async def test_a_request_that_would_fit_is_queued(bench: Any) -> None:
 async def test_the_first_request_to_queue_is_judged_too(bench: Any) -> None:
     # The first request to queue waits for a slot of those in flight: 10 s requests on one
     # slot are 10 s, past a 5 s bound, though no backlog has formed yet.
-    b = bench(cap=1, max_wait=5.0)
+    b = bench(cap=1, bound=5.0)
     await b.serve(3, seconds=10.0)
     await b.run()
     assert b.gate.queued == 0
@@ -225,7 +244,7 @@ async def test_below_three_completions_the_wait_is_unknown(bench: Any) -> None:
     # Protection: SERVICE_ENOUGH. With no completion, and with two of 10 s each (one queued
     # would read 10 s against a 2 s bound), nobody is refused.
     for completions in (0, 2):
-        b = bench(cap=1, max_wait=2.0)
+        b = bench(cap=1, bound=2.0)
         await b.serve(completions, seconds=10.0)
         await b.run()
         for _ in range(21):
@@ -237,7 +256,7 @@ async def test_the_traffic_of_a_quiet_gate_is_not_its_pace(bench: Any) -> None:
     # Protection: the service time, not the completion rate. A quiet gate served 12 requests of
     # 0.1 s in a minute, one every 5 s (0.2/s); two then arrive while one runs. At 0.2/s they
     # would read 5 s and 10 s, past the 2 s bound, though each waits for 0.1 s requests.
-    b = bench(cap=1, max_wait=2.0)
+    b = bench(cap=1, bound=2.0)
     for _ in range(12):
         await b.serve(1, seconds=0.1)
         b.now += 4.9
@@ -250,7 +269,7 @@ async def test_the_traffic_of_a_quiet_gate_is_not_its_pace(bench: Any) -> None:
 async def test_the_service_time_counts_from_admission_not_arrival(bench: Any) -> None:
     # Protection: the time a request waited in the queue is not service. 40 requests of 1 s
     # each, each after 10 s queued: from arrival they would read 11 s, and 10 ahead 121 s.
-    b = bench(cap=1, max_wait=30.0)
+    b = bench(cap=1, bound=30.0)
     await b.run()
     for _ in range(10):
         await b.queue()
@@ -265,7 +284,7 @@ async def test_the_service_time_counts_from_admission_not_arrival(bench: Any) ->
 async def test_the_service_time_is_that_of_the_last_requests(bench: Any) -> None:
     # Protection: the window of SERVICE_SAMPLES. 32 requests of 60 s, then 32 of 0.1 s: the
     # requests now are short, and 5 queued behind one read 0.6 s, not half a minute each.
-    b = bench(cap=1, max_wait=2.0)
+    b = bench(cap=1, bound=2.0)
     await b.serve(SERVICE_SAMPLES, seconds=60.0)
     await b.serve(SERVICE_SAMPLES, seconds=0.1)
     await b.run()
@@ -295,7 +314,7 @@ async def test_shortest_counts_only_the_requests_it_would_follow(bench: Any, ord
 async def test_a_wait_foretold_to_fit_is_never_refused_later(bench: Any) -> None:
     # wait_expired stays the backstop: a request let into the queue is refused only once it
     # has waited --gate.max-wait, whatever the estimate said at its arrival.
-    b = bench(cap=1, max_wait=60.0)
+    b = bench(cap=1, bound=60.0)
     await b.serve(20, seconds=0.01)  # 0.01 s a request: one ahead is 0.02 s
     await b.run()
     b.gate.settings = replace(b.gate.settings, max_wait=0.05)

@@ -200,7 +200,8 @@ async def test_a_wait_foretold_past_max_wait_answers_429_at_once(
     fake, upstream = vllm
     clock = [1000.0]
     gate = Gate(
-        GateSettings(cap=CapSettings(mode="static", static_cap=1), max_wait=1.0),
+        # A 2 s max-wait lets in a wait foretold up to 1 s (FORETOLD_SHARE).
+        GateSettings(cap=CapSettings(mode="static", static_cap=1), max_wait=2.0),
         clock=lambda: clock[0],
     )
     url = await _start(proxies, upstream, gate)
@@ -210,7 +211,7 @@ async def test_a_wait_foretold_past_max_wait_answers_429_at_once(
             # One queued ahead, one in flight of 1 s: 2 s, over the 1 s bound.
             status, headers, body = await _post(client, url)
         assert status == 429
-        assert headers["Retry-After"] == "1"  # at most --gate.max-wait
+        assert headers["Retry-After"] == "2"  # at most --gate.max-wait
         assert headers["X-Kvtax-Dropped-Reason"] == "wait_predicted"
         assert body["error"]["type"] == "rate_limit_exceeded"
         assert "--gate.max-wait" in body["error"]["message"]

@@ -11,9 +11,9 @@ fixed number of completions spans ever less time as the rate rises, and a rate t
 more time than it covers reads low (4,096 completions over 60 s made 200/s read 68/s).
 
 Fail fast: a request that must queue is refused at once when :func:`foretold_wait` says it
-would wait past ``--gate.max-wait``; its client hears "no" now, not once the wait has been
-spent. That wait comes from the requests' service time, not from the completion rate:
-:class:`ServiceTime` keeps the time from admission to leave of the last
+would wait past :data:`FORETOLD_SHARE` of ``--gate.max-wait``; its client hears "no" now, not
+once the wait has been spent. That wait comes from the requests' service time, not from the
+completion rate: :class:`ServiceTime` keeps the time from admission to leave of the last
 :data:`SERVICE_SAMPLES` requests, and each request in flight frees its slot after what the
 recent requests that lasted longer than its age took past it. The completion rate measures
 the traffic as much as the engine (a quiet gate completes one request a minute however fast
@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 __all__ = [
+    "FORETOLD_SHARE",
     "ORDERS",
     "RATE_RECENT",
     "RATE_SPAN",
@@ -71,6 +72,17 @@ def retry_after(*, ahead: int, completions: int, span: float, limit: float) -> i
         return max(1, math.ceil(limit))
     rate = completions / span
     return max(1, min(math.ceil(limit), math.ceil((ahead + 1) / rate)))
+
+
+# The share of --gate.max-wait a foretold wait may fill and still queue. The wait is foretold
+# from means (the recent requests' service time), so half the requests let in on a wait near
+# the bound would wait past it, and be refused once they had: the slowest refusals, minutes of
+# p99. Cold at 2x and 4x on the prefill-heavy engine, with --gate.max-wait=5s (budget mode),
+# the whole bound let 5 of 54 and 5 of 139 refusals wait out the 5 s; half of it let 1 and 0,
+# delivered 97 % and 105 % of the ungated tokens (98 % and 104 % before), and raised SLO
+# goodput from 3.6x to 4.9x and 2.5x to 3.1x ungated: a request foretold to wait 3-5 s misses
+# a 2 s TTFT objective anyway, and the queue still keeps the engine full.
+FORETOLD_SHARE = 0.5
 
 
 # A request in flight longer than every recent one is expected to need this share of the mean

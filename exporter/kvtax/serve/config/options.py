@@ -324,9 +324,10 @@ class Config:
         "gate.max_wait",
         30.0,
         v.positive_duration,
-        "Longest wait in the gate's queue: a request the queue's pace says would wait longer "
-        "gets 429 with Retry-After at once (wait_predicted), one that waits that long gets it "
-        "then (wait_expired).",
+        "Longest wait in the gate's queue: a request the queue's pace says would wait over half "
+        "of it gets 429 with Retry-After at once (wait_predicted; the pace is a mean, and the "
+        "other half is room for it to run slow), one that waits it all gets it then "
+        "(wait_expired).",
         "DURATION",
     )
     gate_order: str = option(

@@ -4,8 +4,9 @@
 The decisions are pure functions of :mod:`kvtax.gate`; this module holds the state they
 act on. :meth:`Gate.enter` admits a request at once when it fits and would head the queue,
 else queues it, or sheds it at once with a reason: ``queue_full`` past ``--gate.max-queue``,
-``wait_predicted`` when the requests' service time says it would wait past
-``--gate.max-wait`` (:func:`~kvtax.gate.order.foretold_wait`). A queued request is admitted in
+``wait_predicted`` when the requests' service time says it would wait past half of
+``--gate.max-wait`` (:func:`~kvtax.gate.order.foretold_wait`,
+:data:`~kvtax.gate.order.FORETOLD_SHARE`). A queued request is admitted in
 :mod:`~kvtax.gate.order` as slots free, or shed as ``wait_expired`` once it did wait that
 long: the backstop for a wait that ran longer than foretold, or that nothing could foretell.
 A queued client that goes away (its handler is cancelled) leaves the queue at once.
@@ -71,6 +72,7 @@ from kvtax.gate.footprint import (
     footprint_of,
 )
 from kvtax.gate.order import (
+    FORETOLD_SHARE,
     CompletionRate,
     Order,
     ServiceTime,
@@ -415,8 +417,10 @@ class Gate:
         return head is None or self._key(ticket) < self._queue[0][0]
 
     def _foretold_too_long(self, ticket: Ticket) -> bool:
-        """``ticket``, which must queue, would wait past ``--gate.max-wait``: the requests ahead
-        of it and itself, as the requests in flight leave by their age and the service time
+        """``ticket``, which must queue, would wait past :data:`FORETOLD_SHARE` of
+        ``--gate.max-wait`` (a foretold wait is of means, and half the requests let in on one
+        near the bound would wait it out): the requests ahead of it and itself, as the requests
+        in flight leave by their age and the service time
         (:func:`~kvtax.gate.order.foretold_wait`). Refused now, its client can go elsewhere
         while waiting there still helps.
 
@@ -439,7 +443,7 @@ class Gate:
                 durations=durations,
                 mean=service_time,
             )
-            return wait is not None and wait > limit
+            return wait is not None and wait > limit * FORETOLD_SHARE
 
         everyone = too_long(self._waiting)
         if not everyone or (self.settings.order == "fifo" and not self._fair):
