@@ -398,7 +398,7 @@ def second_engine(
             # runs, and it waits for theirs to end (the calm pod was not calm beside them:
             # KvtaxVllmScrapeFailing and KvtaxStreamStalls, true alarms, in a full run).
             cpus=CALM_CORES.strip("[]"),
-            own_cores=True,
+            alone=True,
             # PYTHONPATH is the folder alone, as in the pod: not the checkout's exporter/ that
             # the testbed puts there for its own child processes.
             extra_env={"PYTHONPATH": str(plugin_dir)},

@@ -14,7 +14,6 @@ sidecar's test suite, whose venv has neither torch nor vLLM. The process itself 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import socket
@@ -25,12 +24,12 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
 import requests
 
 from kvtax_dev import dev_env, repo_root
 from kvtax_dev.exposition import read_samples, total
+from kvtax_dev.machine_lock import LockTimeout, MachineLock
 from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, tail
 from kvtax_dev.testbed.freeze import Freezer
 
@@ -67,46 +66,6 @@ def beside_cores() -> str | None:
     "auto" binds the worker of every engine to core 0 (two engines on it would each compute at
     half speed). None on one core: "auto" is all there is."""
     return "1" if (os.cpu_count() or 1) >= 2 else None
-
-
-class CoreLock:
-    """A lock on the cores an engine is bound to ("1", "0-1"), one file each in the temp dir:
-    shared while engines run side by side there, exclusive for one that must compute alone
-    (the fleet test's calm replica, which other lanes' engines on its core made not calm).
-
-    ``acquire`` waits up to ``wait`` seconds and then fails naming the core, rather than hang.
-    """
-
-    def __init__(self, cpus: str, *, exclusive: bool = False, wait: float = 900.0) -> None:
-        self.cores = _cores_of(cpus)
-        self.exclusive = exclusive
-        self.wait = wait
-        self._files: list[IO[str]] = []
-
-    def acquire(self) -> None:
-        mode = fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH
-        deadline = time.monotonic() + self.wait
-        for core in self.cores:
-            handle = (Path(tempfile.gettempdir()) / f"kvtax-core-{core}.lock").open("a")
-            while True:
-                try:
-                    fcntl.flock(handle, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        handle.close()
-                        self.release()
-                        raise EngineStartError(
-                            f"core {core} stayed busy with another test's engine for "
-                            f"{self.wait:g} s"
-                        ) from None
-                    time.sleep(0.5)
-            self._files.append(handle)
-
-    def release(self) -> None:
-        for handle in self._files:
-            handle.close()  # closing drops the lock
-        self._files.clear()
 
 
 def _cores_of(cpus: str) -> list[int]:
@@ -236,7 +195,7 @@ class VllmEngine:
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         cpus: str | None = None,
-        own_cores: bool = False,
+        alone: bool = False,
         eager: bool = True,
         log_path: Path | None = None,
         model_dir: Path | None = None,
@@ -266,11 +225,13 @@ class VllmEngine:
         # testbed measures scheduling, preemption and counters, which compiling does not change;
         # benchmarks of compute speed (bench/prefill_ratio.py) pass eager=False.
         self.eager = eager
-        # Engines bound to cores share them (a shared lock on each, held while the engine runs);
-        # ``own_cores`` takes them alone, waiting until no other engine of this machine's test
-        # runs computes there: a test that watches a calm engine for false alarms must not
-        # have another lane's overload on its core (CoreLock).
-        self.core_lock = CoreLock(cpus, exclusive=own_cores) if cpus is not None else None
+        # The machine's one lock (kvtax_dev.machine_lock), held while the engine runs: shared
+        # with the other lanes' engines, while a bench waits for them all. ``alone`` takes the
+        # engine's cores exclusive, waiting until no other engine bound there runs: a test
+        # that watches a calm engine for false alarms must not have another lane's overload on
+        # its core.
+        cores = _cores_of(cpus) if cpus is not None else []
+        self.machine_lock = MachineLock(cores=cores, exclusive=alone, on_wait=_progress)
         self.log_path: Path = (
             log_path
             if log_path is not None
@@ -348,16 +309,17 @@ class VllmEngine:
             startup_timeout=self.startup_timeout_s,
             error=EngineStartError,
         )
-        if self.core_lock is not None:
-            self.core_lock.acquire()
+        try:
+            self.machine_lock.acquire()
+        except LockTimeout as exc:
+            raise EngineStartError(str(exc)) from None
         _progress(f"starting vLLM on {self.url} (log: {self.log_path})...")
         began = time.monotonic()
         try:
             self._child.start()
         except BaseException:
             self._child = None
-            if self.core_lock is not None:
-                self.core_lock.release()
+            self.machine_lock.release()
             raise
         self.startup_seconds = time.monotonic() - began
         _progress(f"engine healthy after {self.startup_seconds:.1f} s")
@@ -383,8 +345,7 @@ class VllmEngine:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.pid, signal.SIGCONT)
             child.stop(grace=self.stop_grace_s)
-            if self.core_lock is not None:
-                self.core_lock.release()
+            self.machine_lock.release()
 
     def freezer(self) -> Freezer:
         """A :class:`~kvtax_dev.testbed.freeze.Freezer` of this engine: inside it the engine
