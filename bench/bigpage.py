@@ -52,6 +52,7 @@ from aiohttp import web
 
 from bench.pipeline import CAPTURE, multi_model_payload
 from bench.sse_upstream import completions
+from bench.stats import quantile
 from kvtax_dev import EXPORTER
 from kvtax_dev.exposition import read_samples
 from kvtax_dev.process import ChildProcess, port_open
@@ -279,11 +280,6 @@ class Result:
     kvtax: dict[str, float]
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values) or [float("nan")]
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _kvtax_args(web_port: int, proxy_port: int, vllm_port: int) -> list[str]:
     return [
         sys.executable,
@@ -318,11 +314,11 @@ def run_scenario(name: str, label: str, seconds: float, kvtax_path: str | None) 
         scenario=name,
         page_mb=page_mb,
         healthz_p50_ms=statistics.median(probes.healthz) * 1e3,
-        healthz_p99_ms=_pct(probes.healthz, 0.99) * 1e3,
+        healthz_p99_ms=quantile(probes.healthz, 0.99) * 1e3,
         healthz_max_ms=max(probes.healthz) * 1e3,
         healthz_failures=probes.healthz_failures,
         stall_max_ms=(max(probes.gaps, default=float("nan")) - PACING) * 1e3,
-        gap_p99_ms=_pct(probes.gaps, 0.99) * 1e3,
+        gap_p99_ms=quantile(probes.gaps, 0.99) * 1e3,
         streams=probes.streams,
         stream_failures=probes.stream_failures,
         peak_rss_mib=probes.peak_rss_kib / 1024,

@@ -70,7 +70,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import platform
 import random
@@ -86,6 +85,7 @@ from typing import Any
 import aiohttp
 import requests
 
+from bench.stats import quantile
 from kvtax.delivery.asks import Scheme, with_usage
 from kvtax_dev.exposition import read_samples, total
 from kvtax_dev.testbed import VllmEngine
@@ -296,12 +296,6 @@ def _settle(kvtax: KvtaxProcess, expected: float, timeout: float = 15.0) -> floa
 
 
 # -- statistics ------------------------------------------------------------------------------
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered), math.ceil(q * len(ordered))) - 1)]
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, float]:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtax.tools.loadtest.measure import quantile, rank
+
 REFUSED = (429, 503)
 STATIC_ARMS = ("vllm-max-num-seqs", "vllm-max-num-queued-reqs")
 PEER_ARMS = (*STATIC_ARMS, "gie-saturation")
@@ -128,14 +130,6 @@ class Summary:
     tokens: int
 
 
-def quantile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank quantile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def quantile_or_nan(value: float | None) -> float:
     return math.nan if value is None else value
 
@@ -146,8 +140,7 @@ def censored_quantile(values: Sequence[tuple[float, bool]], q: float) -> tuple[f
     under-states the quantile."""
     if not values:
         return None, False
-    ordered = sorted(values)
-    value, bound = ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    value, bound = sorted(values)[rank(len(values), q)]
     return value, bound
 
 

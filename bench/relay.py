@@ -79,6 +79,8 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.stats import quantile
+
 RELAY_CORE, LOAD_CORE = 0, 1
 CONCURRENCY = (1, 64, 512)
 ROUNDS = 3
@@ -374,11 +376,6 @@ async def _wave(
     )
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 @dataclass
 class Turn:
     """One mode's measurements in one round, at one concurrency."""
@@ -505,9 +502,9 @@ class Figures:
             cpu_ms_per_request=statistics.median(ms),
             events_per_cpu_s=statistics.median(rate),
             events_per_s=statistics.median(per(t.unpaced_events, t.unpaced_wall) for t in turns),
-            ttfb_p50=_pct(ttfbs, 0.5),
-            ttfb_p99=_pct(ttfbs, 0.99),
-            gap_p99=_pct(gaps, 0.99),
+            ttfb_p50=quantile(ttfbs, 0.5),
+            ttfb_p99=quantile(ttfbs, 0.99),
+            gap_p99=quantile(gaps, 0.99),
             rss_mib=max(t.rss_kib for t in turns) / 1024,
             cpu_us_per_event_rounds=us,
             cpu_ms_per_request_rounds=ms,

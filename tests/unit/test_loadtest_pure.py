@@ -117,10 +117,13 @@ def test_the_gate_cap_stays_below_both_knees() -> None:
     assert gate_cap(levels, Knee(0), None) is None
 
 
-def test_quantile_interpolates() -> None:
+def test_quantile_is_the_nearest_rank_a_value_had() -> None:
     assert quantile([], 0.5) is None
-    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
-    assert quantile([5.0], 0.99) == 5.0
+    assert quantile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.0  # two of four at or below it
+    assert quantile([4.0, 1.0, 3.0, 2.0], 0.51) == 3.0
+    assert quantile([float(i) for i in range(1, 101)], 0.99) == 99.0
+    assert quantile([float(i) for i in range(1, 51)], 0.99) == 50.0  # the top of 50
+    assert quantile([5.0], 0.99) == quantile([5.0], 0.0) == 5.0
 
 
 def _step(index: int, level: float, preemptions: float, generated: float) -> StepResult:

@@ -9,13 +9,22 @@ ones the dashboards would show over the same span.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtax.figures.derive import EngineSettings, derive_model
 from kvtax.figures.window import Point
 
-__all__ = ["EngineStep", "RequestRecord", "StepResult", "engine_step", "measure_step", "quantile"]
+__all__ = [
+    "EngineStep",
+    "RequestRecord",
+    "StepResult",
+    "engine_step",
+    "measure_step",
+    "quantile",
+    "rank",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,15 +104,19 @@ class StepResult:
         return self.slo_tokens / self.span if self.span > 0 else 0.0
 
 
+def rank(n: int, q: float) -> int:
+    """The index, in ``n`` sorted values, of their nearest-rank ``q`` quantile: the smallest
+    value with at least ``q`` of them at or below it."""
+    return min(n - 1, max(0, math.ceil(q * n) - 1))
+
+
 def quantile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks; None for no values."""
+    """The nearest-rank quantile (:func:`rank`); None for no values. A value one of them had: a
+    p99 TTFT is one a request waited, never a point between two. kvtax's benches (bench/)
+    report theirs by this same function."""
     if not values:
         return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return sorted(values)[rank(len(values), q)]
 
 
 def _increase(first: Point, last: Point, key: str) -> float | None:
