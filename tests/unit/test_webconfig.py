@@ -400,20 +400,27 @@ async def test_a_password_longer_than_bcrypt_takes_is_401_not_500(aiohttp_client
 async def test_at_most_a_few_bcrypt_checks_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     running, most = 0, 0
     lock = threading.Lock()
+    guesses_made = 4 * BCRYPT_THREADS
+    # The checks pass in groups of BCRYPT_THREADS: each holds its thread until that many run at
+    # once, however slow the machine is to start the next; with fewer allowed the group never
+    # fills (the wait times out and the check raises), and with more, the next starts while
+    # a group holds.
+    together = threading.Barrier(BCRYPT_THREADS, timeout=5.0)
 
     def slow_checkpw(password: bytes, hashed: bytes) -> bool:
         nonlocal running, most
         with lock:
             running += 1
             most = max(most, running)
-        time.sleep(0.02)
+        together.wait()
+        time.sleep(0.05)  # room for a check past the bound to start beside them, were it let
         with lock:
             running -= 1
         return False
 
     monkeypatch.setattr(bcrypt, "checkpw", slow_checkpw)
     auth = BasicAuth({"prometheus": HASH.encode()})
-    guesses = [auth.check(basic("prometheus", f"guess{n}")) for n in range(4 * BCRYPT_THREADS)]
+    guesses = [auth.check(basic("prometheus", f"guess{n}")) for n in range(guesses_made)]
     assert not any(await asyncio.gather(*guesses))
     assert most == BCRYPT_THREADS
 
