@@ -50,6 +50,7 @@ import aiohttp
 import requests
 from aiohttp import web
 
+from bench import procfs
 from bench.pipeline import CAPTURE, multi_model_payload
 from bench.sse_upstream import completions
 from bench.stats import quantile
@@ -142,25 +143,6 @@ def _port() -> int:
         return port
 
 
-def _family_pids(pid: int) -> list[int]:
-    """The process and its children (kvtax's parse worker, started from a thread)."""
-    pids = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            pids += [int(p) for p in (task / "children").read_text().split()]
-    return pids
-
-
-def _status_kib(pids: list[int], key: str) -> int:
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(key + ":"):
-                    total += int(line.split()[1])
-    return total
-
-
 @contextlib.contextmanager
 def running(args: list[str], log: Path, port: int, env: dict[str, str]) -> Iterator[int]:
     """The child running, once something listens on ``port``; yields its pid."""
@@ -224,7 +206,7 @@ async def _probe_stream(session: aiohttp.ClientSession, url: str, p: Probes) -> 
 
 async def _sample_rss(pid: int, p: Probes) -> None:
     while True:
-        p.peak_rss_kib = max(p.peak_rss_kib, _status_kib(_family_pids(pid), "VmRSS"))
+        p.peak_rss_kib = max(p.peak_rss_kib, procfs.rss_bytes([pid, *procfs.children(pid)]) // 1024)
         await asyncio.sleep(0.05)
 
 
@@ -306,7 +288,7 @@ def run_scenario(name: str, label: str, seconds: float, kvtax_path: str | None) 
         with running(kvtax_args, work / "kvtax.log", web_port, env) as pid:
             web_url = f"http://127.0.0.1:{web_port}"
             probes = asyncio.run(probe(pid, web_url, f"http://127.0.0.1:{proxy_port}", seconds))
-            hwm = _status_kib(_family_pids(pid), "VmHWM")
+            hwm = procfs.peak_rss_bytes([pid, *procfs.children(pid)]) // 1024
             page = _kvtax_page(web_url)
     shutil.rmtree(work)  # kept only when a run fails: the logs are in it
     return Result(

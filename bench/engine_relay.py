@@ -85,6 +85,7 @@ from typing import Any
 import aiohttp
 import requests
 
+from bench import procfs
 from bench.stats import quantile
 from kvtax.delivery.asks import Scheme, with_usage
 from kvtax_dev.exposition import read_samples, total
@@ -211,59 +212,12 @@ async def _round(
 # -- /proc and /metrics ----------------------------------------------------------------------
 
 
-def _cmdline(pid: int) -> list[str]:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    return []
-
-
-def _comm(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    return "?"
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                kids += [int(p) for p in (task / "children").read_text().split()]
-    return kids
-
-
 def api_server_pid(port: int) -> int:
     """The process running ``vllm.entrypoints.openai.api_server`` with ``--port port``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        argv = _cmdline(int(entry.name))
-        if "vllm.entrypoints.openai.api_server" in argv and str(port) in argv:
-            return int(entry.name)
-    raise RuntimeError(f"no vLLM API server process for port {port}")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the process (all its threads), from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def _sum_cpu(pids: Sequence[int]) -> float:
-    got = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            got += cpu_seconds(pid)
-    return got
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], _children(pid)
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += _children(p)
-    return out
+    found = procfs.find("vllm.entrypoints.openai.api_server", str(port))
+    if not found:
+        raise RuntimeError(f"no vLLM API server process for port {port}")
+    return found[0]
 
 
 def preemptions(engine: VllmEngine) -> float:
@@ -345,13 +299,16 @@ def _round_a(
     assert url is not None
     assert kvtax.pid is not None
     body = _body(args.max_tokens, {"stream_options": {"include_usage": True}})
-    api, relay = api_server_pid(engine.port), [kvtax.pid, *_descendants(kvtax.pid)]
+    api, relay = (
+        api_server_pid(engine.port),
+        [kvtax.pid, *procfs.children(kvtax.pid, recursive=True)],
+    )
     engine.wait_idle()
     p0 = preemptions(engine)
     d0, c0 = _delivered(kvtax), _completed(kvtax)
-    a0, k0 = cpu_seconds(api), _sum_cpu(relay)
+    a0, k0 = procfs.cpu_seconds([api]), procfs.cpu_seconds(relay)
     streams, wall = asyncio.run(_round(url, args.clients, args.requests, body, args.stagger))
-    a1, k1 = cpu_seconds(api), _sum_cpu(relay)
+    a1, k1 = procfs.cpu_seconds([api]), procfs.cpu_seconds(relay)
     _check(streams, args.max_tokens)
     r = RoundA(
         arm=arm,
@@ -526,10 +483,14 @@ def _exact(arm: str, s: Stream) -> bool:
 
 def part_b(engine: VllmEngine, args: argparse.Namespace) -> dict[str, Any]:
     api = api_server_pid(engine.port)
-    kids = _descendants(api)
+    kids = procfs.children(api, recursive=True)
     procs = {
-        "api_server": {"pid": api, "comm": _comm(api), "cmdline": " ".join(_cmdline(api))[:160]},
-        "children": [{"pid": p, "comm": _comm(p)} for p in kids],
+        "api_server": {
+            "pid": api,
+            "comm": procfs.name(api),
+            "cmdline": " ".join(procfs.cmdline(api))[:160],
+        },
+        "children": [{"pid": p, "comm": procfs.name(p)} for p in kids],
     }
     print(f"B processes: {json.dumps(procs)}", file=sys.stderr, flush=True)
     arms: list[str] = args.b_arms.split(",")
@@ -541,9 +502,9 @@ def part_b(engine: VllmEngine, args: argparse.Namespace) -> dict[str, Any]:
         engine.wait_idle()
         p0, g0 = preemptions(engine), _generation_tokens(engine)
         time.sleep(0.3)  # let the API server finish answering /metrics
-        a0, k0 = cpu_seconds(api), _sum_cpu(kids)
+        a0, k0 = procfs.cpu_seconds([api]), procfs.cpu_seconds(kids)
         streams, wall = asyncio.run(_round(engine.url, args.b_streams, args.b_streams, body))
-        a1, k1 = cpu_seconds(api), _sum_cpu(kids)
+        a1, k1 = procfs.cpu_seconds([api]), procfs.cpu_seconds(kids)
         _check(streams, args.b_max_tokens)
         if index < 0:
             return None
@@ -752,14 +713,7 @@ def render_b(data: dict[str, Any], args: dict[str, Any]) -> str:
 
 
 def machine(engine: VllmEngine) -> dict[str, Any]:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        "?",
-    )
+    cpu = procfs.cpu_model()
     version = "?"
     with contextlib.suppress(requests.RequestException, ValueError):
         version = requests.get(engine.url + "/version", timeout=5).json()["version"]

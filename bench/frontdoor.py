@@ -43,7 +43,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
 from tests.unit.frontdoor import (
     LAST_CHUNK,
     Link,
@@ -64,6 +63,8 @@ from tests.unit.frontdoor import (
     writes,
 )
 
+from bench import procfs
+
 __all__ = ["Figure", "main"]
 
 # A scenario against the proxy child's port (and its /healthz port): what happened, in words.
@@ -81,13 +82,6 @@ class Figure:
     peak_growth_mib: float
     cpu_seconds: float
     note: str
-
-
-def _hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM")
 
 
 async def _measure(
@@ -113,7 +107,6 @@ async def _measure(
         port = int(line.split()[1])
         line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
         healthz = int(line.split()[1])
-        process = psutil.Process(child.pid)
         # Warm up: one plain request through (whatever the scenario's script), so that the
         # baseline includes a live connection each way.
         upstream.then(answer(200, [("Content-Type", "text/plain")], b"ok"))
@@ -121,12 +114,12 @@ async def _measure(
         writer.write(raw_request("GET", "/v1/models"))
         await read_head(reader)
         writer.close()
-        before = process.memory_info().rss
-        cpu_before = sum(process.cpu_times()[:2])
-        Path(f"/proc/{child.pid}/clear_refs").write_text("5")
+        before = procfs.rss_bytes([child.pid])
+        cpu_before = procfs.cpu_seconds([child.pid])
+        procfs.reset_peak(child.pid)
         note = await run(port, healthz)
-        peak = _hwm(child.pid)
-        cpu = sum(process.cpu_times()[:2]) - cpu_before
+        peak = procfs.peak_rss_bytes([child.pid])
+        cpu = procfs.cpu_seconds([child.pid]) - cpu_before
     finally:
         child.terminate()
         await asyncio.to_thread(child.wait, 30)

@@ -263,7 +263,7 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "missed")
 
 
-def _pct(x: float) -> str:
+def _percent(x: float) -> str:
     return "∞" if math.isinf(x) else f"{100 * x:.0f} %"
 
 
@@ -302,7 +302,7 @@ def against_targets(
             Check(
                 "delivered >= 100 % of no-gate",
                 _verdict(r >= 1.0),
-                f"{_pct(r)} ({s.delivered_tps:.0f} vs {base.summary.delivered_tps:.0f} tok/s)",
+                f"{_percent(r)} ({s.delivered_tps:.0f} vs {base.summary.delivered_tps:.0f} tok/s)",
             )
         )
 
@@ -316,7 +316,7 @@ def against_targets(
             Check(
                 "delivered >= 95 % of the best static arm",
                 _verdict(r >= 0.95),
-                f"{_pct(r)} of {top.arm} ({top.summary.delivered_tps:.0f} tok/s)",
+                f"{_percent(r)} of {top.arm} ({top.summary.delivered_tps:.0f} tok/s)",
             )
         )
 

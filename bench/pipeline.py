@@ -47,6 +47,7 @@ from pathlib import Path
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import procfs
 from kvtax.serve.config import OPTIONS, Config
 from kvtax.serve.wiring import build
 
@@ -260,15 +261,6 @@ def serve_payload(pages: list[str]) -> Iterator[str]:
         server.server_close()
 
 
-def _status_kib(pid: int) -> dict[str, int]:
-    fields: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0])
-    return fields
-
-
 def _kvtax_value(url: str, name: str) -> float | None:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -289,6 +281,9 @@ class RssResult:
     rss_mib: float
     hwm_mib: float
     seconds: float
+
+
+MIB = 1024 * 1024
 
 
 def measure_rss(text: str, seconds: float, interval: float) -> RssResult:
@@ -322,7 +317,7 @@ def measure_rss(text: str, seconds: float, interval: float) -> RssResult:
             metrics_url = f"http://127.0.0.1:{port}/metrics"
             scrapes = _kvtax_value(metrics_url, "kvtax_scrapes_total") or 0.0
             up = _kvtax_value(metrics_url, "kvtax_vllm_up") or 0.0
-            status = _status_kib(proc.pid)
+            rss, hwm = procfs.rss_bytes([proc.pid]), procfs.peak_rss_bytes([proc.pid])
             elapsed = time.monotonic() - started
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -331,7 +326,7 @@ def measure_rss(text: str, seconds: float, interval: float) -> RssResult:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    return RssResult(int(scrapes), up, status["VmRSS"] / 1024, status["VmHWM"] / 1024, elapsed)
+    return RssResult(int(scrapes), up, rss / MIB, hwm / MIB, elapsed)
 
 
 # -- report -------------------------------------------------------------------------------------

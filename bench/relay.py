@@ -79,6 +79,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import procfs
 from bench.stats import quantile
 
 RELAY_CORE, LOAD_CORE = 0, 1
@@ -173,34 +174,6 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
             return
         time.sleep(0.1)
     raise RuntimeError(f"nothing listens on {port}")
-
-
-def _rss_kib(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-    return total
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """Run time of the processes' threads, from /proc/<pid>/task/*/schedstat (ns, where
-    /proc/<pid>/stat counts 10 ms ticks: too coarse for nginx's few hundred ms a turn)."""
-    ns = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    ns += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
-    return ns / 1e9
-
-
-def _children(pid: int) -> list[int]:
-    with contextlib.suppress(OSError):
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return []
 
 
 @dataclass
@@ -302,7 +275,7 @@ def relays(
             Relay(
                 "nginx",
                 f"http://127.0.0.1:{nginx_port}",
-                lambda: [nginx.pid, *_children(nginx.pid)],
+                lambda: [nginx.pid, *procfs.children(nginx.pid)],
             ),
             Relay("passthrough", f"http://127.0.0.1:{floor_port}", lambda: [floor.pid]),
         ]
@@ -418,7 +391,7 @@ class Plan:
 
 async def _sample_rss(relay: Relay, turn: Turn, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        turn.rss_kib = max(turn.rss_kib, _rss_kib(relay.pids()))
+        turn.rss_kib = max(turn.rss_kib, procfs.rss_bytes(relay.pids()) // 1024)
         await asyncio.sleep(0.05)
 
 
@@ -430,7 +403,7 @@ async def measure(
     sampler = asyncio.create_task(_sample_rss(relay, turn, stop))
 
     def cpu() -> float:
-        return _cpu_seconds(relay.pids())
+        return procfs.run_seconds(relay.pids())
 
     # The client's own full collections (20-40 ms at 64 streams) would otherwise run inside a
     # measured wave, and because the client allocates alike every run, they land on the same

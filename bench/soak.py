@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import re
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import procfs
 from bench.relay import _port, _wait_port
 from bench.soak_client import HANGUP_MODEL, KINDS, MODEL, Spec, plan, run_one
 from bench.soak_compare import (
@@ -65,10 +65,8 @@ _EXCEPTION = re.compile(r"[\w.]*(Error|Exception)\b[^ ]*(: |$)")
 
 def _proc(pid: int) -> tuple[int, int, int]:
     """VmRSS and VmHWM in KiB, and the number of open descriptors, of a process."""
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    fields = dict(line.split(":", 1) for line in status if ":" in line)
-    rss, hwm = (int(fields[key].split()[0]) for key in ("VmRSS", "VmHWM"))
-    return rss, hwm, len(os.listdir(f"/proc/{pid}/fd"))
+    pids = [pid]
+    return procfs.rss_bytes(pids) // 1024, procfs.peak_rss_bytes(pids) // 1024, procfs.open_fds(pid)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import procfs
 from bench.soak_compare import Check, ClientRecord, LedgerView
 
 __all__ = ["IDLE_LIMIT_S", "MARKS", "Mark", "SoakResult", "header", "report"]
@@ -165,14 +166,7 @@ def report(result: SoakResult) -> str:
 
 
 def header(argv: list[str]) -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.machine(),
-    )
+    cpu = procfs.cpu_model() if procfs.cpu_model() != "?" else platform.machine()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return (
         f"Measured on {when} on {platform.node()}: {os.cpu_count()} cores ({cpu}), "

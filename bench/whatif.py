@@ -147,7 +147,7 @@ def ranking(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _pct(x: float) -> str:
+def _percent(x: float) -> str:
     return f"{x:.1%}"
 
 
@@ -188,10 +188,11 @@ def render(rows: list[dict[str, Any]], load: dict[str, Any], ranks: dict[str, An
             out.append(
                 f"| {r['max_num_seqs']} | {_list(r['measured_preemptions'], '.0f')} "
                 f"| {r['predicted_preemptions']} "
-                f"| {', '.join(_pct(t) for t in r['measured_tax'])} | {_pct(r['predicted_tax'])} "
+                f"| {', '.join(_percent(t) for t in r['measured_tax'])} "
+                f"| {_percent(r['predicted_tax'])} "
                 f"| {'yes' if r['within_target'] else '**no**'} "
-                f"| {', '.join(_pct(h) for h in r['measured_hit_share'])} "
-                f"| {_pct(r['predicted_hit_share'])} | {_list(r['distinct_outputs'], 'd')} |"
+                f"| {', '.join(_percent(h) for h in r['measured_hit_share'])} "
+                f"| {_percent(r['predicted_hit_share'])} | {_list(r['distinct_outputs'], 'd')} |"
             )
         out += [
             "",
@@ -219,8 +220,8 @@ def render(rows: list[dict[str, Any]], load: dict[str, Any], ranks: dict[str, An
     ]
     for r in rows:
         out.append(
-            f"| {r['mode']} | {r['max_num_seqs']} | {_pct(r['measured_tax_mean'])} "
-            f"| {_pct(r['estimate_tax'])} | {_pct(r['corrected_estimate_tax'])} |"
+            f"| {r['mode']} | {r['max_num_seqs']} | {_percent(r['measured_tax_mean'])} "
+            f"| {_percent(r['estimate_tax'])} | {_percent(r['corrected_estimate_tax'])} |"
         )
     out.append("")
     return "\n".join(out)

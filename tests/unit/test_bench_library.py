@@ -1,0 +1,78 @@
+"""The benches read processes through one module (bench/procfs.py) and take quantiles through
+one function (bench/stats.py, kvtax loadtest's own): a bench that reads /proc, imports psutil or
+defines a quantile of its own fails here, so two benches cannot report the same figure two
+ways."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from bench import procfs, stats
+
+from kvtax.tools.loadtest.measure import quantile as loadtest_quantile
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+LIBRARY = {"procfs.py", "stats.py"}
+QUANTILE = re.compile(r"^_?(quantile|percentile|pct|p\d\d)$|quantile$", re.IGNORECASE)
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in BENCH.rglob("*.py") if p.name not in LIBRARY)
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """ids of the string constants that are docstrings."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
+def test_a_bench_reads_processes_and_quantiles_through_the_library(path: Path) -> None:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            assert not QUANTILE.search(node.name) or node.name == "censored_quantile", (
+                f"{path.name}:{node.lineno}: {node.name}() - use bench.stats.quantile"
+            )
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            assert "psutil" not in names, f"{path.name}:{node.lineno}: psutil - use bench.procfs"
+        code = isinstance(node, ast.Constant) and id(node) not in docstrings
+        if code and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            assert not node.value.startswith("/proc"), (
+                f"{path.name}:{node.lineno}: reads /proc - use bench.procfs"
+            )
+        if isinstance(node, ast.JoinedStr):  # f"/proc/{pid}/..."
+            heads = [v.value for v in node.values if isinstance(v, ast.Constant)]
+            assert not any("/proc" in str(h) for h in heads), (
+                f"{path.name}:{node.lineno}: reads /proc - use bench.procfs"
+            )
+
+
+def test_the_benches_quantile_is_the_loadtests() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    for q in (0.0, 0.5, 0.9, 0.99, 1.0):
+        assert stats.quantile(values, q) == loadtest_quantile(values, q)
+    assert stats.quantile([], 0.5) != stats.quantile([], 0.5)  # NaN for none
+
+
+def test_procfs_reads_this_process() -> None:
+    import os
+
+    me = [os.getpid()]
+    assert procfs.rss_bytes(me) > 0
+    assert procfs.peak_rss_bytes(me) >= procfs.rss_bytes(me)
+    assert procfs.run_seconds(me) > 0
+    assert procfs.cpu_seconds(me) >= 0
+    assert procfs.open_fds(os.getpid()) > 0
+    assert "python" in procfs.name(os.getpid()).lower() or procfs.cmdline(os.getpid())
+    assert procfs.rss_bytes([2**22 + 7]) == 0  # a process that is not there counts nothing
