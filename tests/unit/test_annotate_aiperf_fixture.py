@@ -1,11 +1,11 @@
 """``kvtax annotate`` on a real AIPerf 0.13.0 sweep against the real vLLM CPU engine.
 
-The fixture (tests/fixtures/aiperf, made by ``bench/annotate_tools_run.py``; its README has the
-commands) holds AIPerf's ``profile_export_aiperf.json`` of each run of a ``--concurrency 2,8,32``
-sweep and kvtax's recording of the engine's /metrics during the sweep. The check: the
-preemptions annotate adds to each run equal the engine's own counter increase over that run's
-span, read here from AIPerf's JSON with the standard library and from the recorded pages with a
-regular expression, not with kvtax's readers.
+The fixture (tests/fixtures/aiperf, made by ``bench/tools/annotate_tools_run.py``; its README has
+the commands) holds AIPerf's ``profile_export_aiperf.json`` of each run of a ``--concurrency
+2,8,32`` sweep and kvtax's recording of the engine's /metrics during the sweep. The check: the
+preemptions annotate adds to each run equal the engine's own counter increase over that run's span,
+read here from AIPerf's JSON with the standard library and from the recorded pages with a regular
+expression, not with kvtax's readers.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``kvtax annotate`` on a real guidellm 0.8.1 run against the real vLLM CPU engine.
 
-The fixture (tests/fixtures/guidellm, made by ``bench/guidellm_run.py``; its README has the
+The fixture (tests/fixtures/guidellm, made by ``bench/tools/guidellm_run.py``; its README has the
 commands) holds guidellm's report and kvtax's recording of the engine's /metrics during the
 run. The check: the preemptions annotate adds to each benchmark equal the engine's own counter
 increase over that benchmark's span, read here from the recorded pages with a regular

@@ -1,7 +1,7 @@
 """``kvtax annotate`` on real ``vllm bench serve`` runs against the real vLLM CPU engine.
 
-The fixture (tests/fixtures/vllm-bench, made by ``bench/annotate_tools_run.py``; its README has
-the commands) holds the ``--save-result --append-result`` file of three ``vllm bench serve``
+The fixture (tests/fixtures/vllm-bench, made by ``bench/tools/annotate_tools_run.py``; its README
+has the commands) holds the ``--save-result --append-result`` file of three ``vllm bench serve``
 runs (vLLM 0.32.0 CPU; max concurrency 2, 8 and 32) and kvtax's recording of the engine's
 /metrics during them. The check: the preemptions annotate adds to each run equal the engine's
 own counter increase over that run, read here from the JSON lines with the standard library and

@@ -1,4 +1,5 @@
-"""bench/gate.py's pure core: arrivals, the GIE rule, per-arm summaries, the targets, the plan."""
+"""bench/gate/gate.py's pure core: arrivals, the GIE rule, per-arm summaries, the targets, and
+the plan."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from bench import gate
-from bench.gate_arrivals import (
+from bench.gate import client, engines, gate
+from bench.gate.arrivals import (
     WORKLOADS,
     Spec,
     closed_loop_specs,
@@ -18,8 +19,8 @@ from bench.gate_arrivals import (
     poisson_arrivals,
     prompt_ids,
 )
-from bench.gate_gie import read_saturation, saturated
-from bench.gate_stats import (
+from bench.gate.gie import read_saturation, saturated
+from bench.gate.stats import (
     ArmResult,
     Record,
     Refusal,
@@ -420,7 +421,7 @@ def test_plan_runs_no_gate_first_and_restarted_engines_last() -> None:
     names = [p.name for p in plans]
     assert names[0] == "no-gate"
     assert names[-2:] == ["vllm-max-num-seqs", "vllm-max-num-queued-reqs"]
-    assert {p.engine for p in plans[:-2]} == {gate.SHARED}
+    assert {p.engine for p in plans[:-2]} == {engines.SHARED}
     assert [p.name for p in plans if p.gie] == ["gie-saturation"]
 
 
@@ -440,26 +441,26 @@ def test_plan_refuses_an_unknown_arm() -> None:
 
 def test_gate_flags_carry_mode_order_and_extras() -> None:
     args = gate.parser().parse_args(["--gate-extra", "--gate.floor=1 --gate.ceiling=8"])
-    flags = gate.gate_flags(gate.ArmPlan("kvtax-budget", gate.SHARED, mode="budget"), args)
+    flags = gate.gate_flags(gate.ArmPlan("kvtax-budget", engines.SHARED, mode="budget"), args)
     assert "--gate.mode=budget" in flags
     assert "--gate.order=fifo" in flags
     assert "--gate.block-size=128" in flags
     assert flags[-2:] == ["--gate.floor=1", "--gate.ceiling=8"]
-    assert gate.gate_flags(gate.ArmPlan("no-gate", gate.SHARED), args) == []
+    assert gate.gate_flags(gate.ArmPlan("no-gate", engines.SHARED), args) == []
 
 
 def test_tokens_of_reads_cumulative_usage_or_counts_chunks() -> None:
-    assert gate.tokens_of({"choices": [{"text": "a"}], "usage": {"completion_tokens": 7}}, 6) == 7
-    assert gate.tokens_of({"choices": [{"text": "a"}]}, 6) == 7
-    assert gate.tokens_of({"choices": [], "usage": {"completion_tokens": 7}}, 7) == 7
-    assert gate.tokens_of({"choices": []}, 7) == 7
+    assert client.tokens_of({"choices": [{"text": "a"}], "usage": {"completion_tokens": 7}}, 6) == 7
+    assert client.tokens_of({"choices": [{"text": "a"}]}, 6) == 7
+    assert client.tokens_of({"choices": [], "usage": {"completion_tokens": 7}}, 7) == 7
+    assert client.tokens_of({"choices": []}, 7) == 7
 
 
 def test_retry_wait() -> None:
-    assert gate.retry_wait(None) == 1.0
-    assert gate.retry_wait("2") == 2.0
-    assert gate.retry_wait("60") == 5.0
-    assert gate.retry_wait("soon") == 1.0
+    assert client.retry_wait(None) == 1.0
+    assert client.retry_wait("2") == 2.0
+    assert client.retry_wait("60") == 5.0
+    assert client.retry_wait("soon") == 1.0
 
 
 def test_rejections_are_read_by_whatever_reason_the_metric_has() -> None:
@@ -472,8 +473,8 @@ def test_rejections_are_read_by_whatever_reason_the_metric_has() -> None:
         'kvtax_gate_rejections_total{reason="queue_full"} 5\n'
         'kvtax_gate_rejections_total{reason="some_new_reason"} 4\n'
     )
-    assert gate.rejections_between(before, after) == {"queue_full": 3.0, "some_new_reason": 4.0}
-    assert gate.rejections_between("", "") == {}
+    assert engines.rejections_between(before, after) == {"queue_full": 3.0, "some_new_reason": 4.0}
+    assert engines.rejections_between("", "") == {}
 
 
 def test_tax_between_prefers_the_measured_recompute() -> None:
@@ -488,10 +489,10 @@ def test_tax_between_prefers_the_measured_recompute() -> None:
         'kvtax_recomputed_tokens_measured_total{model_name="m"}': 110.0,
         'kvtax_recomputed_tokens_estimated_total{model_name="m"}': 999.0,
     }
-    tax, method = gate.tax_between(before, after)
+    tax, method = engines.tax_between(before, after)
     assert method == "measured"
     assert tax == pytest.approx(100 / (800 + 100 + 100))
-    assert gate.tax_between({}, {}) == (None, "none")
+    assert engines.tax_between({}, {}) == (None, "none")
 
 
 def test_recommended_is_the_smallest_per_model() -> None:
@@ -499,8 +500,8 @@ def test_recommended_is_the_smallest_per_model() -> None:
         'kvtax_recommended_max_num_seqs{model_name="a"}': 3.0,
         'kvtax_recommended_max_num_seqs{model_name="b"}': 2.0,
     }
-    assert gate.recommended_of(page) == 2
-    assert gate.recommended_of({}) is None
+    assert engines.recommended_of(page) == 2
+    assert engines.recommended_of({}) is None
 
 
 def test_dry_run_prints_the_plan_without_an_engine(capsys: pytest.CaptureFixture[str]) -> None:
@@ -601,7 +602,7 @@ def test_long_and_short_requests_are_shown_apart_when_the_mix_has_both() -> None
 def test_the_fairness_bench_merges_the_tenants_schedules_and_tells_them_apart() -> None:
     """Both tenants' Poisson schedules in one, by time, each request's tenant read back from
     its index; B's schedule is the same whether A bursts beside it or not."""
-    from bench.gate_fair import Tenant, tenant_of, tenant_specs
+    from bench.gate.fair import Tenant, tenant_of, tenant_specs
 
     a, b = Tenant("a", 4.0, 25), Tenant("b", 0.3, 26)
     both = tenant_specs([a, b], rate=1.0, duration=60.0)

@@ -1,4 +1,5 @@
-"""bench/gate.py's clients and its GIE proxy against in-process stand-ins (no engine, no timing)."""
+"""bench/gate/gate.py's clients and its GIE proxy against in-process stand-ins (no engine, no
+timing)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from bench import gate
-from bench.gate_arrivals import WORKLOADS, Spec
-from bench.gate_gie import GieProxy
-from bench.gate_stats import summarize
-from bench.sse_upstream import completions
+from bench.gate import client, gate
+from bench.gate.arrivals import WORKLOADS, Spec
+from bench.gate.gie import GieProxy
+from bench.gate.stats import summarize
+from bench.relay.sse_upstream import completions
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -57,7 +58,7 @@ async def upstream() -> AsyncIterator[str]:
 
 async def test_open_loop_records_streams_and_refusals(upstream: str) -> None:
     specs = [_spec(0, 6), _spec(1, 3), _spec(2, 4), _spec(3, 5), _spec(4, 9, prompt_tokens=900)]
-    records, cutoff = await gate.open_loop(
+    records, cutoff = await client.open_loop(
         upstream, specs, "test", "bench", duration=0.0, drain=60.0
     )
     assert cutoff >= 0.0
@@ -102,7 +103,7 @@ async def test_open_loop_cancels_what_is_still_open_at_the_cutoff() -> None:
     app.router.add_post("/v1/completions", hang)
     runner, url = await _serve(app)
     try:
-        records, _ = await gate.open_loop(
+        records, _ = await client.open_loop(
             url, [_spec(0, 8)], "test", "bench", duration=0.0, drain=0.05
         )
     finally:
@@ -129,7 +130,7 @@ async def test_closed_loop_retries_a_refusal_after_retry_after() -> None:
     runner, url = await _serve(app)
     sizes = (_spec(i, 4) for i in itertools.count())
     try:
-        records, _ = await gate.closed_loop(
+        records, _ = await client.closed_loop(
             url, 2, sizes, "test", "bench", duration=0.3, drain=60.0
         )
     finally:
@@ -169,7 +170,7 @@ async def test_gie_proxy_relays_until_saturated_then_sheds_without_retry_after()
     proxy = GieProxy(upstream, f"{upstream}/metrics", poll=3600.0)
     await proxy.start()
     proxy_runner, url = await _serve(proxy.app())
-    body = gate.request_body(_spec(0, 5), "gie", "bench")
+    body = client.request_body(_spec(0, 5), "gie", "bench")
     headers = {"Content-Type": "application/json"}
     try:
         async with aiohttp.ClientSession() as session:
@@ -245,7 +246,7 @@ def test_a_killed_run_leaves_through_its_with_blocks() -> None:
     # Protection: _exit_on_sigterm. Without it SIGTERM ends Python at once, no `finally` or
     # `with` runs, and the engine (in a process group of its own) keeps serving.
     code = (
-        "from bench import gate\n"
+        "from bench.gate import gate\n"
         "import time\n"
         "gate._exit_on_sigterm()\n"
         "try:\n"

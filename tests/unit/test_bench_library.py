@@ -1,11 +1,12 @@
-"""The benches read processes through one module (bench/procfs.py) and take quantiles through
-one function (bench/stats.py, kvtax loadtest's own): a bench that reads /proc, imports psutil or
-defines a quantile of its own fails here, so two benches cannot report the same figure two
-ways."""
+"""bench/ is benches grouped by family over a small library: they read processes through one
+module (bench/procfs.py) and take quantiles through one function (bench/stats.py, kvtax
+loadtest's own), so two benches cannot report the same figure two ways; no module is over 800
+lines; and every ``python -m bench...`` command the docs give names a module that exists."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from bench import procfs, stats
 from kvtax.tools.loadtest.measure import quantile as loadtest_quantile
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-LIBRARY = {"procfs.py", "stats.py"}
+LIBRARY = {"procfs.py", "stats.py", "net.py"}
+FAMILIES = {"relay", "soak", "gate", "scrape", "engine", "tools"}
+REPO = BENCH.parent
 QUANTILE = re.compile(r"^_?(quantile|percentile|pct|p\d\d)$|quantile$", re.IGNORECASE)
 
 
@@ -76,3 +79,30 @@ def test_procfs_reads_this_process() -> None:
     assert procfs.open_fds(os.getpid()) > 0
     assert "python" in procfs.name(os.getpid()).lower() or procfs.cmdline(os.getpid())
     assert procfs.rss_bytes([2**22 + 7]) == 0  # a process that is not there counts nothing
+
+
+def test_bench_is_families_over_a_small_library() -> None:
+    top = {p.name for p in BENCH.glob("*.py")}
+    assert top == LIBRARY | {"__init__.py"}, top - LIBRARY
+    assert {p.name for p in BENCH.iterdir() if p.is_dir() and p.name != "__pycache__"} == (
+        FAMILIES | {"results"}
+    )
+    long = {p.name: n for p in BENCH.rglob("*.py") if (n := len(p.read_text().splitlines())) > 800}
+    assert not long, f"bench modules over 800 lines: {long}"
+
+
+def test_every_bench_command_in_the_docs_names_a_module() -> None:
+    docs = [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("bench/**/*.md")]
+    docs += [*BENCH.rglob("*.py"), *REPO.glob("tests/fixtures/*/README.md")]
+    named = {m for doc in docs for m in re.findall(r"-m (bench(?:\.[a-z_]+)+)", doc.read_text())}
+    assert "bench.relay" in named
+    assert "bench.gate.fair" in named
+    missing = sorted(m for m in named if not _exists(m))
+    assert not missing, f"commands name modules that do not exist: {missing}"
+
+
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package that does not exist
+        return False

@@ -346,13 +346,13 @@ def _hwm_bytes(pid: int) -> int:
 async def test_a_20_mib_audio_upload_passes_while_kvtax_grows_by_less_than_16_mib(
     front_door: StartFront,
 ) -> None:
-    # Acceptance (finding 2): the proxy runs in a process of its own (bench.proxy_child, the
+    # Acceptance (finding 2): the proxy runs in a process of its own (bench.relay.proxy_child, the
     # settings kvtax serve uses by default), so that only its memory is measured: the peak
     # RSS while the upload passes (VmHWM, reset first) against its RSS before. A relay that
     # holds the body whole grows by at least its 20 MiB; today's answers 413.
     upstream = (await front_door()).upstream
     child = subprocess.Popen(
-        [sys.executable, "-m", "bench.proxy_child", f"--upstream={upstream.url}"],
+        [sys.executable, "-m", "bench.relay.proxy_child", f"--upstream={upstream.url}"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'exporter'}:{ROOT}"},

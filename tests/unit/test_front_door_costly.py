@@ -5,7 +5,7 @@ protection. The upstream is :class:`~tests.unit.frontdoor.RawUpstream`; clients 
 Nothing is timed: a body's cost is asserted as what was decoded of it and how much kvtax grew
 (a process of its own, its peak RSS); the pipeline bound as the bytes kvtax read of bodies that
 wait; delivery as tokens against what the client's socket holds. ``/healthz`` latency while a
-body is read is a figure of ``bench.frontdoor --bodies``.
+body is read is a figure of ``bench.relay.frontdoor --bodies``.
 """
 
 from __future__ import annotations
@@ -130,11 +130,11 @@ async def test_kvtax_grows_by_at_most_twice_a_large_body_of_smallchat_messages(
     front_door: StartFront,
 ) -> None:
     # Finding 1: 2 M small chat messages (60 MiB) grew kvtax by 1.31 GiB: each decoded into
-    # Python objects, twice. The proxy runs in a process of its own (bench.proxy_child, kvtax
+    # Python objects, twice. The proxy runs in a process of its own (bench.relay.proxy_child, kvtax
     # serve's defaults) so that only its memory is measured: the peak RSS while the body passes.
     upstream = (await front_door()).upstream
     child = subprocess.Popen(
-        [sys.executable, "-m", "bench.proxy_child", f"--upstream={upstream.url}"],
+        [sys.executable, "-m", "bench.relay.proxy_child", f"--upstream={upstream.url}"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'exporter'}:{ROOT}"},

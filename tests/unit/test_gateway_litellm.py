@@ -1,5 +1,5 @@
 """The gateway source against a real LiteLLM page: ``tests/fixtures/litellm/1.108-metrics.prom``
-is LiteLLM 1.108.7's ``/metrics/`` as captured by ``bench/gateway_litellm.py`` (process and GC
+is LiteLLM 1.108.7's ``/metrics/`` as captured by ``bench/gate/litellm.py`` (process and GC
 families left out), after requests for the alias ``chat-small`` routed to
 ``hosted_vllm/tiny-llama`` on the real vLLM engine."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from bench.sse_upstream import completions
+from bench.relay.sse_upstream import completions
 
 from kvtax_dev.testbed.load import RequestResult, drive
 

@@ -9,9 +9,8 @@ growth is judged by the full soak (``python -m bench.soak``); at 600 requests it
 from __future__ import annotations
 
 import pytest
-from bench.soak import run
-from bench.soak_client import KINDS, SeenStream, Spec, _judge, _whole_record, plan
-from bench.soak_compare import (
+from bench.soak.client import KINDS, SeenStream, Spec, _judge, _whole_record, plan
+from bench.soak.compare import (
     Check,
     ClientRecord,
     LedgerView,
@@ -20,6 +19,7 @@ from bench.soak_compare import (
     ledger_delta,
     parse_ledger,
 )
+from bench.soak.soak import run
 
 from kvtax.delivery.ledger import OUTCOMES
 

@@ -304,7 +304,7 @@ def _settle_heap() -> None:
     Start-up leaves some 50,000 objects that live as long as kvtax: modules, classes, pydantic's
     validators, the parts :func:`build` made. CPython's full (oldest-generation) collection
     walks all of them: 50 to 70 ms of a held event loop on a 2-vCPU machine, every 30 to 45 s
-    under bench/relay.py's load. The requests' own allocations set it off, so it falls in a
+    under bench/relay/relay.py's load. The requests' own allocations set it off, so it falls in a
     burst of new requests and holds up their first bytes. One collection here, then
     :func:`gc.freeze`, moves the survivors to the permanent generation, which no collection
     walks: a full collection under the same load then takes 5 to 15 ms. Garbage made later is

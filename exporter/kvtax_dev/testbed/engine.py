@@ -223,7 +223,7 @@ class VllmEngine:
         # --enforce-eager skips the torch.compile of the model at start (13 s of the 60 s a start
         # takes here: vLLM recompiles at every start, its compile cache failing to load). The
         # testbed measures scheduling, preemption and counters, which compiling does not change;
-        # benchmarks of compute speed (bench/prefill_ratio.py) pass eager=False.
+        # benchmarks of compute speed (bench/engine/prefill_ratio.py) pass eager=False.
         self.eager = eager
         # The machine's one lock (kvtax_dev.machine_lock), held while the engine runs: shared
         # with the other lanes' engines, while a bench waits for them all. ``alone`` takes the

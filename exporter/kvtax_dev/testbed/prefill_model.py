@@ -5,7 +5,7 @@ engine that a preemption's recompute costs next to nothing. This model is large 
 re-prefilling a long prompt costs many decode steps, as it does on a GPU: hidden 512,
 intermediate 1536, 8 layers, 8 heads, 2 KV heads (head_dim 64), stored and served in float32.
 This machine's CPU has AVX2 but no AVX-512 or AMX, so bf16 matrix work is emulated and slow
-in both phases; float32 keeps the prefill/decode ratio GPU-like. bench/prefill_ratio.py
+in both phases; float32 keeps the prefill/decode ratio GPU-like. bench/engine/prefill_ratio.py
 measures that ratio (bench/results/prefill-ratio.md).
 
 Serve it with ``VllmEngine(model_dir=prefill_heavy_dir(), extra_args=SERVE_ARGS, ...)``: the

@@ -3,12 +3,13 @@
 Why a process and not a thread: :func:`~kvtax.engine.normalize.normalize` is pure Python (about 50
 us a series on a 2-core machine), and a thread that holds the GIL delays each socket call of the
 event loop by up to the interpreter's switch interval (5 ms), so work that needs several calls waits
-hundreds of milliseconds. ``bench.parselag`` measures it: 32 loopback ping-pong streams on the loop
-while a 42,000-series page (100 models, the largest the default bounds accept) is parsed. Round trip
-p99: 4 ms idle; 478 ms with the parse in a thread (100 round trips/s instead of 2,400); 5 ms in this
-worker; and none at all for 2.1 s on the loop. The worker (:mod:`kvtax.serve.scrape.parseworker`) is
-a plain child process, not a ``multiprocessing`` pool, because a spawned pool worker re-imports the
-CLI and brings a resource tracker: 53 MiB against 24 MiB.
+hundreds of milliseconds. ``bench.scrape.parselag`` measures it: 32 loopback ping-pong streams on
+the loop while a 42,000-series page (100 models, the largest the default bounds accept) is parsed.
+Round trip p99: 4 ms idle; 478 ms with the parse in a thread (100 round trips/s instead of 2,400); 5
+ms in this worker; and none at all for 2.1 s on the loop. The worker
+(:mod:`kvtax.serve.scrape.parseworker`) is a plain child process, not a ``multiprocessing`` pool,
+because a spawned pool worker re-imports the CLI and brings a resource tracker: 53 MiB against 24
+MiB.
 
 The pipe I/O and the pickling run in a thread (blocking reads and writes release the GIL; the
 pickles are C code), so the class works from any event loop. One page is parsed at a time.

@@ -1,0 +1,1 @@
+"""Against a real engine: offload, the tax estimate, prefill ratios, what-if runs, vLLM's CLI."""

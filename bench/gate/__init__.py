@@ -1,0 +1,2 @@
+"""The gate under open-loop overload beside vLLM's caps and GIE's rule (gate), and fair
+shares (fair)."""

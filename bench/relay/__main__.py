@@ -1,0 +1,5 @@
+"""``python -m bench.relay``: :mod:`bench.relay.relay`."""
+
+from bench.relay.relay import main
+
+main()
