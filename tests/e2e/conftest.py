@@ -11,6 +11,10 @@ test that uses the session's engine carries the ``session_engine`` marker, added
 tests and the packaging checks. The modules in :data:`LAST` run at the end of the engine's
 lane, by when the other lanes have normally finished: their alerts depend on one /metrics
 answering within a second, which they should not have to share the machine for.
+
+Tests marked ``plugins_off`` run after all of them: they need the session's engine restarted
+with no plugin (:func:`engine_without_plugin`; the restart test in test_observe_e2e.py makes
+that restart its own), and every other test needs kvtax's plugin loaded.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # project's ini settings (for example from another rootdir).
     config.addinivalue_line("markers", "e2e: needs a real vLLM engine (slow)")
     config.addinivalue_line("markers", "session_engine: uses the session's vLLM engine")
+    config.addinivalue_line(
+        "markers", "plugins_off: leaves the session's engine running without kvtax's plugin"
+    )
 
 
 # Tests in the modules named here run last in the engine's lane (see the module docstring).
@@ -54,8 +61,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
             if "vllm_engine" in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.session_engine)
-    # A stable sort: the LAST modules move to the end, everything else keeps its order.
-    items.sort(key=lambda item: item.path.name in LAST)
+    # A stable sort: the LAST modules move to the end, the tests that turn the session engine's
+    # plugin off after them; everything else keeps its order.
+    items.sort(key=_place)
+
+
+def _place(item: pytest.Item) -> int:
+    if item.get_closest_marker("plugins_off") is not None:
+        return 2
+    return 1 if item.path.name in LAST else 0
 
 
 @pytest.fixture(scope="session")
@@ -79,3 +93,20 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine
         yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture
+def engine_without_plugin(request: pytest.FixtureRequest, vllm_engine: VllmEngine) -> VllmEngine:
+    """The session's engine, restarted with no plugin unless a test already did so (one
+    restart serves the restart test and this one). Only for tests marked ``plugins_off``, which
+    run once no other test needs the plugin."""
+    if request.node.get_closest_marker("plugins_off") is None:
+        pytest.fail("engine_without_plugin is for tests marked plugins_off", pytrace=False)
+    if not vllm_engine.plugins_off:
+        vllm_engine.stop()
+        vllm_engine.turn_plugins_off()
+        try:
+            vllm_engine.start()
+        except EngineStartError as exc:
+            pytest.fail(f"could not restart the engine without plugins: {exc}", pytrace=False)
+    return vllm_engine

@@ -106,10 +106,12 @@ def _wait_readyz(kvtax: KvtaxProcess, status: int, timeout: float = 30.0) -> Non
     kvtax.wait_for(lambda m: _readyz_status(kvtax) == status, timeout, f"/readyz {status}")
 
 
+@pytest.mark.plugins_off
 def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> None:
-    """Stop the real engine under kvtax, then start it again on the same port. The session's
-    engine itself restarts (one of the suite's engine starts): a vLLM restart is what this
-    checks, and no other engine is running that could be restarted for it."""
+    """Stop the real engine under kvtax, then start it again on the same port, as a rollout
+    does: kvtax tells vLLM down from slow, holds its last figures, counts the restart, and its
+    totals stay monotonic across vLLM's reset. The session's engine comes back without kvtax's
+    plugin, the state test_tax_e2e's plugin-less test reads, so one restart serves both."""
     # Some traffic first, so that vLLM's counters are above zero and a restart resets them.
     asyncio.run(
         drive(vllm_engine.url, vllm_engine.model_name, concurrency=2, max_tokens=16, stream=False)
@@ -141,6 +143,7 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
         _wait_readyz(proxied, 503)
         assert _readyz_status(kvtax) == 200  # observe-only: vLLM down is not kvtax's outage
     finally:
+        vllm_engine.turn_plugins_off()
         vllm_engine.start()
     # Back up: wait for a good scrape (the first ones may time out while the engine warms up).
     restarts = "kvtax_vllm_restarts_total"

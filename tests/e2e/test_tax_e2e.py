@@ -8,10 +8,10 @@ that idle state. kvtax's window then spans exactly the load, so its window figur
 for equality with what this test computes itself from vLLM's raw counters read before and after.
 
 All traffic goes through kvtax's proxy. Scenarios: (1) a load the pool holds; (2) an overload;
-(3) an overload in which a third of the clients leave mid-stream; and an engine started without
-the plugin (``VLLM_PLUGINS=""``, vLLM's allowlist matching nothing), which must publish the
-estimate only. Figures of (2) and (3) are printed and written as JSON to the test's tmp dir, and
-to ``$KVTAX_RESULTS_DIR`` when set (bench/results/ holds a committed run).
+(3) an overload in which a third of the clients leave mid-stream; and the session's engine
+restarted without the plugin (``VLLM_PLUGINS=""``, vLLM's allowlist matching nothing), which
+must publish the estimate only. Figures of (2) and (3) are printed and written as JSON to the
+test's tmp dir, and to ``$KVTAX_RESULTS_DIR`` when set (bench/results/ holds a committed run).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtax import plugin
 from kvtax.figures.derive import tax_ratio
 from kvtax_dev.testbed import VllmEngine
-from kvtax_dev.testbed.engine import beside_cores
 from kvtax_dev.testbed.load import PROMPT, PROMPT_TOKENS, RequestResult, drive
 from kvtax_dev.testbed.sidecar import KvtaxProcess, series_key
 
@@ -451,18 +450,15 @@ def test_overload_with_disconnects_wastes_more_than_the_tax(
 
 
 # -- an engine without the plugin ---------------------------------------------------------------
-def test_engine_without_the_plugin_publishes_the_estimate_only(tmp_path: Path) -> None:
-    """An engine of its own: vLLM reads its plugin allowlist once, at start, and the session's
-    engine must keep the plugin for every other test. It computes on the core beside the
-    session engine's, so that the two lanes of the suite do not share one."""
-    # VLLM_PLUGINS is vLLM's allowlist for every entry-point plugin group, stat loggers included;
-    # "" parses to [""], a list that names no plugin, so vLLM loads none of kvtax's.
-    engine = VllmEngine(
-        extra_env={"VLLM_PLUGINS": ""}, cpus=beside_cores(), log_path=tmp_path / "engine.log"
-    )
-    with engine:
-        assert "kvtax_plugin_" not in engine.metrics_text()
-        run = run_scenario(engine, tmp_path, "no-plugin", Load(clients=32, max_tokens=300))
+@pytest.mark.plugins_off
+def test_engine_without_the_plugin_publishes_the_estimate_only(
+    engine_without_plugin: VllmEngine, tmp_path: Path
+) -> None:
+    """An engine that loads no plugin: kvtax publishes the estimated tax and waste, and no
+    measured series at all."""
+    engine = engine_without_plugin
+    assert "kvtax_plugin_" not in engine.metrics_text()
+    run = run_scenario(engine, tmp_path, "no-plugin", Load(clients=32, max_tokens=300))
 
     log = engine.log_path.read_text(errors="replace")
     # vLLM found the entry point (kvtax is installed) and left it out because of the allowlist.

@@ -326,6 +326,17 @@ class VllmEngine:
         _record_start(self)
         return self
 
+    @property
+    def plugins_off(self) -> bool:
+        """True when the engine starts with vLLM's plugin allowlist naming no plugin."""
+        return self.extra_env.get("VLLM_PLUGINS") == ""
+
+    def turn_plugins_off(self) -> None:
+        """From the next start on, load no entry-point plugin (kvtax's stat logger included):
+        vLLM reads its allowlist once, at start. ``VLLM_PLUGINS=""`` parses to a list that
+        names nothing, so vLLM finds kvtax's entry point and leaves it out."""
+        self.extra_env["VLLM_PLUGINS"] = ""
+
     def healthy(self) -> bool:
         """True when ``GET /health`` answers 200."""
         return http_ok(f"{self.url}/health")
