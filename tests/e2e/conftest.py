@@ -27,6 +27,7 @@ from types import FrameType
 import pytest
 
 from kvtax_dev.testbed import EngineStartError, VllmEngine
+from kvtax_dev.testbed.schedprobe import FLAG, probe_dir
 
 _HERE = Path(__file__).resolve().parent
 
@@ -82,8 +83,15 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine
     """
     # --enable-scale-out registers vLLM's tokens-in/tokens-out /inference/v1/generate (and its
     # render routes) beside the other generation APIs, which test_apis_e2e drives through kvtax.
+    # The scheduler probe and vLLM's per-step details give test_offload_e2e its independent
+    # count of recompute without a connector. A step can never schedule more new tokens than
+    # the 2,048-token pool has free, so a 4,096-token budget changes no schedule; it only
+    # states what that count assumes, that no prefill is cut into chunks.
+    where = tmp_path_factory.mktemp("vllm")
     engine = VllmEngine(
-        extra_args=["--enable-scale-out"], log_path=tmp_path_factory.mktemp("vllm") / "engine.log"
+        extra_args=["--enable-scale-out", FLAG, "--max-num-batched-tokens", "4096"],
+        python_path=[probe_dir(where / "probe")],
+        log_path=where / "engine.log",
     )
     try:
         engine.start()

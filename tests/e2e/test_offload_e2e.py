@@ -15,11 +15,11 @@ what the connector loaded, and what the prefix cache held, must be counted apart
 scheduler recorded them. While the connector's engine runs, Prometheus scrapes kvtax, and every
 query of the Overview's "Recompute avoided" row must return data.
 
-Why two engines of its own: the connector is chosen when vLLM starts, and the probe and
-``--enable-logging-iteration-details`` (which logs a line per step) are kept off the session's
-engine. Both compute on the core beside the session engine's, one after the other.
-``--max-num-batched-tokens 4096``, twice the pool, keeps every prefill whole: the per-step count
-assumes no prefill is cut into chunks (see recomputed_by_steps).
+The arm without a connector runs on the session's engine, which loads the probe and logs
+per-step details for it (tests/e2e/conftest.py); the connector's arm needs an engine of its own,
+the connector being chosen when vLLM starts, and computes on the core beside the session
+engine's. ``--max-num-batched-tokens 4096``, twice the pool, on both: the per-step count assumes
+no prefill is cut into chunks (see recomputed_by_steps).
 """
 
 from __future__ import annotations
@@ -200,17 +200,12 @@ def check_accounting(arm: Arm) -> None:
     assert arm.kvtax_delta(avoided_key("prefix_cache")) == d["local_hits"]
 
 
-# One test reads it: its engine stops before the connector's starts on the same core.
 @pytest.fixture
-def without_connector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arm]:
-    tmp = tmp_path_factory.mktemp("no-connector")
-    with VllmEngine(
-        extra_args=ENGINE_FLAGS,
-        python_path=[probe_dir(tmp / "probe")],
-        cpus=beside_cores(),
-        log_path=tmp / "engine.log",
-    ) as engine:
-        yield from overload(engine, tmp, with_prometheus=False)
+def without_connector(
+    vllm_engine: VllmEngine, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Arm]:
+    assert FLAG in vllm_engine.extra_args, "the session's engine runs without the probe's flag"
+    yield from overload(vllm_engine, tmp_path_factory.mktemp("no-connector"), with_prometheus=False)
 
 
 @pytest.fixture(scope="module")
