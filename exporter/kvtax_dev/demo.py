@@ -115,8 +115,9 @@ def _stack(args: argparse.Namespace) -> Iterator[_Stack]:
     _progress("preparing the vLLM CPU engine (the first run installs it: a few minutes)")
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtax-demo-")))
-        engine = stack.enter_context(VllmEngine(max_num_seqs=CONFIGURED_MAX_NUM_SEQS))
-        _progress(f"vLLM is up at {engine.url} with a {engine.kv_capacity_tokens:,}-token KV pool")
+        engine = VllmEngine(max_num_seqs=CONFIGURED_MAX_NUM_SEQS)
+        # kvtax first, watching a vLLM that is not up yet, as in a pod whose containers start
+        # together: a Ctrl-C during the engine's long start then finds both to stop.
         kvtax = stack.enter_context(
             KvtaxProcess(
                 engine.url,
@@ -126,8 +127,10 @@ def _stack(args: argparse.Namespace) -> Iterator[_Stack]:
                 log_path=workdir / "kvtax.log",
             )
         )
-        kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape")
         _progress(f"kvtax is up: metrics {kvtax.metrics_url}, proxy {kvtax.proxy_url}")
+        stack.enter_context(engine)
+        _progress(f"vLLM is up at {engine.url} with a {engine.kv_capacity_tokens:,}-token KV pool")
+        kvtax.wait_for(lambda m: m.get("kvtax_vllm_up") == 1.0, what="first scrape of vLLM")
         running = _Stack(engine, kvtax, workdir=workdir)
         if args.with_prometheus:
             _start_monitoring(stack, running)
