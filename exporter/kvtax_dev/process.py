@@ -81,10 +81,12 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
-# The one hang guard of the end-to-end tests' waits: a wait that reaches it is a hang, not a
-# slow machine, so it is set far above any wait seen on a loaded two-core CI runner. Waits are
-# for conditions; nothing is timed against it.
-HANG_GUARD_S = 600.0
+# The one hang guard of the end-to-end tests and the harness: every wait for a condition (a
+# page, a scrape, an alert, a process ready or gone, a pip install) ends there at the latest. A
+# wait that reaches it is a hang, not a slow machine, so it is set far above any wait seen on a
+# loaded two-core CI runner (the longest, a cold pip install, a few minutes). Waits are for
+# conditions; nothing is timed against it.
+HANG_GUARD_S = 900.0
 
 
 async def until(condition: Callable[[], bool], limit: float = 30.0) -> bool:

@@ -8,9 +8,11 @@ test that uses the session's engine carries the ``session_engine`` marker, added
 (``-m session_engine``) runs them one at a time on one engine that computes on core 0 (vLLM's
 "auto" binding). A second lane takes the end-to-end tests that start an engine of their own
 (bound to core 1, :func:`~kvtax_dev.testbed.engine.beside_cores`) or need none; a third the unit
-tests and the packaging checks. The modules in :data:`LAST` run at the end of the engine's
-lane, by when the other lanes have normally finished: their alerts depend on one /metrics
-answering within a second, which they should not have to share the machine for.
+tests and the packaging checks. Every engine, the benches' included, holds the machine's one
+lock (:mod:`kvtax_dev.machine_lock`); the fleet's calm engine takes its core alone through it,
+waiting for the other lane's engines there to end. The modules in :data:`LAST` run at the end
+of the engine's lane, by when those have normally ended, so that wait is short: an order for
+speed, not for correctness.
 
 Tests marked ``plugins_off`` run after all of them: they need the session's engine restarted
 with no plugin (:func:`engine_without_plugin`; the restart test in test_observe_e2e.py makes

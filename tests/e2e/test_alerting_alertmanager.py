@@ -72,7 +72,6 @@ def test_thrashing_inhibits_its_symptoms_for_the_same_pod_and_model(
     )
     am.wait_for(
         lambda: len(am.alerts(inhibited="true", active="false")) >= 2,
-        timeout=60,
         what="two inhibited alerts",
     )
     inhibited = am.alerts(inhibited="true", active="false")
@@ -93,7 +92,6 @@ def test_thrashing_inhibits_its_symptoms_for_the_same_pod_and_model(
     # And what was inhibited never reaches a receiver.
     hook.wait_for(
         lambda got: len({_key(a) for p, b in got for a in b["alerts"]}) >= 4,
-        timeout=60,
         what="the four uninhibited alerts",
     )
     delivered = {_key(a) for _, a in hook.alerts()}
@@ -113,7 +111,7 @@ def test_critical_inhibits_its_warning_twin(
         ]
     )
     inhibited = am.wait_for(
-        lambda: am.alerts(inhibited="true", active="false"), timeout=60, what="an inhibited alert"
+        lambda: am.alerts(inhibited="true", active="false"), what="an inhibited alert"
     )
     assert [_key(a) for a in inhibited] == [("KvtaxPreemptionTaxHigh", "vllm-0", "warning")]
 
@@ -137,7 +135,6 @@ def test_critical_pages_warning_tickets_grouped_by_namespace_and_model(
         lambda got: (
             len({json.dumps(a["labels"], sort_keys=True) for _, b in got for a in b["alerts"]}) >= 6
         ),
-        timeout=60,
         what="six alerts",
     )
     by_group = {

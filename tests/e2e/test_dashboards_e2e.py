@@ -122,7 +122,6 @@ def overload(vllm_engine: VllmEngine) -> Iterator[Overload]:
             # Prometheus needs a scrape and a rule evaluation after that.
             kvtax.wait_for(
                 lambda m: any(k.startswith("kvtax_waste_ratio{") for k in m),
-                timeout=30,
                 what="the waste ratio",
             )
             prometheus.wait_for(lambda: prometheus.query(LAST_RECORD), what=LAST_RECORD)

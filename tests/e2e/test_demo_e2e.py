@@ -127,7 +127,7 @@ def test_a_signal_stops_everything_the_demo_started(sig: signal.Signals) -> None
     # kvtax and the engine's processes exist before the signal: stopping them is what is tested.
     assert poll_until(lambda: all(_alive(port) for port in ports), timeout=HANG_GUARD_S)
     proc.send_signal(sig)
-    rest, _ = proc.communicate(timeout=120)
+    rest, _ = proc.communicate(timeout=HANG_GUARD_S)
     output = "".join(seen) + rest
     assert proc.returncode == 130, output[-3000:]
     assert "interrupted" in output

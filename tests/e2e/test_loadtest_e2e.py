@@ -178,7 +178,7 @@ def test_loadtest_finds_the_preemption_knee(vllm_engine: VllmEngine, tmp_path: P
         assert poll_until(lambda: sampler.asked_since(ended), timeout=HANG_GUARD_S)
     finally:
         sampler.done.set()
-        sampler.join(timeout=15)
+        sampler.join(timeout=HANG_GUARD_S)
     printed = log.read_text()
     assert proc.returncode == 0, printed
     # Progress went to the terminal while it ran: one line per step at least.

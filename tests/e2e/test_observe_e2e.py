@@ -63,7 +63,6 @@ def test_overload_shows_capacity_preemption_and_thrash(
             and m.get(preemptions, 0.0) > idle.get(preemptions, 0.0)
             and sum(_taxes(m).values()) > 0
         ),
-        timeout=30,
         what="up, with new preemptions and a nonzero tax",
     )
     assert after[series_key("kvtax_thrash_state", MODEL)] >= 1
@@ -101,9 +100,9 @@ def _readyz_status(kvtax: KvtaxProcess) -> int:
     return requests.get(kvtax.base_url + "/readyz", timeout=5).status_code
 
 
-def _wait_readyz(kvtax: KvtaxProcess, status: int, timeout: float = 30.0) -> None:
+def _wait_readyz(kvtax: KvtaxProcess, status: int) -> None:
     """Readiness follows vLLM's /health (with the proxy on): wait for it, not read it once."""
-    kvtax.wait_for(lambda m: _readyz_status(kvtax) == status, timeout, f"/readyz {status}")
+    kvtax.wait_for(lambda m: _readyz_status(kvtax) == status, what=f"/readyz {status}")
 
 
 @pytest.mark.plugins_off
@@ -117,7 +116,7 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
         drive(vllm_engine.url, vllm_engine.model_name, concurrency=2, max_tokens=16, stream=False)
     )
     gen = series_key("kvtax_engine_generation_tokens_total", MODEL)
-    before = kvtax.wait_for(lambda m: m.get(gen, 0.0) > 0, timeout=15, what="tokens counted")
+    before = kvtax.wait_for(lambda m: m.get(gen, 0.0) > 0, what="tokens counted")
     # A stopped engine's port refuses connections: kvtax tells that ("down") from a timeout.
     refused = series_key("kvtax_scrape_errors_total", {"reason": "refused"})
     last_refused = series_key("kvtax_last_scrape_error", {"reason": "refused"})
@@ -130,7 +129,6 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
     try:
         down = kvtax.wait_for(
             lambda m: m["kvtax_vllm_up"] == 0.0 and m[last_refused] == 1.0,
-            timeout=30,
             what="kvtax_vllm_up 0, the last scrape refused",
         )
         assert down[refused] > before[refused]
@@ -138,7 +136,7 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
         # vLLM is down.
         assert down["kvtax_scrapes_total"] > before["kvtax_scrapes_total"]
         assert down[gen] >= before[gen]
-        later = kvtax.wait_for(_scraped_after(down), timeout=10, what="a scrape while down")
+        later = kvtax.wait_for(_scraped_after(down), what="a scrape while down")
         assert later[gen] == down[gen]
         _wait_readyz(proxied, 503)
         assert _readyz_status(kvtax) == 200  # observe-only: vLLM down is not kvtax's outage
@@ -149,7 +147,6 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
     restarts = "kvtax_vllm_restarts_total"
     page = kvtax.wait_for(
         lambda m: m["kvtax_vllm_up"] == 1.0 and m[restarts] > before[restarts],
-        timeout=30,
         what="up again, with the restart counted",
     )
     assert page[restarts] == before[restarts] + 1
@@ -159,6 +156,6 @@ def test_vllm_down_then_back(vllm_engine: VllmEngine, kvtax: KvtaxProcess) -> No
     assert _readyz_status(kvtax) == 200
     # vLLM restarted from zero: kvtax's totals stay monotonic and no rate goes negative.
     for _ in range(3):
-        page = kvtax.wait_for(_scraped_after(page), timeout=10, what="another scrape")
+        page = kvtax.wait_for(_scraped_after(page), what="another scrape")
         assert all(v >= 0 for v in _rates(page).values()), _rates(page)
         assert page[gen] >= before[gen]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvtax_dev.process import HANG_GUARD_S
 from kvtax_dev.testbed.engine import ensure_vllm_venv
 
 pytestmark = pytest.mark.e2e
@@ -37,8 +38,7 @@ def dev_tool(name: str) -> str:
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    # A generous bound against a hung pip, not a performance assertion.
-    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=900)
+    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvtax_dev.process import until
+from kvtax_dev.process import HANG_GUARD_S, until
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import PROMPT
 from kvtax_dev.testbed.sidecar import KvtaxProcess
@@ -108,15 +108,17 @@ async def _run(kvtax: KvtaxProcess, engine: VllmEngine) -> tuple[list[StreamEnd]
                 what=f"{STREAMS} requests forwarded to vLLM",
             )
             stopping = asyncio.create_task(asyncio.to_thread(kvtax.stop, signal.SIGTERM, 120.0))
-            assert await until(lambda: "shutting down" in kvtax.log_tail()), kvtax.log_tail()
+            assert await until(lambda: "shutting down" in kvtax.log_tail(), HANG_GUARD_S), (
+                kvtax.log_tail()
+            )
             assert not [e for e in ends if e.chunks], ends
             # The engine runs in slices until the short streams have ended: each needs 8
             # steps, each long one 900, so the long ones are barely begun when it stops for
             # good. However late kvtax's grace period then ends, they cannot finish first.
             shorts = tasks[:SHORT_STREAMS]
-            await freezer.run_until(lambda: all(t.done() for t in shorts), limit=60)
+            await freezer.run_until(lambda: all(t.done() for t in shorts), limit=HANG_GUARD_S)
             code = await stopping
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=HANG_GUARD_S)
     return ends, code
 
 

@@ -94,13 +94,10 @@ def test_prometheus_scrapes_kvtax_through_tls_and_basic_auth(tmp_path: Path) -> 
                     )
                     return t if done else {}
 
-                prom.wait_for(
-                    settled, timeout=60, what=lambda: f"each target's verdict (last: {seen[0]})"
-                )
+                prom.wait_for(settled, what=lambda: f"each target's verdict (last: {seen[0]})")
                 # kvtax's own series arrived in Prometheus through the TLS, authenticated scrape.
                 series = prom.wait_for(
                     lambda: prom.query('kvtax_build_info{job="kvtax"}'),
-                    timeout=30,
                     what="kvtax_build_info stored",
                 )
                 assert len(series) == 1

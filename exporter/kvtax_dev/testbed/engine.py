@@ -30,7 +30,7 @@ import requests
 from kvtax_dev import dev_env, repo_root
 from kvtax_dev.exposition import read_samples, total
 from kvtax_dev.machine_lock import LockTimeout, MachineLock
-from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, tail
+from kvtax_dev.process import HANG_GUARD_S, ChildProcess, ChildStartError, http_ok, tail
 from kvtax_dev.testbed.freeze import Freezer
 
 # The vLLM CPU backend's KV block size, in tokens. The pool holds blocks * this.
@@ -383,7 +383,7 @@ class VllmEngine:
         """The engine's current Prometheus exposition (``GET /metrics``)."""
         return self.get("/metrics")
 
-    def wait_idle(self, timeout: float = 120.0) -> None:
+    def wait_idle(self, timeout: float = HANG_GUARD_S) -> None:
         """Return once vLLM runs and queues no request (an earlier test's aborted requests can
         take a moment to leave); TimeoutError past ``timeout``, a guard against hangs only."""
         deadline = time.monotonic() + timeout

@@ -32,7 +32,14 @@ from typing import Any, Self, TypeVar
 import requests
 
 from kvtax_dev.exposition import read_samples
-from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until, tail
+from kvtax_dev.process import (
+    HANG_GUARD_S,
+    ChildProcess,
+    ChildStartError,
+    http_ok,
+    poll_until,
+    tail,
+)
 from kvtax_dev.promapi import AlertmanagerApi, PrometheusApi, QueryError
 from kvtax_dev.testbed.engine import free_port
 
@@ -131,7 +138,7 @@ class _Server(abc.ABC):
     ) -> None:
         self.stop()
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = HANG_GUARD_S) -> None:
         child = ChildProcess(
             self.name,
             self.command(),
@@ -162,7 +169,7 @@ class _Server(abc.ABC):
     def wait_for(
         self,
         probe: Callable[[], T],
-        timeout: float = 120.0,
+        timeout: float = HANG_GUARD_S,
         what: str | Callable[[], str] = "condition",
     ) -> T:
         """Poll ``probe`` until it returns something truthy; raise with the log tail if never.

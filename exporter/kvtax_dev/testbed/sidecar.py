@@ -25,7 +25,7 @@ import requests
 
 from kvtax_dev import dev_env
 from kvtax_dev.exposition import read_series, series_key
-from kvtax_dev.process import ChildProcess, http_ok, poll_until, tail
+from kvtax_dev.process import HANG_GUARD_S, ChildProcess, http_ok, poll_until, tail
 from kvtax_dev.testbed.engine import free_port
 
 __all__ = ["KvtaxProcess", "parse_metrics", "series_key"]
@@ -91,7 +91,7 @@ class KvtaxProcess:
     ) -> None:
         self.stop()
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = HANG_GUARD_S) -> None:
         child = ChildProcess(
             "kvtax",
             self.args,
@@ -123,7 +123,7 @@ class KvtaxProcess:
     def wait_for(
         self,
         condition: Callable[[dict[str, float]], bool],
-        timeout: float = 60.0,
+        timeout: float = HANG_GUARD_S,
         what: str = "condition",
     ) -> dict[str, float]:
         """Poll /metrics until ``condition`` holds; raise with the last page if it never does."""

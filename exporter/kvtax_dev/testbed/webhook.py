@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
-from kvtax_dev.process import poll_until
+from kvtax_dev.process import HANG_GUARD_S, poll_until
 
 __all__ = ["Notification", "WebhookReceiver"]
 
@@ -75,7 +75,10 @@ class WebhookReceiver:
         ]
 
     def wait_for(
-        self, condition: Callable[[list[Notification]], bool], timeout: float, what: str
+        self,
+        condition: Callable[[list[Notification]], bool],
+        what: str,
+        timeout: float = HANG_GUARD_S,
     ) -> list[Notification]:
         def met() -> tuple[list[Notification]] | None:
             received = self.received
