@@ -2,7 +2,7 @@
 
 The proxy runs alone in a child process (:mod:`bench.relay.proxy_child`, uvloop, ``kvtax serve``'s
 defaults), in front of the test suite's scriptable upstream
-(:class:`tests.unit.frontdoor.RawUpstream`, in this process), so that only the proxy's memory
+(:class:`kvtax_dev.fakevllm.upstream.RawUpstream`, in this process), so that only the proxy's memory
 is measured. For each scenario the child's peak RSS (VmHWM, reset first through
 ``/proc/<pid>/clear_refs``) is compared with its RSS before, and its CPU time is read:
 
@@ -13,7 +13,7 @@ is measured. For each scenario the child's peak RSS (VmHWM, reset first through
 - ``gzip-bomb``: vLLM answers a stream with gzip that inflates to 256 MiB, to a client that
   reads 1 MiB and then nothing for the rest of the scenario;
 - ``body-*`` (issue 43): one accounted request of about 60 MiB of millions of small JSON
-  values (:func:`tests.unit.frontdoor.costly_bodies`; ``body-token-ids-gate`` with the gate
+  values (:func:`kvtax_dev.fakevllm.client.costly_bodies`; ``body-token-ids-gate`` with the gate
   on), which vLLM answers 400 once it has it, while a probe asks the proxy's loop for
   ``/healthz`` every 10 ms: the worst answer is what every stream of the pod waited meanwhile.
 
@@ -43,27 +43,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tests.unit.frontdoor import (
-    LAST_CHUNK,
-    Link,
-    RawUpstream,
-    Seen,
-    answer,
-    chunk,
-    completion_event,
+from bench import procfs
+from kvtax_dev.fakevllm.client import (
     connect,
     costly_bodies,
     post,
     raw_request,
     read_head,
     read_reply,
-    sse,
-    stream_head,
-    usage_event,
-    writes,
 )
-
-from bench import procfs
+from kvtax_dev.fakevllm.events import completion_event, sse, usage_event
+from kvtax_dev.fakevllm.raw import LAST_CHUNK, Link, Seen, answer, chunk, stream_head, writes
+from kvtax_dev.fakevllm.upstream import RawUpstream
 
 __all__ = ["Figure", "main"]
 

@@ -51,11 +51,11 @@ from aiohttp import web
 
 from bench import procfs
 from bench.net import free_port
-from bench.relay.sse_upstream import completions
 from bench.scrape.pipeline import CAPTURE, multi_model_payload
 from bench.stats import quantile
 from kvtax_dev import EXPORTER
 from kvtax_dev.exposition import read_samples
+from kvtax_dev.fakevllm.fast import completions
 from kvtax_dev.process import ChildProcess, port_open
 
 __all__ = ["SCENARIOS", "main"]

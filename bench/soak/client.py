@@ -1,10 +1,10 @@
 """The soak's clients: a deterministic mix of requests, and what each client saw of its answer.
 
 :func:`plan` draws the mix from a seed. Each :class:`Spec` is a request body whose ``soak_*``
-fields tell :mod:`bench.soak.upstream` how to answer, so the client knows what it should get.
-:func:`run_one` sends it through kvtax and behaves as its kind says; it returns a
-:class:`~bench.soak.compare.ClientRecord` of what it actually saw (status, outcome, tokens) and
-names any difference from what the upstream sent as a ``problem``.
+fields tell the upstream (:class:`kvtax_dev.fakevllm.faulty.Plan`) how to answer, so the client
+knows what it should get. :func:`run_one` sends it through kvtax and behaves as its kind says;
+it returns a :class:`~bench.soak.compare.ClientRecord` of what it actually saw (status, outcome,
+tokens) and names any difference from what the upstream sent as a ``problem``.
 
 Kinds: ``done_close`` reads a stream to ``[DONE]`` and closes the connection that instant (as
 the OpenAI SDK does); ``full`` reads to the end and releases the connection normally;
@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from bench.soak.compare import ClientRecord
-from bench.soak.upstream import WORD
+from kvtax_dev.fakevllm.faulty import WORD
 
 __all__ = ["HANGUP_MODEL", "KINDS", "MODEL", "SeenStream", "Spec", "plan", "run_one"]
 

@@ -1,7 +1,7 @@
 """Ports for tests and benches, without the race between picking a port and binding it.
 
 A server the harness starts itself binds port 0 and reports the port the kernel chose
-(``Proxy.start``, :func:`tests.unit.fake_vllm.serve`). What is left is the address where
+(``Proxy.start``, :func:`kvtax_dev.fakevllm.aio.serve`). What is left is the address where
 nothing listens, for a vLLM that is down: :func:`refused_port` holds a socket bound to a port
 without listening on it, so a connect there is refused (ECONNREFUSED) and, while it is held, no
 other process can take the port. A port picked and released first, as ``free_port()`` gives it,

@@ -1,5 +1,6 @@
 """Shared helpers for the unit tests: the vLLM fixtures, an injectable clock, the /metrics
-reader, a web port in front of a lone scrape job, and the Prometheus command-line tools.
+reader, a web port in front of a lone scrape job, the Prometheus command-line tools, and the
+``front_door`` fixture (the one fake vLLM's raw rig, :mod:`kvtax_dev.fakevllm.front`).
 
 The fixtures under ``tests/fixtures/vllm`` are real 0.32 captures and hand-written older
 versions (see ``OLD-VERSIONS.md`` there). Tests read them through :func:`fixture_text`.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,8 @@ from hypothesis import HealthCheck, settings
 from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.web.port import WebPort
 from kvtax_dev.exposition import Labels, Samples, read_samples
-
-# The front door's rig (a scriptable upstream, a proxy in front), for every unit test.
-from tests.unit.frontdoor import front_door
+from kvtax_dev.fakevllm.front import Front, StartFront, start_front, stop_front
+from kvtax_dev.fakevllm.raw import Script
 
 __all__ = [
     "FakeClock",
@@ -121,3 +121,21 @@ def web_port(job: ScrapeJob, **kwargs: Any) -> WebPort:
         revision=job.revision,
         **kwargs,
     )
+
+
+# The front door's rig (a scriptable upstream, a proxy in front), for every unit test. It is
+# here rather than in kvtax_dev.fakevllm because that package imports without pytest.
+@pytest.fixture
+async def front_door() -> AsyncIterator[StartFront]:
+    """``await front_door(script, gate=..., **ProxySettings)``: a started :class:`Front`,
+    torn down after the test."""
+    fronts: list[Front] = []
+
+    async def start(script: Script | None = None, **kwargs: Any) -> Front:
+        front = await start_front(script, **kwargs)
+        fronts.append(front)
+        return front
+
+    yield start
+    for front in fronts:
+        await stop_front(front)

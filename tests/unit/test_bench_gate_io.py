@@ -19,7 +19,8 @@ from bench.gate import client, gate
 from bench.gate.arrivals import WORKLOADS, Spec
 from bench.gate.gie import GieProxy
 from bench.gate.stats import summarize
-from bench.relay.sse_upstream import completions
+
+from kvtax_dev.fakevllm.fast import completions
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:

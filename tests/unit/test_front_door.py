@@ -2,9 +2,10 @@
 
 Each test names the protection it checks, and its first comment says which finding of issue 29
 it reproduces and what a relay without the protection does. The upstream is
-:class:`~tests.unit.frontdoor.RawUpstream`, so every byte vLLM sends is the test's (the shapes
-that show a finding are misbehaving ones: bytes past a body's end, an unrequested answer, a 32
-MiB head, a gzip bomb), and every byte that reached vLLM is recorded. Clients are raw sockets.
+:class:`~kvtax_dev.fakevllm.upstream.RawUpstream`, so every byte vLLM sends is the test's (the
+shapes that show a finding are misbehaving ones: bytes past a body's end, an unrequested answer,
+a 32 MiB head, a gzip bomb), and every byte that reached vLLM is recorded. Clients are raw
+sockets.
 
 Nothing is timed. Where a test shows that something happens "at once" or "as vLLM sends it", it
 asserts an order: the idle connection closed while a stream was still running; the client had
@@ -35,36 +36,35 @@ import pytest
 
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
-from tests.unit.frontdoor import (
-    GUARD,
-    LAST_CHUNK,
+from kvtax_dev.fakevllm.client import (
     STREAM,
-    WAIT,
     WHOLE,
-    Front,
-    Link,
     Reply,
-    Seen,
-    StartFront,
-    VllmLike,
-    answer,
-    chunk,
     closed,
-    completion_event,
     connect,
-    echo,
     post,
     raw_request,
     read_head,
     read_reply,
     read_streamed,
+)
+from kvtax_dev.fakevllm.events import completion_event, sse, usage_event
+from kvtax_dev.fakevllm.front import Front, StartFront
+from kvtax_dev.fakevllm.raw import (
+    GUARD,
+    LAST_CHUNK,
+    WAIT,
+    Link,
+    Seen,
+    answer,
+    chunk,
+    echo,
     response_bytes,
-    sse,
     stream_head,
-    until,
-    usage_event,
     writes,
 )
+from kvtax_dev.fakevllm.vllmlike import VllmLike
+from kvtax_dev.process import until
 from tests.unit.gzipbomb import Inflation
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,10 +1,10 @@
 """The front door under costly bodies, drains and stalled readers: issue 43, through the real port.
 
 Each test's first comment names the finding it reproduces and what the proxy did without the
-protection. The upstream is :class:`~tests.unit.frontdoor.RawUpstream`; clients are raw sockets.
-Nothing is timed: a body's cost is asserted as what was decoded of it and how much kvtax grew
-(a process of its own, its peak RSS); the pipeline bound as the bytes kvtax read of bodies that
-wait; delivery as tokens against what the client's socket holds. ``/healthz`` latency while a
+protection. The upstream is :class:`~kvtax_dev.fakevllm.upstream.RawUpstream`; clients are raw
+sockets. Nothing is timed: a body's cost is asserted as what was decoded of it and how much kvtax
+grew (a process of its own, its peak RSS); the pipeline bound as the bytes kvtax read of bodies
+that wait; delivery as tokens against what the client's socket holds. ``/healthz`` latency while a
 body is read is a figure of ``bench.relay.frontdoor --bodies``.
 """
 
@@ -30,22 +30,18 @@ from kvtax.gate.cap import CapSettings
 from kvtax.gate.footprint import OverBudget
 from kvtax.serve.proxy import prepare as prepare_module
 from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
-from tests.unit.frontdoor import (
-    GUARD,
+from kvtax_dev.fakevllm.client import (
     STREAM,
-    WAIT,
-    Front,
-    Link,
-    Seen,
-    StartFront,
-    VllmLike,
     chat_messages,
     costly_bodies,
     post,
     raw_request,
     read_reply,
-    until,
 )
+from kvtax_dev.fakevllm.front import Front, StartFront
+from kvtax_dev.fakevllm.raw import GUARD, WAIT, Link, Seen
+from kvtax_dev.fakevllm.vllmlike import VllmLike
+from kvtax_dev.process import until
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1024**2

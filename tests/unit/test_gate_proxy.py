@@ -22,9 +22,9 @@ from kvtax.serve.config import Config
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax.serve.wiring import build
+from kvtax_dev.fakevllm.aio import serve
 from kvtax_dev.ports import refused_port
 from kvtax_dev.process import until
-from tests.unit.fake_vllm import serve
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 h11 (python-hyper) is a strict RFC 9110/9112 state machine with no I/O; here it is the oracle.
 hypothesis generates the bytes; the same bytes go to h11 and through the real proxy port, in
-front of the recording :class:`~tests.unit.frontdoor.RawUpstream` (which parses what reached it
-with h11 as well).
+front of the recording :class:`~kvtax_dev.fakevllm.upstream.RawUpstream` (which parses what
+reached it with h11 as well).
 
 **Request side.** A stream of one to three pipelined requests (methods, target forms, HTTP
 versions, headers in odd case, whitespace, duplicates, obs-fold, odd tokens; bodies framed by
@@ -11,7 +11,7 @@ Content-Length, by chunks with extensions and trailers, or not at all; framings 
 written in several pieces split at random points. kvtax must either
 
 - forward exactly the messages h11 parses, in order: the method, the target as vLLM will route
-  it (:func:`~tests.unit.frontdoor.routed`: an absolute form is its path, a fragment is gone),
+  it (:func:`~kvtax_dev.fakevllm.raw.routed`: an absolute form is its path, a fragment is gone),
   the query, the headers less hop-by-hop ones (kvtax writes Host, Content-Length and the
   framing itself; names compared case-insensitively, values in order), and the body; or
 - refuse: a 4xx/5xx of its own, the connection closed, and nothing of the refused message or
@@ -60,14 +60,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
-from tests.unit.frontdoor import (
-    Front,
-    Link,
-    Seen,
-    routed,
-    start_front,
-    stop_front,
-)
+from kvtax_dev.fakevllm.front import Front, start_front, stop_front
+from kvtax_dev.fakevllm.raw import Link, Seen, routed
 
 T = TypeVar("T")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from bench.relay.sse_upstream import completions
 
+from kvtax_dev.fakevllm.fast import completions
 from kvtax_dev.testbed.load import RequestResult, drive
 
 

@@ -19,8 +19,8 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.delivery.openai import error_body, sse_error_event
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sources.push import PUSH_PATH, push_handler
+from kvtax_dev.fakevllm.aio import STALL, STALL_TIMEOUT, FakeVllm, serve
 from kvtax_dev.ports import refused_port
-from tests.unit.fake_vllm import STALL, STALL_TIMEOUT, FakeVllm, serve
 
 RUNTIME = Path(__file__).resolve().parents[2] / "exporter" / "kvtax"
 FIELDS = {"message", "type", "param", "code"}

@@ -3,7 +3,7 @@
 A port picked free and released, then bound later, can be taken in between by a test running
 beside it (the suite runs three lanes at once, and xdist workers within the unit lane). The
 servers the tests start bind port 0 and report what the kernel chose (``Proxy.start``,
-``tests.unit.fake_vllm.serve``); an address where nothing listens is
+``kvtax_dev.fakevllm.aio.serve``); an address where nothing listens is
 ``kvtax_dev.ports.refused_port``, held for as long as the test uses it.
 """
 

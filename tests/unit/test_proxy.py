@@ -16,9 +16,9 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax_dev.fakevllm.aio import STALL, STALL_TIMEOUT, FakeVllm, serve
 from kvtax_dev.ports import refused_port
 from kvtax_dev.process import until
-from tests.unit.fake_vllm import STALL, STALL_TIMEOUT, FakeVllm, serve
 
 Start = Callable[..., Coroutine[Any, Any, tuple[str, Proxy]]]
 

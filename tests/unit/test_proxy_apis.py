@@ -26,8 +26,8 @@ from kvtax.expose.publish import api_samples, ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Gate, GateSettings, Proxy, ProxySettings
+from kvtax_dev.fakevllm.aio import FakeVllm, serve
 from kvtax_dev.process import until
-from tests.unit.fake_vllm import FakeVllm, serve
 
 MESSAGE: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hi"}]
 

@@ -25,8 +25,8 @@ from kvtax.expose.publish import api_samples, ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Gate, GateSettings, Proxy, ProxySettings
+from kvtax_dev.fakevllm.aio import SPEECH, FakeVllm, serve
 from kvtax_dev.process import until
-from tests.unit.fake_vllm import SPEECH, FakeVllm, serve
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "apis"
 AUDIO = b"RIFF" + bytes(range(256)) * 4096  # 1 MiB of "audio": never decoded by anyone here

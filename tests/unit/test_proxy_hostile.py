@@ -20,7 +20,7 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
-from tests.unit.fake_vllm import serve
+from kvtax_dev.fakevllm.aio import serve
 
 Script = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 

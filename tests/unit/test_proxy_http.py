@@ -21,15 +21,13 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
-from kvtax_dev.process import until
-from tests.unit.fake_vllm import FakeVllm, serve
+from kvtax_dev.fakevllm.aio import FakeVllm, serve
 
 # The raw-socket client helpers live with the front door's rig; re-exported for the modules
 # that import them from here (test_proxy_parser).
-from tests.unit.frontdoor import (
+from kvtax_dev.fakevllm.client import (
     CHAT,
     STREAM,
-    WAIT,
     WHOLE,
     Reply,
     closed,
@@ -39,6 +37,8 @@ from tests.unit.frontdoor import (
     read_head,
     read_reply,
 )
+from kvtax_dev.fakevllm.raw import WAIT
+from kvtax_dev.process import until
 
 __all__ = [
     "CHAT",

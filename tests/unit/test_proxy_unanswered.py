@@ -22,8 +22,8 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
+from kvtax_dev.fakevllm.aio import serve
 from kvtax_dev.process import until
-from tests.unit.fake_vllm import serve
 
 STREAM = {"model": "m", "prompt": "long", "max_tokens": 16, "stream": True}
 WHOLE = {"model": "m", "prompt": "whole", "max_tokens": 16}

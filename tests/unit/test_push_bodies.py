@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestClient
 from kvtax.serve.config import load_config
 from kvtax.serve.sources.push import MAX_PUSH_BODY, PUSH_PATH
 from kvtax.serve.wiring import Stack, build
-from tests.unit.fake_vllm import listen
+from kvtax_dev.fakevllm.aio import listen
 from tests.unit.gzipbomb import Inflation, bomb
 
 TOKEN = "s3cret-token"

@@ -18,7 +18,7 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import proxy_samples
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
-from tests.unit.fake_vllm import FakeVllm
+from kvtax_dev.fakevllm.aio import FakeVllm
 
 STREAM = {"model": "m", "prompt": "x", "stream": True}
 

@@ -1,6 +1,6 @@
 """The same request shapes sent straight to a vLLM-like upstream and through kvtax's proxy.
 
-The fake (:class:`tests.unit.fake_vllm.FakeVllm`) reads requests the way vLLM's request models
+The fake (:class:`kvtax_dev.fakevllm.aio.FakeVllm`) reads requests the way vLLM's request models
 do (pydantic in lax mode), serves one model under two names (``--served-model-name tiny
 tiny-chat``: ``tiny`` is what its metrics say) and answers a request without ``model`` with
 its default. For every shape the client must get the same status, the same body bytes and the
@@ -24,8 +24,8 @@ from aiohttp import web
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sources.models import ModelsPoller
+from kvtax_dev.fakevllm.aio import FakeVllm, serve
 from kvtax_dev.process import until
-from tests.unit.fake_vllm import FakeVllm, serve
 
 ENGINE = "tiny"  # the first served name: vLLM's metrics say model_name="tiny"
 ALIAS = "tiny-chat"
