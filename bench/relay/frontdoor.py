@@ -52,7 +52,7 @@ from kvtax_dev.fakevllm.client import (
     read_head,
     read_reply,
 )
-from kvtax_dev.fakevllm.events import completion_event, sse, usage_event
+from kvtax_dev.fakevllm.events import DONE, completion_event, sse, usage_event
 from kvtax_dev.fakevllm.raw import LAST_CHUNK, Link, Seen, answer, chunk, stream_head, writes
 from kvtax_dev.fakevllm.upstream import RawUpstream
 
@@ -149,7 +149,7 @@ async def _n2_hold(upstream: RawUpstream, total: int) -> Run:
                 await link.send(chunk(b"".join(batch)))
                 batch.clear()
         last = completion_event(1, "end", finish="length", usage=(3, k + 1))
-        tail = sse(last) + sse(usage_event(3, k + 2)) + sse("[DONE]")
+        tail = sse(last) + sse(usage_event(3, k + 2)) + DONE
         await link.send(chunk(b"".join(batch) + tail), LAST_CHUNK)
 
     upstream.script = script
@@ -208,7 +208,7 @@ def _bomb(inflated: int) -> bytes:
     ]
     zeros = b"0" * MiB
     parts += [packer.compress(zeros) for _ in range(inflated // MiB)]
-    parts += [packer.compress(b"\n\n" + sse("[DONE]")), packer.flush()]
+    parts += [packer.compress(b"\n\n" + DONE), packer.flush()]
     return b"".join(parts)
 
 

@@ -132,7 +132,7 @@ def _shape(events: list[Any]) -> tuple[list[Any], str, Any, int]:
     text, finish, usage_chunks = "", None, 0
     for e in events:
         if e == "[DONE]":
-            fields.append("[DONE]")
+            fields.append(e)
             continue
         choice_fields = sorted(
             (k, sorted(c.get("delta", {}))) for c in e["choices"] for k in sorted(c)

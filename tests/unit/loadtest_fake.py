@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from kvtax_dev.fakevllm.events import DONE
+
 
 @dataclass
 class PreemptingServer:
@@ -54,7 +56,7 @@ class PreemptingServer:
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(DONE)
             return resp
         finally:
             self.in_flight -= 1

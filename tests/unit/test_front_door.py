@@ -48,7 +48,7 @@ from kvtax_dev.fakevllm.client import (
     read_reply,
     read_streamed,
 )
-from kvtax_dev.fakevllm.events import completion_event, sse, usage_event
+from kvtax_dev.fakevllm.events import DONE, completion_event, done, sse, usage_event
 from kvtax_dev.fakevllm.front import Front, StartFront
 from kvtax_dev.fakevllm.raw import (
     GUARD,
@@ -129,7 +129,7 @@ async def test_every_choice_of_an_n2_stream_reaches_the_client_as_vllm_sends_it(
 
             if not await until(arrived, wait):
                 late.append(k)
-        await link.send(chunk(sse(usage_event(3, 5)) + sse("[DONE]")), LAST_CHUNK)
+        await link.send(chunk(sse(usage_event(3, 5)) + DONE), LAST_CHUNK)
 
     front = await front_door(script)
     reader, writer = await front.connect()
@@ -185,7 +185,7 @@ async def test_an_n2_stream_holds_a_bounded_amount_however_long_it_runs(
         await until(lambda: behind() <= N2_HOLD_BOUND, GUARD)
         lag.append(behind())
         last = completion_event(1, "end", finish="length", usage=(3, k + 1))
-        await link.send(chunk(sse(last) + sse(usage_event(3, k + 2)) + sse("[DONE]")), LAST_CHUNK)
+        await link.send(chunk(sse(last) + sse(usage_event(3, k + 2)) + DONE), LAST_CHUNK)
 
     front = await front_door(script)
     reader, writer = await front.connect()
@@ -496,7 +496,7 @@ class Held:
         self.started.set()
         await asyncio.wait_for(self.release.wait(), WAIT * 2)
         last = completion_event(0, "b", finish="length", usage=(3, 2))
-        await link.send(chunk(sse(last) + sse(usage_event(3, 2)) + sse("[DONE]")), LAST_CHUNK)
+        await link.send(chunk(sse(last) + sse(usage_event(3, 2)) + DONE), LAST_CHUNK)
 
 
 async def _busy_with_a_stream(
@@ -886,7 +886,7 @@ def _gzip_sse_bomb() -> bytes:
     ]
     zeros = b"0" * MiB
     parts += [packer.compress(zeros) for _ in range(BOMB // MiB)]
-    parts += [packer.compress(b"\n\n" + sse("[DONE]")), packer.flush()]
+    parts += [packer.compress(b"\n\n" + DONE), packer.flush()]
     return b"".join(parts)
 
 
@@ -1085,7 +1085,7 @@ async def test_a_stream_framed_with_any_sse_newline_is_counted_and_trimmed(
         )
         for k in range(1, 6)
     ]
-    events += [sse(usage_event(3, 5), newline), sse("[DONE]", newline)]
+    events += [sse(usage_event(3, 5), newline), done(end=newline + newline)]
     front = await front_door(writes(stream_head(), *(chunk(e) for e in events), LAST_CHUNK))
     reply = await front.exchange(post("/v1/completions", STREAM))
     assert reply.status == 200

@@ -23,6 +23,7 @@ from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax.serve.wiring import build
 from kvtax_dev.fakevllm.aio import serve
+from kvtax_dev.fakevllm.events import DONE
 from kvtax_dev.ports import refused_port
 from kvtax_dev.process import until
 
@@ -67,7 +68,7 @@ class HeldVllm:
             await response.prepare(request)
             chunk = {"choices": [{"index": 0, "text": "ok"}], "usage": usage}
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
+            await response.write(DONE)
             await response.write_eof()
             return response
         return web.json_response({"choices": [{"index": 0, "text": "ok"}], "usage": usage})
@@ -618,7 +619,7 @@ class OpenAfterDone:
             await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode())
             await response.write(b"\n\n")
         if self.done:
-            await response.write(b"data: [DONE]\n\n")
+            await response.write(DONE)
         await self.let_go.wait()
         await response.write_eof()
         return response

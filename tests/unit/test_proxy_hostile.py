@@ -21,6 +21,7 @@ from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax_dev.fakevllm.aio import serve
+from kvtax_dev.fakevllm.events import DONE, done
 
 Script = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -207,7 +208,7 @@ def sse(tokens: int, *, linger: float = 0.05, framing: bytes = b"\n\n") -> Scrip
             await response.write(
                 b"data: " + json.dumps(final, separators=(",", ":")).encode() + framing
             )
-        await response.write(b"data: [DONE]" + framing)
+        await response.write(done(end=framing))
         await asyncio.sleep(linger)
         await response.write_eof()
         return response
@@ -263,7 +264,7 @@ async def test_a_stream_without_usage_is_counted_as_such(
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b'data: {"id":"c","choices":[{"index":0,"text":"a"}]}\n\n')
-        await response.write(b"data: [DONE]\n\n")
+        await response.write(DONE)
         return response
 
     upstream.script = no_usage

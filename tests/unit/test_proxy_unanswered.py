@@ -23,6 +23,7 @@ from kvtax.gate.cap import CapSettings
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax_dev.fakevllm.aio import serve
+from kvtax_dev.fakevllm.events import DONE
 from kvtax_dev.process import until
 
 STREAM = {"model": "m", "prompt": "long", "max_tokens": 16, "stream": True}
@@ -56,7 +57,7 @@ class SlowVllm:
         except asyncio.CancelledError:
             self.gone += 1
             raise
-        await response.write(b"data: [DONE]\n\n")
+        await response.write(DONE)
         await response.write_eof()
         return response
 

@@ -22,6 +22,7 @@ from bench.soak.compare import (
 from bench.soak.soak import run
 
 from kvtax.delivery.ledger import OUTCOMES
+from kvtax_dev.fakevllm.events import DONE
 
 OUTS = ("completed", "client_disconnected", "upstream_error")
 
@@ -116,7 +117,7 @@ def test_a_stream_client_counts_events_split_across_reads() -> None:
     event = b'data: {"choices":[{"index":0,"text":"lorem lorem "}],"usage":{"completion_tokens":2}}'
     seen.feed(event[:30])
     seen.feed(event[30:] + b"\n")
-    seen.feed(b"\ndata: [DONE]\n\n")
+    seen.feed(b"\n" + DONE)
     assert (seen.words, seen.tokens, seen.done, seen.problem) == (2, 2, True, "")
     leaked = SeenStream("none")
     leaked.feed(event + b"\n\n")

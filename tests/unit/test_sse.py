@@ -10,6 +10,7 @@ import pytest
 
 from kvtax.delivery.asks import UsageWish, with_usage
 from kvtax.delivery.sse import HoldBudget, StreamRewriter
+from kvtax_dev.fakevllm.events import DONE, done
 
 FP = '"system_fingerprint":"vllm-0.32.0-abc"'
 
@@ -33,7 +34,7 @@ UPSTREAM = [
     _chunk('l"}{lo', 3),
     _chunk("!", 4, finish="length"),
     _final(4),
-    b"data: [DONE]\n\n",
+    DONE,
 ]
 
 
@@ -110,7 +111,7 @@ def test_choices_are_counted_separately() -> None:
         _chunk("c", 2, index=0, finish="stop"),
         _chunk("d", 3, index=1, finish="stop"),
         _final(5),
-        b"data: [DONE]\n\n",
+        DONE,
     ]
     out, rw = _run(UsageWish(False, False), pieces)
     assert rw.completion_tokens == 5
@@ -130,7 +131,7 @@ def test_error_events_and_comments_pass_through() -> None:
 
 
 def test_unterminated_tail_is_released_at_the_end() -> None:
-    out, _ = _run(UsageWish(True, True), [b"data: [DONE]"])
+    out, _ = _run(UsageWish(True, True), [done(end=b"")])
     assert out == b"data: [DONE]"
 
 
@@ -177,7 +178,7 @@ def test_usage_that_is_not_a_usage_object_is_counted_as_unparsed() -> None:
     bad = (
         b'data: {"id":"c","choices":[{"index":0,"text":"a"}],"usage":{"completion_tokens":"x"}}\n\n'
     )
-    out, rw = _run(UsageWish(False, False), [bad, b"data: [DONE]\n\n"])
+    out, rw = _run(UsageWish(False, False), [bad, DONE])
     assert out == bad + b"data: [DONE]\n\n"  # passed untouched
     assert rw.unparsed == 1
     assert rw.usage_lines == 0
@@ -274,7 +275,7 @@ def _random_stream(rng: random.Random) -> list[bytes]:
             events.append(b": keep-alive comment\n\n")
         else:
             events.append(_chunk("!", counts[choice], finish="stop", index=choice))
-    events += [_final(sum(counts)), b"data: [DONE]\n\n"]
+    events += [_final(sum(counts)), DONE]
     # The space after "data:" is optional (SSE spec): some events come without it.
     events = [_tight(e) if rng.random() < 0.3 else e for e in events]
     body = b"".join(events)

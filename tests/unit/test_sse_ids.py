@@ -16,6 +16,7 @@ import pytest
 
 from kvtax.delivery.asks import UsageWish
 from kvtax.delivery.sse import Fingerprint, StreamRewriter
+from kvtax_dev.fakevllm.events import DONE
 
 FP = "vllm-0.32.0-abc"
 
@@ -48,9 +49,6 @@ def _usage(completion: int, prompt: int = 3) -> bytes:
     chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
     body = {**chunk, "choices": [], "usage": usage, "system_fingerprint": FP}
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"
 
 
 def _stream(n: int = 1, tokens: int = 3, per_event: int = 1) -> tuple[list[bytes], list[bytes]]:
