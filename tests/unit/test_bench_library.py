@@ -1,7 +1,8 @@
 """bench/ is benches grouped by family over a small library: they read processes through one
-module (bench/procfs.py) and take quantiles through one function (bench/stats.py, kvtax
-loadtest's own), so two benches cannot report the same figure two ways; no module is over 800
-lines; and every ``python -m bench...`` command the docs give names a module that exists."""
+module (bench/procfs.py), take quantiles through one function (bench/stats.py, kvtax loadtest's
+own) and write tables and result files through one module (bench/record.py), so two benches
+cannot report the same figure two ways nor write it in two shapes; no module is over 800 lines;
+and every ``python -m bench...`` command the docs give names a module that exists."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ import re
 from pathlib import Path
 
 import pytest
-from bench import procfs, stats
+from bench import procfs, record, stats
 
 from kvtax.tools.loadtest.measure import quantile as loadtest_quantile
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-LIBRARY = {"procfs.py", "stats.py", "net.py"}
+LIBRARY = {"procfs.py", "stats.py", "net.py", "record.py"}
 FAMILIES = {"relay", "soak", "gate", "scrape", "engine", "tools"}
 REPO = BENCH.parent
 QUANTILE = re.compile(r"^_?(quantile|percentile|pct|p\d\d)$|quantile$", re.IGNORECASE)
 
 
 def _modules() -> list[Path]:
-    return sorted(p for p in BENCH.rglob("*.py") if p.name not in LIBRARY)
+    """Every bench module but the library's (by path: bench/gate/stats.py is a bench's)."""
+    return sorted(p for p in BENCH.rglob("*.py") if p.parent != BENCH or p.name not in LIBRARY)
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
@@ -79,6 +81,49 @@ def test_procfs_reads_this_process() -> None:
     assert procfs.open_fds(os.getpid()) > 0
     assert "python" in procfs.name(os.getpid()).lower() or procfs.cmdline(os.getpid())
     assert procfs.rss_bytes([2**22 + 7]) == 0  # a process that is not there counts nothing
+
+
+def test_a_table_marks_each_columns_alignment() -> None:
+    text = record.table(["name", "n", "ok"], [["a", "1", "yes"], ["b", "22", "no"]], "lrc")
+    assert text.splitlines() == [
+        "| name | n | ok |",
+        "|---|---:|:---:|",
+        "| a | 1 | yes |",
+        "| b | 22 | no |",
+    ]
+    # Every column left unless told, and no newline at the end: the caller joins the lines.
+    assert record.table(["a", "b"], []) == "| a | b |\n|---|---|"
+
+
+def test_a_table_refuses_a_row_or_an_alignment_of_another_width() -> None:
+    with pytest.raises(ValueError, match="row 2 has 1 cells for 2 columns"):
+        record.table(["a", "b"], [["1", "2"], ["3"]])
+    with pytest.raises(ValueError, match="align 'r'"):
+        record.table(["a", "b"], [], "r")
+    with pytest.raises(ValueError, match="align 'lx'"):
+        record.table(["a", "b"], [], "lx")
+
+
+def test_a_record_is_the_markdown_and_the_figures_with_sorted_keys(tmp_path: Path) -> None:
+    name = tmp_path / "new" / "folder" / "run.md"  # the flag names the Markdown
+    figures = {"b": [1, 2.5], "a": {"z": None, "y": "x"}}
+    written = record.save(name, "# run\n\n| a |\n|---|\n\n\n", figures)
+    md, js = tmp_path / "new" / "folder" / "run.md", tmp_path / "new" / "folder" / "run.json"
+    assert written == [md, js]
+    assert md.read_text() == "# run\n\n| a |\n|---|\n"  # one newline at the end
+    assert js.read_text() == (
+        '{\n  "a": {\n    "y": "x",\n    "z": null\n  },\n  "b": [\n    1,\n    2.5\n  ]\n}\n'
+    )
+    assert record.save(tmp_path / "new" / "folder" / "run.json", "again", {}) == [md, js]
+    assert (md.read_text(), js.read_text()) == ("again\n", "{}\n")
+
+
+def test_a_record_leaves_alone_the_half_it_is_not_given(tmp_path: Path) -> None:
+    (tmp_path / "x.md").write_text("written by hand\n")
+    assert record.save(tmp_path / "x.json", None, {"n": 1}) == [tmp_path / "x.json"]
+    assert (tmp_path / "x.md").read_text() == "written by hand\n"
+    assert record.save(tmp_path / "y", "text", None) == [tmp_path / "y.md"]
+    assert not (tmp_path / "y.json").exists()
 
 
 def test_bench_is_families_over_a_small_library() -> None:
