@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import procfs
+from bench import procfs, record
 from bench.soak.compare import Check, ClientRecord, LedgerView
 
 __all__ = ["IDLE_LIMIT_S", "MARKS", "Mark", "SoakResult", "header", "report"]
@@ -115,17 +115,18 @@ def _cell(value: float | None) -> str:
 
 
 def _marks_table(result: SoakResult) -> list[str]:
-    lines = [
-        "| mark | requests done | VmRSS MiB | open FDs | event-loop tasks | streams open |",
-        "|---|---:|---:|---:|---:|---:|",
+    header = ["mark", "requests done", "VmRSS MiB", "open FDs", "event-loop tasks", "streams open"]
+    rows = [
+        [
+            *(m.label, f"{m.requests:,}", f"{m.rss_kib / 1024:.1f}", str(m.fds)),
+            *(_cell(m.tasks), _cell(m.streams)),
+        ]
+        for m in result.marks
     ]
-    for m in result.marks:
-        lines.append(
-            f"| {m.label} | {m.requests:,} | {m.rss_kib / 1024:.1f} | {m.fds} "
-            f"| {_cell(m.tasks)} | {_cell(m.streams)} |"
-        )
-    lines.append(f"\nPeak RSS (VmHWM): {result.peak_rss_kib / 1024:.1f} MiB.")
-    return lines
+    return [
+        record.table(header, rows, "lrrrrr"),
+        f"\nPeak RSS (VmHWM): {result.peak_rss_kib / 1024:.1f} MiB.",
+    ]
 
 
 def _clients_table(result: SoakResult) -> list[str]:
@@ -134,12 +135,12 @@ def _clients_table(result: SoakResult) -> list[str]:
     tokens = Counter[str]()
     for r in result.records:
         tokens[r.kind] += r.tokens
-    lines = [
-        "| client kind | requests | tokens received | answers not as sent |",
-        "|---|---:|---:|---:|",
+    header = ["client kind", "requests", "tokens received", "answers not as sent"]
+    rows = [
+        [kind, f"{n:,}", f"{tokens[kind]:,}", f"{wrong[kind]:,}"]
+        for kind, n in sorted(kinds.items())
     ]
-    for kind, n in sorted(kinds.items()):
-        lines.append(f"| {kind} | {n:,} | {tokens[kind]:,} | {wrong[kind]:,} |")
+    lines = [record.table(header, rows, "lrrr")]
     examples: dict[str, list[str]] = {}
     for r in result.records:
         if r.problem and len(examples.setdefault(r.kind, [])) < 3:
@@ -153,9 +154,8 @@ def _clients_table(result: SoakResult) -> list[str]:
 def report(result: SoakResult) -> str:
     """The soak's tables and verdicts, as Markdown."""
     lines = [*_marks_table(result), "", *_clients_table(result)]
-    lines += ["", "| ledger | clients saw | kvtax counted | |", "|---|---:|---:|---|"]
-    for c in result.checks:
-        lines.append(f"| {c.name} | {c.clients} | {c.kvtax} | {'ok' if c.ok else 'DIFFERS'} |")
+    checks = [[c.name, c.clients, c.kvtax, "ok" if c.ok else "DIFFERS"] for c in result.checks]
+    lines += ["", record.table(["ledger", "clients saw", "kvtax counted", ""], checks, "lrrl")]
     if result.log_lines:
         lines += ["", "Errors in the logs of kvtax and the fake vLLM (times logged):"]
         lines += [f"    {n:5} x {line}" for line, n in result.log_lines.most_common(10)]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import procfs
+from bench import procfs, record
 from bench.net import free_port, wait_port
 from bench.soak.client import HANGUP_MODEL, KINDS, MODEL, Spec, plan, run_one
 from bench.soak.compare import (
@@ -299,7 +299,7 @@ def main() -> None:
     text = header + "\n" + report(result)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        record.save(args.out, text, None)  # every figure is in the tables
     sys.exit(0 if all(passed for _, passed, _ in result.verdicts()) else 1)
 
 
