@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench import record
 from bench.gate.arrivals import WORKLOADS, Spec, open_loop_plan
 from bench.gate.client import open_loop
 from bench.gate.engines import SHARED, make_engine
@@ -130,8 +130,8 @@ def run(
         time.sleep(2.5)  # two more scrapes: the gate's counters hold the whole run
         page = kvtax.metrics()
     by_tenant: dict[str, list[Record]] = {}
-    for record in records:
-        by_tenant.setdefault(tenant_of(record.index, tenants), []).append(record)
+    for seen in records:
+        by_tenant.setdefault(tenant_of(seen.index, tenants), []).append(seen)
     summaries = {
         tenant: summarize(
             rs,
@@ -177,19 +177,9 @@ def render(results: Sequence[RunResult], args: argparse.Namespace, started: str)
         "flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.gate.fair " + " ".join(args.argv),
         "```",
         "",
-        "| run | tenant | offered | admitted | 429 | met SLO | SLO goodput tok/s | "
-        "TTFT p50 / p99 s | of B alone |",
-        "|---|---|---|---|---|---|---|---|---|",
+        _table(results, alone),
+        "",
     ]
-    for r in results:
-        for tenant, s in r.tenants.items():
-            share = f"{100 * s.slo_goodput_tps / alone:.0f} %" if tenant == "b" and alone else ""
-            lines.append(
-                f"| {r.run} | {tenant} | {s.offered} | {s.admitted} | {s.refused_429} | "
-                f"{s.slo_met} | {s.slo_goodput_tps:.1f} | {_s(s.ttft_p50)} / {_s(s.ttft_p99)} "
-                f"| {share} |"
-            )
-    lines.append("")
     for name in (n for n in FAIR_RUNS if n in by_run):
         fair = by_run[name].tenants["b"].slo_goodput_tps
         verdict = "met" if alone and fair >= TARGET * alone else "missed"
@@ -206,6 +196,20 @@ def render(results: Sequence[RunResult], args: argparse.Namespace, started: str)
         ),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _table(results: Sequence[RunResult], alone: float) -> str:
+    """Each run's tenants: what they offered, what got in, and B's share of B alone."""
+    header = ["run", "tenant", "offered", "admitted", "429", "met SLO", "SLO goodput tok/s"]
+    header += ["TTFT p50 / p99 s", "of B alone"]
+    rows = []
+    for r in results:
+        for tenant, s in r.tenants.items():
+            share = f"{100 * s.slo_goodput_tps / alone:.0f} %" if tenant == "b" and alone else ""
+            counts = [s.offered, s.admitted, s.refused_429, s.slo_met]
+            ttft = f"{_s(s.ttft_p50)} / {_s(s.ttft_p99)}"
+            rows.append([r.run, tenant, *map(str, counts), f"{s.slo_goodput_tps:.1f}", ttft, share])
+    return record.table(header, rows)
 
 
 def _s(value: float | None) -> str:
@@ -265,9 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = render(results, args, started)
     print(text)
     if args.out is not None:
-        args.out.write_text(text)
         raw = {r.run: {t: asdict(s) for t, s in r.tenants.items()} for r in results}
-        args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
+        record.save(args.out, text, raw)
     return 0
 
 

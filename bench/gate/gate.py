@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from bench.gate import client, engines
 from bench.gate.arrivals import (
     WORKLOADS,
@@ -691,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.render:
         if saved is None or not saved.exists():
             raise SystemExit("--render needs --out with a JSON beside it")
-        args.out.write_text(render(json.loads(saved.read_text())))
+        record.save(args.out, render(json.loads(saved.read_text())), None)
         return 0
     if args.dry_run:
         print(dry_run(plans, args, workload))
@@ -730,10 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         text = render(data)
         if args.out is not None:
-            assert saved is not None
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            saved.write_text(json.dumps(data, indent=2) + "\n")
-            args.out.write_text(text)
+            record.save(args.out, text, data)
         return text
 
     shared = [p for p in plans if p.engine == engines.SHARED]

@@ -52,6 +52,7 @@ from typing import Any
 import aiohttp
 import requests
 
+from bench import record
 from kvtax_dev import repo_root
 from kvtax_dev.exposition import read_samples, total
 from kvtax_dev.process import ChildProcess, ChildStartError, http_ok, poll_until
@@ -330,8 +331,8 @@ def run(args: argparse.Namespace) -> int:
         "failures": failures,
     }
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        # The JSON alone: results/gateway-litellm.md is written by hand around these figures.
+        record.save(args.out, None, report)
     if args.page:
         args.page.parent.mkdir(parents=True, exist_ok=True)
         args.page.write_text(_trim(litellm_page))

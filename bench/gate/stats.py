@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench import record
 from kvtax.tools.loadtest.measure import quantile, rank
 
 REFUSED = (429, 503)
@@ -422,9 +423,10 @@ ARM_COLUMNS = (
 )
 
 
-def arm_row(a: ArmResult) -> str:
+def arm_cells(a: ArmResult) -> list[str]:
+    """One arm's row of :func:`arm_table`, a cell for each of ``ARM_COLUMNS``."""
     s = a.summary
-    cells = [
+    return [
         a.arm,
         f"{a.preemptions:.0f}",
         _tax(a),
@@ -441,13 +443,10 @@ def arm_row(a: ArmResult) -> str:
         _retry(s),
         _reasons(a),
     ]
-    return "| " + " | ".join(cells) + " |"
 
 
 def arm_table(arms: Sequence[ArmResult]) -> str:
-    head = "| " + " | ".join(ARM_COLUMNS) + " |"
-    rule = "|" + "---|" * len(ARM_COLUMNS)
-    return "\n".join([head, rule, *(arm_row(a) for a in arms)])
+    return record.table(ARM_COLUMNS, [arm_cells(a) for a in arms])
 
 
 def _by_length_cells(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -470,30 +469,22 @@ def by_length_table(arms: Sequence[ArmResult]) -> str | None:
     kinds = {r["long"] for a in arms for r in a.requests}
     if len(kinds) < 2:
         return None
-    lines = [
-        "| arm | long: offered | long: refused | long: TTFT p50 / p99 s "
-        "| short: offered | short: refused | short: TTFT p50 / p99 s |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    header = ["arm", "long: offered", "long: refused", "long: TTFT p50 / p99 s"]
+    header += ["short: offered", "short: refused", "short: TTFT p50 / p99 s"]
+    rows = []
     for a in arms:
-        cells = [a.arm]
+        rows.append([a.arm])
         for long in (True, False):
-            cells += _by_length_cells([r for r in a.requests if r["long"] is long])
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows[-1] += _by_length_cells([r for r in a.requests if r["long"] is long])
+    return record.table(header, rows)
 
 
 def targets_table(best: ArmResult | None, checks: Sequence[Check]) -> str:
     if best is None:
         return "No kvtax arm ran at this load."
-    lines = [
-        f"Best kvtax mode here: **{best.arm}** (most SLO goodput).",
-        "",
-        "| target | verdict | numbers |",
-        "|---|---|---|",
-        *(f"| {c.target} | **{c.verdict}** | {c.detail} |" for c in checks),
-    ]
-    return "\n".join(lines)
+    rows = [[c.target, f"**{c.verdict}**", c.detail] for c in checks]
+    table = record.table(["target", "verdict", "numbers"], rows)
+    return f"Best kvtax mode here: **{best.arm}** (most SLO goodput).\n\n{table}"
 
 
 def loads_of(arms: Sequence[ArmResult]) -> list[float]:
