@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from kvtax_dev.exposition import read_samples, series_key, total
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import PROMPT, distinct_prompts, drive
@@ -145,6 +146,27 @@ def one_setting(name: str, work: Path) -> dict[str, Any]:
     }
 
 
+HEADER = ["setting", "preemptions", "prompt / computed", "R measured", "R estimate", "x"]
+HEADER += ["R former", "x", "tax measured", "tax estimate", "tax former"]
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    """One setting's cells: R in tokens, each estimate's ratio to the measurement, the taxes."""
+    return [
+        r["setting"],
+        f"{r['preemptions']:.0f}",
+        f"{r['mean_prompt']:.0f} / {r['mean_prompt_computed']:.0f}",
+        f"{r['measured']:,.0f}",
+        f"{r['estimated']:,.0f}",
+        f"{r['estimated'] / r['measured']:.1f}",
+        f"{r['estimated_former']:,.0f}",
+        f"{r['estimated_former'] / r['measured']:.1f}",
+        f"{r['tax_measured']:.1%}",
+        f"{r['tax_estimated']:.1%}",
+        f"{r['tax_estimated_former']:.1%}",
+    ]
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# kvtax's recompute estimate against the measurement (bench/engine/estimate.py)",
@@ -158,20 +180,8 @@ def markdown(report: dict[str, Any]) -> str:
         "kvtax estimated before; both from the same run's counters. Each ratio is to the "
         "measurement (1.0 would be exact; both are meant as upper bounds).",
         "",
-        "| setting | preemptions | prompt / computed | R measured | R estimate | x | "
-        "R former | x | tax measured | tax estimate | tax former |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        record.table(HEADER, [_row(r) for r in report["settings"]]),
     ]
-    for r in report["settings"]:
-        lines.append(
-            f"| {r['setting']} | {r['preemptions']:.0f} "
-            f"| {r['mean_prompt']:.0f} / {r['mean_prompt_computed']:.0f} "
-            f"| {r['measured']:,.0f} | {r['estimated']:,.0f} "
-            f"| {r['estimated'] / r['measured']:.1f} "
-            f"| {r['estimated_former']:,.0f} | {r['estimated_former'] / r['measured']:.1f} "
-            f"| {r['tax_measured']:.1%} | {r['tax_estimated']:.1%} "
-            f"| {r['tax_estimated_former']:.1%} |"
-        )
     return "\n".join([*lines, "", f"Per setting: `{report['json']}`.", ""])
 
 
@@ -199,10 +209,11 @@ def main(argv: list[str] | None = None) -> None:
         "json": str(args.out),
         "settings": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    args.markdown.write_text(markdown(report))
-    print(args.markdown.read_text())
+    # Two saves, each of one half: --out names the JSON and --markdown the Markdown, apart.
+    text = markdown(report)
+    record.save(args.out, None, report)
+    record.save(args.markdown, text, None)
+    print(text)
 
 
 if __name__ == "__main__":

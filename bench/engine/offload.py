@@ -27,10 +27,11 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from kvtax import plugin
 from kvtax_dev.exposition import read_samples, series_key, total
 from kvtax_dev.testbed import VllmEngine
@@ -179,6 +180,39 @@ def engine_for(arm: str, work: Path) -> Iterator[VllmEngine]:
         yield engine
 
 
+COLUMNS = ["load", "arm", "runs", "preemptions", "needed", "cache", "loaded", "R", "R = steps"]
+COLUMNS += ["tax", "tax if none loaded", "wall s"]
+
+
+def _rows(report: dict[str, Any]) -> list[list[str]]:
+    """A row for each load's arm that ran: medians over its runs."""
+    rows = []
+    for load in report["loads"]:
+        for arm in ("no_connector", "lmcache"):
+            runs = [r for r in report["arms"][arm] if r["load"] == load]
+            if runs:
+                rows.append([load, arm, str(len(runs)), *_medians(runs)])
+    return rows
+
+
+def _medians(runs: list[dict[str, Any]]) -> list[str]:
+    def med(f: Callable[[dict[str, Any]], float]) -> float:
+        return float(statistics.median(f(r) for r in runs))
+
+    equal = all(r["kvtax"]["recomputed"] == r["scheduler"]["recomputed_by_steps"] for r in runs)
+    return [
+        f"{med(lambda r: r['kvtax']['preemptions']):.0f}",
+        f"{med(lambda r: r['resumed_tokens_needed']):,.0f}",
+        f"{med(lambda r: r['kvtax']['from_prefix_cache']):,.0f}",
+        f"{med(lambda r: r['kvtax'].get('loaded_by_connector', 0.0)):,.0f}",
+        f"{med(lambda r: r['kvtax']['recomputed']):,.0f}",
+        "yes" if equal else "NO",
+        f"{med(lambda r: r['tax']):.1%}",
+        f"{med(lambda r: r['tax_had_nothing_been_loaded']):.1%}",
+        f"{med(lambda r: r['seconds']):.1f}",
+    ]
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# The tax with and without a KV connector (bench/engine/offload.py)",
@@ -193,32 +227,8 @@ def markdown(report: dict[str, Any]) -> str:
         "run: *R = steps* below). *Tax if none loaded*: the same formula with the loaded tokens "
         "computed again.",
         "",
-        "| load | arm | runs | preemptions | needed | cache | loaded | R | R = steps | tax | "
-        "tax if none loaded | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        record.table(COLUMNS, _rows(report)),
     ]
-    for load in report["loads"]:
-        for arm in ("no_connector", "lmcache"):
-            runs = [r for r in report["arms"][arm] if r["load"] == load]
-            if not runs:
-                continue
-
-            def med(f: Any, runs: list[dict[str, Any]] = runs) -> float:
-                return float(statistics.median(f(r) for r in runs))
-
-            equal = all(
-                r["kvtax"]["recomputed"] == r["scheduler"]["recomputed_by_steps"] for r in runs
-            )
-            lines.append(
-                f"| {load} | {arm} | {len(runs)} | {med(lambda r: r['kvtax']['preemptions']):.0f} "
-                f"| {med(lambda r: r['resumed_tokens_needed']):,.0f} "
-                f"| {med(lambda r: r['kvtax']['from_prefix_cache']):,.0f} "
-                f"| {med(lambda r: r['kvtax'].get('loaded_by_connector', 0.0)):,.0f} "
-                f"| {med(lambda r: r['kvtax']['recomputed']):,.0f} | {'yes' if equal else 'NO'} "
-                f"| {med(lambda r: r['tax']):.1%} "
-                f"| {med(lambda r: r['tax_had_nothing_been_loaded']):.1%} "
-                f"| {med(lambda r: r['seconds']):.1f} |"
-            )
     lines += ["", "Per run: `" + report["json"] + "`.", ""]
     return "\n".join(lines)
 
@@ -262,10 +272,11 @@ def main(argv: list[str] | None = None) -> None:
         "json": str(args.out),
         "arms": arms,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    args.markdown.write_text(markdown(report))
-    print(args.markdown.read_text())
+    # Two saves, each of one half: --out names the JSON and --markdown the Markdown, apart.
+    text = markdown(report)
+    record.save(args.out, None, report)
+    record.save(args.markdown, text, None)
+    print(text)
 
 
 if __name__ == "__main__":

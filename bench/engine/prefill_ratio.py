@@ -26,7 +26,6 @@ Run from the repository root under the end-to-end lock (about 2-3 minutes)::
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import statistics
@@ -39,6 +38,7 @@ from typing import Any
 
 import requests
 
+from bench import record
 from kvtax_dev.exposition import read_samples, total
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.engine import BLOCK_SIZE_TOKENS, ensure_vllm_venv
@@ -275,9 +275,6 @@ def render(r: Result) -> str:
         else f"BELOW the target of {TARGET_RATIO:g}"
     )
 
-    def ms(values: list[float]) -> str:
-        return ", ".join(f"{v * 1e3:.1f}" for v in values)
-
     lines = [
         "# Prefill/decode cost ratio of the prefill-heavy testbed engine",
         "",
@@ -305,18 +302,7 @@ def render(r: Result) -> str:
         "",
         "## Measurements",
         "",
-        "| | vLLM histograms | client wall time |",
-        "|---|---|---|",
-        f"| {r.prompt_tokens:,}-token prefill, `max_tokens=1` (ms, each) | "
-        f"{ms(r.prefill_vllm_s)} | {ms(r.prefill_wall_s)} |",
-        f"| prefill, median (ms) | **{r.prefill_s * 1e3:.1f}** | "
-        f"{statistics.median(r.prefill_wall_s) * 1e3:.1f} |",
-        f"| decode step, batch of {r.batch} ({r.short_tokens} prompt + {r.decode_tokens} output "
-        f"tokens each; ms, each round) | {ms(r.decode_step_vllm_s)} | "
-        f"{ms(r.decode_step_wall_s)} |",
-        f"| decode step, median (ms) | **{r.decode_step_s * 1e3:.1f}** | "
-        f"{statistics.median(r.decode_step_wall_s) * 1e3:.1f} |",
-        f"| **prefill / decode step** | **{r.ratio:.1f}** | {r.ratio_wall:.1f} |",
+        _measurements(r),
         "",
         "vLLM histograms: `vllm:request_prefill_time_seconds` for the prefill, the round's mean "
         "`vllm:inter_token_latency_seconds` for the decode step. Client: the request's wall "
@@ -333,6 +319,38 @@ def render(r: Result) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _measurements(r: Result) -> str:
+    """The prefill and the decode step, each run and their medians, by vLLM and by the client."""
+
+    def ms(values: list[float]) -> str:
+        return ", ".join(f"{v * 1e3:.1f}" for v in values)
+
+    decode = (
+        f"decode step, batch of {r.batch} ({r.short_tokens} prompt + {r.decode_tokens} output "
+        "tokens each; ms, each round)"
+    )
+    rows = [
+        [
+            f"{r.prompt_tokens:,}-token prefill, `max_tokens=1` (ms, each)",
+            ms(r.prefill_vllm_s),
+            ms(r.prefill_wall_s),
+        ],
+        [
+            "prefill, median (ms)",
+            f"**{r.prefill_s * 1e3:.1f}**",
+            f"{statistics.median(r.prefill_wall_s) * 1e3:.1f}",
+        ],
+        [decode, ms(r.decode_step_vllm_s), ms(r.decode_step_wall_s)],
+        [
+            "decode step, median (ms)",
+            f"**{r.decode_step_s * 1e3:.1f}**",
+            f"{statistics.median(r.decode_step_wall_s) * 1e3:.1f}",
+        ],
+        ["**prefill / decode step**", f"**{r.ratio:.1f}**", f"{r.ratio_wall:.1f}"],
+    ]
+    return record.table(["", "vLLM histograms", "client wall time"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,8 +370,6 @@ def main(argv: list[str] | None = None) -> int:
     text = render(result)
     print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
         data = asdict(result) | {
             "prefill_s": result.prefill_s,
             "decode_step_s": result.decode_step_s,
@@ -361,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_wall": result.ratio_wall,
             "target_ratio": TARGET_RATIO,
         }
-        args.out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+        record.save(args.out, text, data)
     return 0
 
 

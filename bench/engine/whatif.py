@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from kvtax.figures.derive import tax_ratio
 from kvtax.tools.plan.simulate import Request, Result, Settings, simulate
 
@@ -155,6 +156,34 @@ def _list(values: list[float], fmt: str) -> str:
     return ", ".join(format(v, fmt) for v in values)
 
 
+SETTING_COLUMNS = ["max_num_seqs", "preemptions measured", "predicted", "tax measured"]
+SETTING_COLUMNS += ["predicted", "within target", "hit share at resume, measured", "predicted"]
+SETTING_COLUMNS += ["distinct outputs"]
+
+
+def _setting_row(r: dict[str, Any]) -> list[str]:
+    """One setting's measured runs beside the simulator's prediction."""
+    return [
+        str(r["max_num_seqs"]),
+        _list(r["measured_preemptions"], ".0f"),
+        str(r["predicted_preemptions"]),
+        ", ".join(_percent(t) for t in r["measured_tax"]),
+        _percent(r["predicted_tax"]),
+        "yes" if r["within_target"] else "**no**",
+        ", ".join(_percent(h) for h in r["measured_hit_share"]),
+        _percent(r["predicted_hit_share"]),
+        _list(r["distinct_outputs"], "d"),
+    ]
+
+
+def _estimates(rows: list[dict[str, Any]]) -> str:
+    """Each setting's measured tax beside the metrics-only estimate and the corrected one."""
+    header = ["requests", "max_num_seqs", "tax measured", "metrics-only estimate"]
+    taxes = ("measured_tax_mean", "estimate_tax", "corrected_estimate_tax")
+    cells = [[r["mode"], str(r["max_num_seqs"]), *(_percent(r[k]) for k in taxes)] for r in rows]
+    return record.table([*header, "corrected estimate"], cells, "lrrrr")
+
+
 def render(rows: list[dict[str, Any]], load: dict[str, Any], ranks: dict[str, Any]) -> str:
     out = [
         "# `kvtax plan --what-if` against the real engine",
@@ -181,20 +210,8 @@ def render(rows: list[dict[str, Any]], load: dict[str, Any], ranks: dict[str, An
             "",
             f"## {title[0].upper()}{title[1:]}",
             "",
-            "| max_num_seqs | preemptions measured | predicted | tax measured | predicted "
-            "| within target | hit share at resume, measured | predicted | distinct outputs |",
-            "|---:|---|---:|---|---:|:---:|---|---:|---|",
+            record.table(SETTING_COLUMNS, [_setting_row(r) for r in mine], "rlrlrclrl"),
         ]
-        for r in mine:
-            out.append(
-                f"| {r['max_num_seqs']} | {_list(r['measured_preemptions'], '.0f')} "
-                f"| {r['predicted_preemptions']} "
-                f"| {', '.join(_percent(t) for t in r['measured_tax'])} "
-                f"| {_percent(r['predicted_tax'])} "
-                f"| {'yes' if r['within_target'] else '**no**'} "
-                f"| {', '.join(_percent(h) for h in r['measured_hit_share'])} "
-                f"| {_percent(r['predicted_hit_share'])} | {_list(r['distinct_outputs'], 'd')} |"
-            )
         out += [
             "",
             f"Ranking by tax, lowest first: measured (mean) {rank['measured']}, "
@@ -216,15 +233,9 @@ def render(rows: list[dict[str, Any]], load: dict[str, Any], ranks: dict[str, An
         "the mean output. The corrected column takes the measured preemptions times the "
         "simulator's recompute per preemption instead (offline here: the sidecar does not run it).",
         "",
-        "| requests | max_num_seqs | tax measured | metrics-only estimate | corrected estimate |",
-        "|---|---:|---:|---:|---:|",
+        _estimates(rows),
+        "",
     ]
-    for r in rows:
-        out.append(
-            f"| {r['mode']} | {r['max_num_seqs']} | {_percent(r['measured_tax_mean'])} "
-            f"| {_percent(r['estimate_tax'])} | {_percent(r['corrected_estimate_tax'])} |"
-        )
-    out.append("")
     return "\n".join(out)
 
 
@@ -244,8 +255,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     text, summary = build(json.loads(args.engine.read_text()))
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    record.save(args.out, text, summary)
     print(text)
     return 0
 

@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import record
 from kvtax import plugin
 from kvtax_dev.testbed import VllmEngine
 from kvtax_dev.testbed.load import PROMPT, PROMPT_TOKENS, RequestResult, drive
@@ -205,8 +206,7 @@ def main() -> int:
         "load", {"clients": CLIENTS, "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS}
     )
     data.setdefault("settings", {}).setdefault(str(args.max_num_seqs), {}).update(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    record.save(args.out, None, data)  # bench.engine.whatif renders them
     return 0
 
 
