@@ -83,7 +83,7 @@ from typing import Any
 
 import requests
 
-from bench import procfs
+from bench import procfs, record
 from bench.relay.engine_client import MODEL, Stream, request_body, run_round
 from bench.stats import median_ci, quantile, spread
 from kvtax.delivery.asks import Scheme, with_usage
@@ -259,6 +259,27 @@ def part_a(engine: VllmEngine, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+A_COLUMNS = ["arm", "rounds", "mean round wall s", "throughput tok/s (mean of rounds)"]
+A_COLUMNS += ["TTFT p50 ms", "TTFT p99 ms", "headers p50 ms", "headers p99 ms"]
+A_COLUMNS += ["vLLM API-server CPU µs/token", "kvtax CPU µs/token"]
+A_ALIGN = "l" + "r" * 9
+A_PAIR_COLUMNS = ["round", "direct tok/s", "kvtax tok/s", "ratio", "direct TTFT p50 ms"]
+A_PAIR_COLUMNS += ["kvtax TTFT p50 ms", "difference ms", "preemptions (d / k)"]
+
+
+def _a_cells(arm: str, rounds: int, s: dict[str, float]) -> list[str]:
+    times = [f"{1000 * s[k]:.1f}" for k in ("p50", "p99", "hdr50", "hdr99")]
+    head = [arm, str(rounds), f"{s['wall']:.2f}", f"{s['throughput']:,.0f}"]
+    return [*head, *times, f"{s['api']:.1f}", f"{s['kvtax']:.1f}"]
+
+
+def _pair_cells(d: RoundA, k: RoundA) -> list[str]:
+    p50s = [quantile(r.ttfts, 0.5) for r in (d, k)]
+    tps = [f"{d.throughput:,.0f}", f"{k.throughput:,.0f}", f"{k.throughput / d.throughput:.3f}"]
+    ttfts = [*(f"{1000 * p:.1f}" for p in p50s), f"{1000 * (p50s[1] - p50s[0]):+.1f}"]
+    return [str(d.index), *tps, *ttfts, f"{d.preempted:.0f} / {k.preempted:.0f}"]
+
+
 def render_a(data: dict[str, Any], args: dict[str, Any]) -> str:
     rounds = [RoundA(**r) for r in data["rounds"]]
     arms = {a: [r for r in rounds if r.arm == a] for a in ("direct", "kvtax")}
@@ -291,33 +312,12 @@ def render_a(data: dict[str, Any], args: dict[str, Any]) -> str:
         f"vLLM every {args['kvtax_scrape_interval']} throughout (direct rounds too). "
         f"Preemptions during the measured rounds: **{data['preempted']:.0f}**.",
         "",
-        "| arm | rounds | mean round wall s | throughput tok/s (mean of rounds) "
-        "| TTFT p50 ms | TTFT p99 ms | headers p50 ms | headers p99 ms "
-        "| vLLM API-server CPU µs/token | kvtax CPU µs/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for arm in ("direct", "kvtax"):
-        s = stats[arm]
-        lines.append(
-            f"| {arm} | {len(arms[arm])} | {s['wall']:.2f} | {s['throughput']:,.0f} "
-            f"| {1000 * s['p50']:.1f} | {1000 * s['p99']:.1f} | {1000 * s['hdr50']:.1f} "
-            f"| {1000 * s['hdr99']:.1f} | {s['api']:.1f} "
-            f"| {s['kvtax']:.1f} |"
-        )
-    lines += [
+        record.table(A_COLUMNS, [_a_cells(a, len(arms[a]), s) for a, s in stats.items()], A_ALIGN),
         "",
         "Per round (pairs in the order they ran):",
         "",
-        "| round | direct tok/s | kvtax tok/s | ratio | direct TTFT p50 ms | kvtax TTFT p50 ms "
-        "| difference ms | preemptions (d / k) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        record.table(A_PAIR_COLUMNS, [_pair_cells(d, k) for d, k in pairs], "r" * 8),
     ]
-    for (d, k), q, dp in zip(pairs, ratios, dp50s, strict=True):
-        lines.append(
-            f"| {d.index} | {d.throughput:,.0f} | {k.throughput:,.0f} | {q:.3f} "
-            f"| {1000 * quantile(d.ttfts, 0.5):.1f} | {1000 * quantile(k.ttfts, 0.5):.1f} "
-            f"| {dp:+.1f} | {d.preempted:.0f} / {k.preempted:.0f} |"
-        )
     lo, med, hi = spread(ratios)
     dlo, dmed, dhi = spread(dp50s)
     equal = delivered == client_tokens
@@ -512,6 +512,49 @@ def _verdict(by: dict[str, list[RoundB]], arm: str) -> str:
     )
 
 
+B_COLUMNS = ["arm", "request adds", "API-server CPU µs/token (median of rounds)", "min", "max"]
+B_COLUMNS += ["engine-core CPU µs/token (median)", "events/token", "bytes/event"]
+B_COLUMNS += ["per-event count adds up to usage"]
+B_RATIO_COLUMNS = ["arm", "rounds", "min", "median", "median, 95 % CI (bootstrap)", "max"]
+B_RATIO_COLUMNS += ["mean ± 2 SE", "pooled (sum CPU / sum tokens)"]
+
+
+def _b_cells(arm: str, rs: list[RoundB]) -> list[str]:
+    lo, med, hi = spread([r.api_us for r in rs])
+    events = sum(r.events for r in rs)
+    adds = json.dumps(B_ARMS[arm], separators=(",", ":")) if B_ARMS[arm] else "nothing"
+    exact = "n/a (final usage only)"
+    if arm in ("continuous", "token_ids"):
+        exact = "yes, every stream" if all(r.exact for r in rs) else "NO"
+    cpu = [f"{x:.1f}" for x in (med, lo, hi, statistics.median(r.core_us for r in rs))]
+    per_token, per_event = (
+        events / sum(r.tokens for r in rs),
+        sum(r.body_bytes for r in rs) / events,
+    )
+    return [arm, f"`{adds}`", *cpu, f"{per_token:.3f}", f"{per_event:.0f}", exact]
+
+
+def _b_ratio_cells(by: dict[str, list[RoundB]], arm: str) -> list[str]:
+    """``arm``'s CPU per token against usage's, round by round and pooled."""
+    ratios = _ratios(by, arm)
+    lo, med, hi = spread(ratios)
+    se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
+    pooled, base = (
+        sum(r.api_cpu for r in by[a]) / sum(r.tokens for r in by[a]) for a in (arm, "usage")
+    )
+    clo, chi = median_ci(ratios)
+    return [
+        arm,
+        str(len(ratios)),
+        f"{100 * (lo - 1):+.1f} %",
+        f"**{100 * (med - 1):+.1f} %**",
+        f"{100 * (clo - 1):+.1f} to {100 * (chi - 1):+.1f} %",
+        f"{100 * (hi - 1):+.1f} %",
+        f"{100 * (statistics.mean(ratios) - 1):+.1f} ± {200 * se:.1f} %",
+        f"{100 * (pooled / base - 1):+.1f} %",
+    ]
+
+
 def render_b(data: dict[str, Any], args: dict[str, Any]) -> str:
     rounds = [RoundB(**r) for r in data["rounds"]]
     arms = list(dict.fromkeys(r.arm for r in rounds))
@@ -528,77 +571,39 @@ def render_b(data: dict[str, Any], args: dict[str, Any]) -> str:
         f"children, not counted in it: {kids}. Tokens are the clients' usage "
         f"completion_tokens; CLK_TCK is {TICK}, so one round's CPU is read to 10 ms.",
         "",
-        "| arm | request adds | API-server CPU µs/token (median of rounds) | min | max "
-        "| engine-core CPU µs/token (median) | events/token | bytes/event "
-        "| per-event count adds up to usage |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        record.table(B_COLUMNS, [_b_cells(arm, by[arm]) for arm in arms], "llrrrrrrl"),
     ]
-    for arm in arms:
-        rs = by[arm]
-        lo, med, hi = spread([r.api_us for r in rs])
-        core = statistics.median(r.core_us for r in rs)
-        events = sum(r.events for r in rs)
-        adds = json.dumps(B_ARMS[arm], separators=(",", ":")) if B_ARMS[arm] else "nothing"
-        exact = "n/a (final usage only)"
-        if arm in ("continuous", "token_ids"):
-            exact = "yes, every stream" if all(r.exact for r in rs) else "NO"
-        lines.append(
-            f"| {arm} | `{adds}` | {med:.1f} | {lo:.1f} | {hi:.1f} | {core:.1f} "
-            f"| {events / sum(r.tokens for r in rs):.3f} "
-            f"| {sum(r.body_bytes for r in rs) / events:.0f} | {exact} |"
-        )
     if "usage" in by and len(arms) > 1:
+        others = [_b_ratio_cells(by, a) for a in arms if a != "usage"]
         lines += [
             "",
             "API-server CPU per token against `usage` (include_usage only), each round's ratio "
             "to the `usage` round of the same index:",
             "",
-            "| arm | rounds | min | median | median, 95 % CI (bootstrap) | max | mean ± 2 SE "
-            "| pooled (sum CPU / sum tokens) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            record.table(B_RATIO_COLUMNS, others, "l" + "r" * 7),
         ]
-        pooled_base = sum(r.api_cpu for r in by["usage"]) / sum(r.tokens for r in by["usage"])
-        for arm in arms:
-            if arm == "usage":
-                continue
-            ratios = _ratios(by, arm)
-            lo, med, hi = spread(ratios)
-            se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
-            pooled = sum(r.api_cpu for r in by[arm]) / sum(r.tokens for r in by[arm])
-            clo, chi = median_ci(ratios)
-            lines.append(
-                f"| {arm} | {len(ratios)} | {100 * (lo - 1):+.1f} % | **{100 * (med - 1):+.1f} %** "
-                f"| {100 * (clo - 1):+.1f} to {100 * (chi - 1):+.1f} % | {100 * (hi - 1):+.1f} % "
-                f"| {100 * (statistics.mean(ratios) - 1):+.1f} ± {200 * se:.1f} % "
-                f"| {100 * (pooled / pooled_base - 1):+.1f} % |"
-            )
     micro = data.get("micro")
     if micro:
         base = micro["usage"]["us"]
+        events = [
+            [k, f"{v['us']:.2f}", f"{v['us'] - base:+.2f}", str(v["bytes"])]
+            for k, v in micro.items()
+        ]
         lines += [
             "",
             "vLLM's own code for one streamed event (build the chunk, `model_dump_json`, the "
             "SSE line), timed alone in the engine venv, min of 15 x 5,000:",
             "",
-            "| event as built for | µs/event | added µs | bytes |",
-            "|---|---:|---:|---:|",
-            *(
-                f"| {k} | {v['us']:.2f} | {v['us'] - base:+.2f} | {v['bytes']} |"
-                for k, v in micro.items()
-            ),
+            record.table(["event as built for", "µs/event", "added µs", "bytes"], events, "lrrr"),
         ]
     if "usage" in by and "continuous" in by:
         lines += ["", *(_verdict(by, arm) for arm in ("continuous", "token_ids") if arm in by)]
-    lines += [
-        "",
-        "Per round (API-server CPU µs/token):",
-        "",
-        "| round | " + " | ".join(arms) + " |",
-        "|---:|" + "---:|" * len(arms),
+    per_round = [
+        [str(i), *(next((f"{r.api_us:.1f}" for r in by[a] if r.index == i), "-") for a in arms)]
+        for i in sorted({r.index for r in rounds})
     ]
-    for i in sorted({r.index for r in rounds}):
-        cells = [next((f"{r.api_us:.1f}" for r in by[a] if r.index == i), "-") for a in arms]
-        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    lines += ["", "Per round (API-server CPU µs/token):", ""]
+    lines.append(record.table(["round", *arms], per_round, "r" * (len(arms) + 1)))
     return "\n".join(lines)
 
 
@@ -682,8 +687,8 @@ def render_block(block: str, data: dict[str, Any]) -> str:
     )
 
 
-def write(out: Path, parts: dict[str, str]) -> None:
-    """Replace each part's block between its markers in ``out`` (append it if absent)."""
+def merged(out: Path, parts: dict[str, str]) -> str:
+    """``out``'s text with each part's block between its markers replaced (appended if absent)."""
     text = out.read_text() if out.exists() else "# Real vLLM engine: kvtax's relay and usage\n"
     for name, block in parts.items():
         begin, end = f"<!-- engine-relay:{name} -->", f"<!-- /engine-relay:{name} -->"
@@ -693,7 +698,7 @@ def write(out: Path, parts: dict[str, str]) -> None:
             text = head + new + rest.split(end, 1)[1]
         else:
             text = text.rstrip("\n") + "\n\n" + new + "\n"
-    out.write_text(text)
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -764,7 +769,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out is None:
             parser.error("--render needs --out")
         saved = json.loads(args.out.with_suffix(".json").read_text())
-        write(args.out, {block: render_block(block, data) for block, data in saved.items()})
+        parts = {block: render_block(block, data) for block, data in saved.items()}
+        record.save(args.out, merged(args.out, parts), None)
         return 0
     engine = VllmEngine(
         num_gpu_blocks=args.num_gpu_blocks,
@@ -785,8 +791,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         saved = args.out.with_suffix(".json")
         earlier = json.loads(saved.read_text()) if saved.exists() else {}
-        saved.write_text(json.dumps(earlier | blocks, indent=1) + "\n")
-        write(args.out, {block: render_block(block, data) for block, data in blocks.items()})
+        parts = {block: render_block(block, data) for block, data in blocks.items()}
+        record.save(args.out, merged(args.out, parts), earlier | blocks)
     return 0
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import record
 from bench.net import free_port, wait_port
 from bench.relay.relay import NGINX_CONF, STREAM_KINDS, _kvtax_serve, _stream
 
@@ -215,15 +216,14 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     base = next((c for c in counts if c.relay == "nginx" and c.paced_per_event), None)
     print(f"{args.streams} streams; paced: {args.events} events each; short: 4 events each\n")
-    print("| relay | Ir per event (paced) | x nginx | Ir per request (short) | x nginx |")
-    print("|---|---:|---:|---:|---:|")
+    rows = []
     for c in counts:
         event_x = f"{c.paced_per_event / base.paced_per_event:.2f}" if base else "-"
         request_x = f"{c.short_per_request / base.short_per_request:.2f}" if base else "-"
-        print(
-            f"| {c.relay} | {c.paced_per_event:,.0f} | {event_x} | "
-            f"{c.short_per_request:,.0f} | {request_x} |"
-        )
+        paced, short = f"{c.paced_per_event:,.0f}", f"{c.short_per_request:,.0f}"
+        rows.append([c.relay, paced, event_x, short, request_x])
+    header = ["relay", "Ir per event (paced)", "x nginx", "Ir per request (short)", "x nginx"]
+    print(record.table(header, rows, "lrrrr"))
 
 
 if __name__ == "__main__":

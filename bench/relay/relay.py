@@ -77,7 +77,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import procfs
+from bench import procfs, record
 from bench.net import free_port, wait_port
 from bench.stats import quantile
 
@@ -485,31 +485,40 @@ def _relays(results: Results) -> list[str]:
     return [name for name in MODES[1:] if name in ran]
 
 
+COLUMNS = ["streams", "relay", "CPU µs per event (paced)", "x nginx", "CPU ms per request (short)"]
+COLUMNS += ["x nginx", "events per relay CPU-s (unpaced)", "x nginx", "added TTFB p50 ms"]
+COLUMNS += ["added TTFB p99 ms", "added gap p99 ms", "RSS peak MiB"]
+
+
+def _cells(results: Results, name: str, streams: int) -> list[str]:
+    """A relay's row at a concurrency: its CPU beside nginx's, its added latency over direct."""
+    r, nginx = results[(name, streams)], results[("nginx", streams)]
+    return [
+        str(streams),
+        name,
+        f"{r.cpu_us_per_event:.1f}",
+        f"{r.cpu_us_per_event / nginx.cpu_us_per_event:.2f}",
+        f"{r.cpu_ms_per_request:.3f}",
+        f"{r.cpu_ms_per_request / nginx.cpu_ms_per_request:.2f}",
+        f"{r.events_per_cpu_s:,.0f}",
+        f"{r.events_per_cpu_s / nginx.events_per_cpu_s:.2f}",
+        *(f"{_added(results, name, streams, k):+.2f}" for k in ("ttfb_p50", "ttfb_p99", "gap_p99")),
+        f"{r.rss_mib:.1f}",
+    ]
+
+
 def report(results: Results, rounds: int) -> str:
     ran = sorted({s for _, s in results})
     relays_ran = _relays(results)
     lines = [
         f"Medians of {rounds} interleaved rounds; percentiles of all rounds' samples pooled.",
         "",
-        "| streams | relay | CPU µs per event (paced) | x nginx "
-        "| CPU ms per request (short) | x nginx | events per relay CPU-s (unpaced) | x nginx "
-        "| added TTFB p50 ms | added TTFB p99 ms | added gap p99 ms | RSS peak MiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        record.table(
+            COLUMNS,
+            [_cells(results, name, streams) for streams in ran for name in relays_ran],
+            "rl" + "r" * 10,
+        ),
     ]
-    for streams in ran:
-        nginx = results[("nginx", streams)]
-        for name in relays_ran:
-            r = results[(name, streams)]
-            lines.append(
-                f"| {streams} | {name} | {r.cpu_us_per_event:.1f} "
-                f"| {r.cpu_us_per_event / nginx.cpu_us_per_event:.2f} "
-                f"| {r.cpu_ms_per_request:.3f} "
-                f"| {r.cpu_ms_per_request / nginx.cpu_ms_per_request:.2f} "
-                f"| {r.events_per_cpu_s:,.0f} | {r.events_per_cpu_s / nginx.events_per_cpu_s:.2f} "
-                f"| {_added(results, name, streams, 'ttfb_p50'):+.2f} "
-                f"| {_added(results, name, streams, 'ttfb_p99'):+.2f} "
-                f"| {_added(results, name, streams, 'gap_p99'):+.2f} | {r.rss_mib:.1f} |"
-            )
     lines += ["", "Direct (absolute):"]
     for streams in ran:
         d = results[("direct", streams)]
@@ -630,22 +639,17 @@ async def main_async(
 
 def _by_api(results: dict[str, Results]) -> list[str]:
     """kvtax's CPU per event and per request on each API, beside nginx's in the same run."""
-    lines = [
-        "CPU per event (paced) and per request (short), by the API streamed:",
-        "",
-        "| API | streams | kvtax µs per event | x nginx | kvtax ms per request | x nginx |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    header = ["API", "streams", "kvtax µs per event", "x nginx", "kvtax ms per request", "x nginx"]
+    rows = []
     for api, figures in results.items():
         for streams in sorted({s for _, s in figures}):
             kvtax, nginx = figures[("kvtax", streams)], figures[("nginx", streams)]
-            lines.append(
-                f"| {api} | {streams} | {kvtax.cpu_us_per_event:.1f} "
-                f"| {kvtax.cpu_us_per_event / nginx.cpu_us_per_event:.2f} "
-                f"| {kvtax.cpu_ms_per_request:.3f} "
-                f"| {kvtax.cpu_ms_per_request / nginx.cpu_ms_per_request:.2f} |"
-            )
-    return lines
+            event, request = kvtax.cpu_us_per_event, kvtax.cpu_ms_per_request
+            x_event = f"{event / nginx.cpu_us_per_event:.2f}"
+            x_request = f"{request / nginx.cpu_ms_per_request:.2f}"
+            rows.append([api, str(streams), f"{event:.1f}", x_event, f"{request:.3f}", x_request])
+    title = "CPU per event (paced) and per request (short), by the API streamed:"
+    return [title, "", record.table(header, rows, "lrrrrr")]
 
 
 async def _measure_api(
@@ -778,7 +782,7 @@ def main() -> None:
     )
     print(table)
     if args.out:
-        args.out.write_text(table + "\n")
+        record.save(args.out, table, None)  # every figure is in the tables
 
 
 if __name__ == "__main__":
