@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures as cf
+import sys
 import time
 
+from bench import record
 from bench.scrape.pipeline import CAPTURE, multi_model_payload
 from kvtax.engine.normalize import normalize
 from kvtax.serve.scrape.parsepool import ParsePool
@@ -90,7 +92,8 @@ class Parser:
             self.worker.close()
 
 
-async def measure(mode: str, text: str, port: int) -> str:
+async def measure(mode: str, text: str, port: int) -> list[str]:
+    """The cells of ``mode``'s row: how long the parse took, and the round trips meanwhile."""
     parser = Parser(mode)
     await parser.start()
     stop = asyncio.Event()
@@ -106,24 +109,25 @@ async def measure(mode: str, text: str, port: int) -> str:
     parser.close()
     trips.sort()
     if not trips:
-        return f"| {mode} | {seconds:.2f} s | 0 | - | - | - |"
+        return [mode, f"{seconds:.2f} s", "0", "-", "-", "-"]
     p50, p99 = trips[len(trips) // 2], trips[int(len(trips) * 0.99)]
-    return (
-        f"| {mode} | {seconds:.2f} s | {len(trips) / seconds:.0f} | {p50 * 1e3:.1f} ms "
-        f"| {p99 * 1e3:.1f} ms | {trips[-1] * 1e3:.1f} ms |"
-    )
+    times = [f"{t * 1e3:.1f} ms" for t in (p50, p99, trips[-1])]
+    return [mode, f"{seconds:.2f} s", f"{len(trips) / seconds:.0f}", *times]
 
 
 async def main_async(models: int) -> None:
     text = multi_model_payload(CAPTURE.read_text(), models)
     series = sum(len(by_labels) for by_labels in read_samples(text).values())
     print(f"page: {models} models, {series} series, {len(text) / 1e6:.1f} MB")
-    print("| parse | took | round trips/s | p50 | p99 | max |\n|---|---:|---:|---:|---:|---:|")
     server = await asyncio.start_server(_echo, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
+    rows = []
     for mode in MODES:
-        print(await measure(mode, text, port), flush=True)
+        print(f"{mode} ...", file=sys.stderr, flush=True)
+        rows.append(await measure(mode, text, port))
     server.close()
+    header = ["parse", "took", "round trips/s", "p50", "p99", "max"]
+    print(record.table(header, rows, "lrrrrr"))
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ from pathlib import Path
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import procfs
+from bench import procfs, record
 from bench.net import free_port
 from kvtax.serve.config import OPTIONS, Config
 from kvtax.serve.wiring import build
@@ -325,20 +325,26 @@ def measure_rss(text: str, seconds: float, interval: float) -> RssResult:
 # -- report -------------------------------------------------------------------------------------
 
 
+COLUMNS = ["payload", "size", "samples", "bare parse (median)", "pipeline (median)", "ratio"]
+COLUMNS += ["ratio of minima", "bare peak alloc", "pipeline peak alloc"]
+
+
 def _table(rows: list[Row]) -> str:
-    head = (
-        "| payload | size | samples | bare parse (median) | pipeline (median) | ratio "
-        "| ratio of minima | bare peak alloc | pipeline peak alloc |"
-    )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r.payload} | {r.size_bytes / 1e6:.2f} MB | {r.samples:,} | {r.bare_ms:.1f} ms "
-            f"| {r.pipeline_ms:.1f} ms | **{r.ratio:.2f}x** | {r.ratio_of_minima:.2f}x "
-            f"| {r.bare_peak_mib:.1f} MiB "
-            f"| {r.pipeline_peak_mib:.1f} MiB |"
-        )
-    return "\n".join(lines)
+    return record.table(COLUMNS, [_cells(r) for r in rows], "l" + "r" * 8)
+
+
+def _cells(r: Row) -> list[str]:
+    return [
+        r.payload,
+        f"{r.size_bytes / 1e6:.2f} MB",
+        f"{r.samples:,}",
+        f"{r.bare_ms:.1f} ms",
+        f"{r.pipeline_ms:.1f} ms",
+        f"**{r.ratio:.2f}x**",
+        f"{r.ratio_of_minima:.2f}x",
+        f"{r.bare_peak_mib:.1f} MiB",
+        f"{r.pipeline_peak_mib:.1f} MiB",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,10 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         rss = measure_rss(big, seconds, interval)
-        print(
-            f"| scrapes | kvtax_vllm_up | VmRSS | VmHWM (peak RSS) |\n|---:|---:|---:|---:|\n"
-            f"| {rss.scrapes} | {rss.up:g} | {rss.rss_mib:.1f} MiB | {rss.hwm_mib:.1f} MiB |"
-        )
+        mib = [f"{rss.rss_mib:.1f} MiB", f"{rss.hwm_mib:.1f} MiB"]
+        header = ["scrapes", "kvtax_vllm_up", "VmRSS", "VmHWM (peak RSS)"]
+        print(record.table(header, [[str(rss.scrapes), f"{rss.up:g}", *mib]], "rrrr"))
         print(f"\nsidecar RSS < 80 MB: {'yes' if rss.hwm_mib * 2**20 < 80e6 else 'NO'}")
     return 0
 

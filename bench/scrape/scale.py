@@ -51,6 +51,7 @@ import requests
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import record
 from bench.scrape.pipeline import multi_model_payload
 from kvtax.delivery.ledger import RequestRecord
 from kvtax.mixin.rules import DEFAULT, fleet, per_pod, recording_rules
@@ -416,35 +417,31 @@ def _series_table(c: SeriesCounts) -> str:
         ),
         ("recording rules, per model (fleet)", c.records_per_model),
     ]
-    lines = ["| what | series |", "|---|---:|"]
-    lines += [f"| {what} | {n:,} |" for what, n in rows]
-    return "\n".join(lines)
+    return record.table(["what", "series"], [[what, f"{n:,}"] for what, n in rows], "lr")
 
 
 def _fleet_table(r: FleetResult) -> str:
+    groups = [
+        [name, str(len(v)), f"{statistics.median(v) * 1000:.0f} ms", f"{max(v) * 1000:.0f} ms"]
+        for name, v in sorted(r.groups.items())
+        if v
+    ]
     lines = [
         f"{r.pods} pods x {r.models} models, "
         f"{'every series' if r.full else 'the series the rules read'}: "
         f"{r.served_series:,} series served, {r.head_series:,.0f} in Prometheus' head "
         f"(records and Prometheus' own included)",
         "",
-        "| rule group | evaluations | median | max |",
-        "|---|---:|---:|---:|",
+        record.table(["rule group", "evaluations", "median", "max"], groups, "lrrr"),
     ]
-    for name, values in sorted(r.groups.items()):
-        if values:
-            lines.append(
-                f"| {name} | {len(values)} | {statistics.median(values) * 1000:.0f} ms "
-                f"| {max(values) * 1000:.0f} ms |"
-            )
     if r.scrape_seconds:
         lines.append("")
         lines.append(
             f"scrape of the whole fleet page: median {statistics.median(r.scrape_seconds):.2f} s, "
             f"max {max(r.scrape_seconds):.2f} s"
         )
-    lines += ["", "| query | seconds (median of 3) |", "|---|---:|"]
-    lines += [f"| {name} | {s:.3f} |" for name, s in r.queries.items()]
+    queries = [[name, f"{s:.3f}"] for name, s in r.queries.items()]
+    lines += ["", record.table(["query", "seconds (median of 3)"], queries, "lr")]
     return "\n".join(lines)
 
 
