@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import record
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # The same entry point at both revisions: kvtax.cli's main (a module before, a package after).
@@ -92,23 +94,20 @@ def main() -> int:
         f"`python -m bench.tools.cli_startup --base {args.base} --rounds {args.rounds}`: "
         "medians of "
         f"{args.rounds} alternating runs (wall time of a fresh interpreter).",
-        "",
-        f"| command | {names[0]} | {names[1]} | ratio | kvtax modules loaded (before, after) "
-        "| all modules (before, after) |",
-        "|---|---:|---:|---:|---|---|",
     ]
+    rows = []
     for case in cases:
         before = statistics.median(times[(case, names[0])])
         after = statistics.median(times[(case, names[1])])
         (kb, ab), (ka, aa) = counts[(case, names[0])], counts[(case, names[1])]
-        lines.append(
-            f"| `{case}` | {before * 1000:.0f} ms | {after * 1000:.0f} ms | "
-            f"{after / before:.2f} | {kb}, {ka} | {ab}, {aa} |"
-        )
+        walls = [f"{before * 1000:.0f} ms", f"{after * 1000:.0f} ms", f"{after / before:.2f}"]
+        rows.append([f"`{case}`", *walls, f"{kb}, {ka}", f"{ab}, {aa}"])
+    header = ["command", *names, "ratio", "kvtax modules loaded (before, after)"]
+    lines += ["", record.table([*header, "all modules (before, after)"], rows, "lrrrll")]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.write_text(f"# kvtax's command line: start-up time\n\n{text}")
+    if args.out:  # every figure is in the table
+        record.save(args.out, f"# kvtax's command line: start-up time\n\n{text}", None)
     return 0
 
 
