@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import procfs
+from bench import procfs, record
 from kvtax_dev.fakevllm.client import (
     connect,
     costly_bodies,
@@ -320,11 +320,18 @@ def main(argv: list[str] | None = None) -> int:
         for figure in figures:
             print(json.dumps(asdict(figure)))
     else:
-        print("| scenario | RSS before (MiB) | peak growth (MiB) | CPU (s) | what happened |")
-        print("|---|---:|---:|---:|---|")
-        for f in figures:
-            cells = [f.scenario, f"{f.rss_before_mib:.0f}", f"{f.peak_growth_mib:.1f}"]
-            print("| " + " | ".join([*cells, f"{f.cpu_seconds:.1f}", f.note]) + " |")
+        header = ("scenario", "RSS before (MiB)", "peak growth (MiB)", "CPU (s)", "what happened")
+        rows = [
+            (
+                f.scenario,
+                f"{f.rss_before_mib:.0f}",
+                f"{f.peak_growth_mib:.1f}",
+                f"{f.cpu_seconds:.1f}",
+                f.note,
+            )
+            for f in figures
+        ]
+        print(record.table(header, rows, "lrrrl"))
         print(f"\n({time.monotonic() - began:.0f} s)")
     return 0
 

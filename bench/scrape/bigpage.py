@@ -49,7 +49,7 @@ import aiohttp
 import requests
 from aiohttp import web
 
-from bench import procfs
+from bench import procfs, record
 from bench.net import free_port
 from bench.scrape.pipeline import CAPTURE, multi_model_payload
 from bench.stats import quantile
@@ -319,35 +319,57 @@ while vLLM serves a 51 MB page or 10,000 rotating model names, and RSS under the
 {limit} MiB limit. RSS is kvtax plus its parse worker: the peak of their sampled sum, and the
 sum of each one's own peak (VmHWM), an upper bound.
 
-| run | scenario | page | /healthz p50 / p99 / max | failed | stream stall max | gap p99 \
-| streams | peak RSS | VmHWM sum | up | scrapes | scrape errors | kvtax series |
-|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|
 """
+_COLUMNS = (
+    "run",
+    "scenario",
+    "page",
+    "/healthz p50 / p99 / max",
+    "failed",
+    "stream stall max",
+    "gap p99",
+    "streams",
+    "peak RSS",
+    "VmHWM sum",
+    "up",
+    "scrapes",
+    "scrape errors",
+    "kvtax series",
+)
+_ALIGN = "llrrrrrrrrrrlr"
 
 
-def _row(r: Result) -> str:
+def _cells(r: Result) -> tuple[str, ...]:
     errors = ", ".join(
         f"{k.removeprefix('errors:')} {v:g}" for k, v in sorted(r.kvtax.items()) if "errors:" in k
     )
     return (
-        f"| {r.label} | {r.scenario} | {r.page_mb:.1f} MB | {r.healthz_p50_ms:.1f} / "
-        f"{r.healthz_p99_ms:.1f} / **{r.healthz_max_ms:.0f}** ms | {r.healthz_failures} | "
-        f"**{r.stall_max_ms:.0f} ms** | {r.gap_p99_ms:.1f} ms | {r.streams} "
-        f"({r.stream_failures} failed) | **{r.peak_rss_mib:.0f} MiB** | {r.hwm_mib:.0f} MiB | "
-        f"{r.kvtax.get('kvtax_vllm_up', float('nan')):g} | "
-        f"{r.kvtax.get('kvtax_scrapes_total', float('nan')):g} | {errors or '-'} | "
-        f"{r.kvtax.get('series', 0):g} |"
+        r.label,
+        r.scenario,
+        f"{r.page_mb:.1f} MB",
+        f"{r.healthz_p50_ms:.1f} / {r.healthz_p99_ms:.1f} / **{r.healthz_max_ms:.0f}** ms",
+        f"{r.healthz_failures}",
+        f"**{r.stall_max_ms:.0f} ms**",
+        f"{r.gap_p99_ms:.1f} ms",
+        f"{r.streams} ({r.stream_failures} failed)",
+        f"**{r.peak_rss_mib:.0f} MiB**",
+        f"{r.hwm_mib:.0f} MiB",
+        f"{r.kvtax.get('kvtax_vllm_up', float('nan')):g}",
+        f"{r.kvtax.get('kvtax_scrapes_total', float('nan')):g}",
+        errors or "-",
+        f"{r.kvtax.get('series', 0):g}",
     )
 
 
 def render() -> str:
-    rows: list[str] = []
+    rows: list[tuple[str, ...]] = []
     notes: list[str] = []
     for path in sorted(RESULTS.glob("bigpage-*.json"), reverse=True):
         data = json.loads(path.read_text())
-        rows += [_row(Result(**r)) for r in data["results"]]
+        rows += [_cells(Result(**r)) for r in data["results"]]
         notes.append(f"- `{data['label']}`: {data['note']}")
-    return _HEAD.format(limit=POD_LIMIT_MIB) + "\n".join(rows) + "\n\n" + "\n".join(notes) + "\n"
+    body = record.table(_COLUMNS, rows, _ALIGN)
+    return _HEAD.format(limit=POD_LIMIT_MIB) + body + "\n\n" + "\n".join(notes) + "\n"
 
 
 def main() -> None:
@@ -366,12 +388,11 @@ def main() -> None:
     results = []
     for name in args.scenarios.split(","):
         result = run_scenario(name, args.label, args.seconds, args.kvtax_path)
-        print(_row(result), flush=True)
+        print(" | ".join(_cells(result)), flush=True)
         results.append(asdict(result))
-    record = {"label": args.label, "note": args.note, "results": results}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"bigpage-{args.label}.json").write_text(json.dumps(record, indent=2) + "\n")
-    (RESULTS / "bigpage.md").write_text(render())
+    figures = {"label": args.label, "note": args.note, "results": results}
+    record.save(RESULTS / f"bigpage-{args.label}", None, figures)
+    record.save(RESULTS / "bigpage", render(), None)
     print(render())
 
 

@@ -23,16 +23,6 @@ REPO = BENCH.parent
 QUANTILE = re.compile(r"^_?(quantile|percentile|pct|p\d\d)$|quantile$", re.IGNORECASE)
 # A Markdown table's rule: "|---|", "|---:|", ":---:|" or "---|" repeated.
 TABLE_RULE = re.compile(r"\|:?-{3,}|-{3,}:?\|")
-# Being converted to bench/record.py by other work (issue 46) while this check came in: their
-# tables and result files are their own until then. (tests/unit/fake_vllm.py and
-# tests/unit/frontdoor.py are of the same work; this check reads bench/ only.)
-CONVERTING = (
-    "relay/sse_upstream.py",
-    "soak/upstream.py",
-    "soak/client.py",
-    "relay/frontdoor.py",
-    "scrape/bigpage.py",
-)
 # (module, function) -> why the JSON file it writes is not a result.
 NOT_RESULTS = {
     ("tools/guidellm_run.py", "tokenizer_copy"): "guidellm's tokenizer config, an input to it",
@@ -124,7 +114,7 @@ def _json_into_a_file(call: ast.Call) -> str:
 
 @pytest.mark.parametrize(
     "path",
-    [p for p in _modules() if p.relative_to(BENCH).as_posix() not in CONVERTING],
+    _modules(),
     ids=lambda p: p.relative_to(BENCH).as_posix(),
 )
 def test_a_bench_writes_tables_and_result_files_through_record(path: Path) -> None:
@@ -160,9 +150,8 @@ def progress(x):
 
 
 def test_each_exception_still_applies() -> None:
-    """The files being converted are still there, and each JSON file that is not a result is
-    still written where NOT_RESULTS says: an exception that no longer applies fails."""
-    assert all((BENCH / m).is_file() for m in CONVERTING)
+    """Each JSON file that is not a result is still written where NOT_RESULTS says: an
+    exception that no longer applies fails."""
     for (module, function), why in NOT_RESULTS.items():
         found = {f for _, f, _ in _hand_rolled((BENCH / module).read_text())}
         assert function in found, f"{module}: {function}() no longer writes {why}"
