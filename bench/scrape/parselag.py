@@ -23,6 +23,7 @@ import time
 
 from bench import record
 from bench.scrape.pipeline import CAPTURE, multi_model_payload
+from bench.stats import quantile
 from kvtax.engine.normalize import normalize
 from kvtax.serve.scrape.parsepool import ParsePool
 from kvtax_dev.exposition import read_samples
@@ -107,11 +108,9 @@ async def measure(mode: str, text: str, port: int) -> list[str]:
     stop.set()
     await asyncio.gather(*pingers)
     parser.close()
-    trips.sort()
     if not trips:
         return [mode, f"{seconds:.2f} s", "0", "-", "-", "-"]
-    p50, p99 = trips[len(trips) // 2], trips[int(len(trips) * 0.99)]
-    times = [f"{t * 1e3:.1f} ms" for t in (p50, p99, trips[-1])]
+    times = [f"{t * 1e3:.1f} ms" for t in (quantile(trips, 0.5), quantile(trips, 0.99), max(trips))]
     return [mode, f"{seconds:.2f} s", f"{len(trips) / seconds:.0f}", *times]
 
 
