@@ -375,7 +375,7 @@ class _StatLoggerBase(abc.ABC):
 
 
 @pytest.fixture
-def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Callable[[type], None]:
+def vllm_package_stub(monkeypatch: pytest.MonkeyPatch) -> Callable[[type], None]:
     """Install a stand-in ``vllm`` package; call it with the PrefixCacheStats class to expose."""
 
     def install(stats_class: type) -> None:
@@ -392,9 +392,9 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Callable[[type], None]:
 
 
 def test_built_class_is_a_stat_logger_vllm_can_instantiate(
-    fake_vllm: Callable[[type], None], caplog: pytest.LogCaptureFixture
+    vllm_package_stub: Callable[[type], None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake_vllm(PrefixCacheStats)
+    vllm_package_stub(PrefixCacheStats)
     registry = CollectorRegistry()
     cls = plugin.build_stat_logger(registry)
     assert issubclass(cls, _StatLoggerBase)
@@ -413,9 +413,9 @@ def test_built_class_is_a_stat_logger_vllm_can_instantiate(
 
 
 def test_built_class_with_a_connector_says_so_in_the_engine_log(
-    fake_vllm: Callable[[type], None], caplog: pytest.LogCaptureFixture
+    vllm_package_stub: Callable[[type], None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake_vllm(PrefixCacheStats)
+    vllm_package_stub(PrefixCacheStats)
     registry = CollectorRegistry()
     logger = plugin.build_stat_logger(registry)(config(connector=True), engine_index=0)
     with caplog.at_level(logging.INFO, logger="vllm.kvtax_plugin"):
@@ -434,9 +434,9 @@ class _Exploding:
 
 
 def test_built_class_never_raises_into_the_engine(
-    fake_vllm: Callable[[type], None], caplog: pytest.LogCaptureFixture
+    vllm_package_stub: Callable[[type], None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake_vllm(PrefixCacheStats)
+    vllm_package_stub(PrefixCacheStats)
     registry = CollectorRegistry()
     cls = plugin.build_stat_logger(registry)
     logger = cls(config(), engine_index=0)
@@ -451,14 +451,14 @@ def test_built_class_never_raises_into_the_engine(
 
 
 def test_built_class_on_a_vllm_without_preemption_fields_publishes_nothing(
-    fake_vllm: Callable[[type], None],
+    vllm_package_stub: Callable[[type], None],
 ) -> None:
     @dataclass
     class OldPrefixCacheStats:
         queries: int = 0
         hits: int = 0
 
-    fake_vllm(OldPrefixCacheStats)
+    vllm_package_stub(OldPrefixCacheStats)
     registry = CollectorRegistry()
     logger = plugin.build_stat_logger(registry)(config(), engine_index=0)
     logger.log_engine_initialized()
