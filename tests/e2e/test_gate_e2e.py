@@ -42,12 +42,13 @@ POOL_HOLDS = 5
 # than that rate. Much more takes the CPU from kvtax's scrapes, which the gate steps on.
 OVERLOAD = 2.0
 SEED = 25
-# Scrapes (1 s apart when the machine keeps up; up to 4 s each with the engine busy on both
-# cores) after the direct wave ends within which preemptions must stop, and the scrapes of gated
-# load after that which must show none. Preemptions stopped by the first scrape in every run
-# seen; 10 quiet scrapes hold the gate's cap through 5 of its raise decisions.
-SETTLE_SCRAPES = 6
-QUIET_SCRAPES = 10
+# Scrapes (1 s apart when the machine keeps up; up to 5 s each with the engine busy on both
+# cores, most of the test's time) after the direct wave ends within which preemptions must stop,
+# and the scrapes of gated load after that which must show none. Preemptions stopped by the
+# first scrape in every run seen; 6 quiet scrapes hold the gate's cap through 3 of its raise
+# decisions (one each `raise_after` = 2 scrapes), each a chance to probe back into thrash.
+SETTLE_SCRAPES = 4
+QUIET_SCRAPES = 6
 SHED_REASONS = ("queue_full", "wait_predicted", "wait_expired")
 # Requests sent at once through the gate once the quiet scrapes are seen: more than three times
 # what it can hold (its cap, at most POOL_HOLDS, and a queue of 2), so that some are shed however
