@@ -74,6 +74,17 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
+def io_calls(pids: Iterable[int]) -> int:
+    """Read and write system calls the processes made (/proc/PID/io's syscr + syscw): libuv's
+    read() and write(), not recv() or send(), so only relays alike compare."""
+    calls = 0
+    for pid in pids:
+        with contextlib.suppress(*_GONE):
+            io = psutil.Process(pid).io_counters()
+            calls += io.read_count + io.write_count
+    return calls
+
+
 def run_seconds(pids: Iterable[int]) -> float:
     """Time the processes' threads ran on a CPU, summed, from schedstat (nanoseconds)."""
     ns = 0

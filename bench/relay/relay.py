@@ -338,6 +338,7 @@ class Turn:
     gaps: list[float] = field(default_factory=list)
     paced_events: int = 0
     paced_cpu: float = 0.0
+    paced_calls: int = 0  # read and write system calls: fewer a read means more batched
     unpaced_events: int = 0
     unpaced_cpu: float = 0.0
     unpaced_wall: float = 0.0
@@ -396,7 +397,7 @@ async def measure(
             # Open the streams' connections (and the relay's upstream ones) beforehand: the
             # paced and unpaced runs measure the streams, the short run the connections.
             await _wave(session, relay.url, streams, 2, 0.0, kind=kind)
-            before = cpu()
+            before, calls = cpu(), procfs.io_calls(relay.pids())
             for _ in range(plan.paced_waves):
                 for s in await _wave(
                     session, relay.url, streams, plan.paced_chunks, PACED_INTERVAL, kind=kind
@@ -405,6 +406,7 @@ async def measure(
                     turn.gaps += s.gaps
                     turn.paced_events += s.events
             turn.paced_cpu = cpu() - before
+            turn.paced_calls = procfs.io_calls(relay.pids()) - calls
             before, started = cpu(), time.perf_counter()
             unpaced = await _wave(session, relay.url, streams, plan.unpaced_chunks, 0.0, kind=kind)
             turn.unpaced_cpu, turn.unpaced_wall = cpu() - before, time.perf_counter() - started
@@ -437,6 +439,7 @@ class Figures:
     ttfb_p99: float
     gap_p99: float
     rss_mib: float
+    calls_per_event: float
     cpu_us_per_event_rounds: tuple[float, ...]
     cpu_ms_per_request_rounds: tuple[float, ...]
     events_per_cpu_s_rounds: tuple[float, ...]
@@ -460,6 +463,7 @@ class Figures:
             ttfb_p99=quantile(ttfbs, 0.99),
             gap_p99=quantile(gaps, 0.99),
             rss_mib=max(t.rss_kib for t in turns) / 1024,
+            calls_per_event=statistics.median(per(t.paced_calls, t.paced_events) for t in turns),
             cpu_us_per_event_rounds=us,
             cpu_ms_per_request_rounds=ms,
             events_per_cpu_s_rounds=rate,
@@ -527,14 +531,16 @@ def report(results: Results, rounds: int) -> str:
             f"p99 {d.ttfb_p99 * 1000:.2f} ms, gap p99 {d.gap_p99 * 1000:.2f} ms, "
             f"{d.events_per_s:,.0f} events/s received (unpaced)"
         )
-    lines += ["", "Per round (CPU µs per event / ms per request / events per CPU-s):"]
+    lines += ["", "Per round (CPU µs per event / ms per request / events per CPU-s), and the"]
+    lines += ["read and write calls per paced event (/proc/PID/io, median; libuv relays only):"]
     for streams in ran:
         for name in relays_ran:
             r = results[(name, streams)]
             lines.append(
                 f"- {streams} {name}: {_spread(r.cpu_us_per_event_rounds, '.1f')}; "
                 f"{_spread(r.cpu_ms_per_request_rounds, '.3f')}; "
-                f"{_spread(r.events_per_cpu_s_rounds, ',.0f')}"
+                f"{_spread(r.events_per_cpu_s_rounds, ',.0f')}; "
+                f"{r.calls_per_event:.2f} calls per event"
             )
     if "kvtax-before" in relays_ran:
         lines += ["", "This checkout's kvtax against kvtax-before's (after / before):"]
