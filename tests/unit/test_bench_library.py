@@ -15,6 +15,7 @@ import pytest
 from bench import procfs, record, stats
 
 from kvtax.tools.loadtest.measure import quantile as loadtest_quantile
+from tests.unit.sourcescan import docstring_ids
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 LIBRARY = {"procfs.py", "stats.py", "net.py", "record.py"}
@@ -34,21 +35,10 @@ def _modules() -> list[Path]:
     return sorted(p for p in BENCH.rglob("*.py") if p.parent != BENCH or p.name not in LIBRARY)
 
 
-def _docstrings(tree: ast.Module) -> set[int]:
-    """ids of the string constants that are docstrings."""
-    found: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                found.add(id(body[0].value))
-    return found
-
-
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
 def test_a_bench_reads_processes_and_quantiles_through_the_library(path: Path) -> None:
     tree = ast.parse(path.read_text(), filename=str(path))
-    docstrings = _docstrings(tree)
+    docstrings = docstring_ids(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             assert not QUANTILE.search(node.name) or node.name == "censored_quantile", (
@@ -74,7 +64,7 @@ def _hand_rolled(source: str) -> list[tuple[int, str, str]]:
     file in ``source``: ``json.dump`` to anything but stdout or stderr, and ``write_text`` or
     ``write_bytes`` of a ``json.dumps``. Printing a JSON line as a run goes is not a file."""
     tree = ast.parse(source)
-    docstrings = _docstrings(tree)
+    docstrings = docstring_ids(tree)
     found: list[tuple[int, str, str]] = []
 
     def visit(node: ast.AST, function: str) -> None:

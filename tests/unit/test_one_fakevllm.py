@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvtax_dev.fakevllm.events import DONE, done
+from tests.unit.sourcescan import docstring_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "exporter" / "kvtax_dev" / "fakevllm"
@@ -50,16 +51,6 @@ def _is_done(value: object) -> bool:
     return isinstance(value, str) and ("data:" in value or value == "[DONE]") and "[DONE]" in value
 
 
-def _docstrings(tree: ast.Module) -> set[int]:
-    found: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                found.add(id(body[0].value))
-    return found
-
-
 def _read_here(tree: ast.Module) -> set[int]:
     """ids of the constants in a reading position: under an assert, a comparison or a reader's
     call (its arguments)."""
@@ -84,7 +75,7 @@ def done_events(path: Path) -> tuple[list[int], int]:
     if "DONE" not in text:
         return [], 0  # no constant of it can spell [DONE]: the parse is the check's cost
     tree = ast.parse(text, filename=str(path))
-    skip, read = _docstrings(tree), _read_here(tree)
+    skip, read = docstring_ids(tree), _read_here(tree)
     written, reads = [], 0
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and _is_done(node.value) and id(node) not in skip:

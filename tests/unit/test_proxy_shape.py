@@ -21,6 +21,7 @@ from kvtax.delivery.dialects import DIALECTS, HANDLERS, dialect_for
 from kvtax.figures.window import SERVED_HANDLERS
 from kvtax.serve.proxy import request as request_module
 from kvtax.serve.proxy.outcome import Facts, Phase, outcome_of
+from tests.unit.sourcescan import docstring_ids
 from tests.unit.test_proxy_http import CHAT, STREAM, WHOLE, Start, post, read_reply
 
 pytest_plugins = ["tests.unit.test_proxy_http"]
@@ -53,14 +54,7 @@ def _is_module(name: str) -> bool:
 def _strings(path: Path) -> set[str]:
     """The string constants of ``path``'s code, docstrings (and their examples) left out."""
     tree = ast.parse(path.read_text())
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
+    docstrings = docstring_ids(tree)
     return {
         node.value
         for node in ast.walk(tree)

@@ -18,6 +18,7 @@ from kvtax.engine.vocabulary import (
     accounted_for,
     concept_for,
 )
+from tests.unit.sourcescan import docstring_ids
 
 PACKAGE = Path(kvtax.__file__).resolve().parent
 
@@ -108,12 +109,7 @@ def test_every_concept_has_a_kind_and_help() -> None:
 def _code_strings(path: Path) -> list[tuple[int, str]]:
     """String literals in a module, docstrings excluded."""
     tree = ast.parse(path.read_text())
-    docstrings = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                docstrings.add(id(body[0].value))
+    docstrings = docstring_ids(tree)
     return [
         (node.lineno, node.value)
         for node in ast.walk(tree)
