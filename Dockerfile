@@ -25,6 +25,11 @@ FROM ${PYTHON_IMAGE} AS builder
 WORKDIR /src
 # .dockerignore admits only pyproject.toml, README.md, LICENSE and exporter/.
 COPY . .
+# A C compiler for kvtax's one C module, the relay's per-read scan (kvtax.delivery._eventscan);
+# the final stage gets the built wheel, not the compiler.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}

@@ -82,6 +82,12 @@ case "$where" in
   *) fail "kvtax imports from $where, not from the fresh venv" ;;
 esac
 
+step "the relay's C scan is built and is the one kvtax runs"
+# The builder stage has gcc (the Dockerfile installs it), as this machine must: a wheel built
+# without it would fall back to the Python scan, slower per event, and say nothing.
+"$venv/bin/python" -c 'from kvtax.delivery import eventscan; assert eventscan.COMPILED' ||
+  fail "the installed kvtax has no compiled kvtax.delivery._eventscan (no C compiler at build?)"
+
 step "the runtime only: no testbed, demo, preview or Prometheus client"
 "$venv/bin/python" - <<'PY' || fail "the installed kvtax carries the development harness"
 from importlib.metadata import files

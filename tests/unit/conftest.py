@@ -139,3 +139,22 @@ async def front_door() -> AsyncIterator[StartFront]:
     yield start
     for front in fronts:
         await stop_front(front)
+
+
+@pytest.fixture(params=["compiled", "python"])
+def each_scan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The rewriter's one-call scan (:mod:`kvtax.delivery.eventscan`) as C, then as Python:
+    a test that uses this runs under both. The C one must be there unless the environment
+    says KVTAX_NO_EXTENSIONS: an install that silently lost it fails here."""
+    from kvtax.delivery import eventscan, sse
+
+    impl: str = request.param
+    if impl == "compiled":
+        if os.environ.get("KVTAX_NO_EXTENSIONS"):
+            pytest.skip("KVTAX_NO_EXTENSIONS is set: the C scan is switched off")
+        from kvtax.delivery._eventscan import scan_ids
+
+        monkeypatch.setattr(sse, "scan_ids", scan_ids)
+    else:
+        monkeypatch.setattr(sse, "scan_ids", eventscan.scan_ids_py)
+    return impl

@@ -12,6 +12,9 @@ from kvtax.delivery.asks import UsageWish, with_usage
 from kvtax.delivery.sse import HoldBudget, StreamRewriter
 from kvtax_dev.fakevllm.events import DONE, done
 
+# Every test here runs with the one-call scan in C and in Python (tests/unit/conftest.py).
+pytestmark = pytest.mark.usefixtures("each_scan")
+
 FP = '"system_fingerprint":"vllm-0.32.0-abc"'
 
 

@@ -14,9 +14,13 @@ import random
 
 import pytest
 
+from kvtax.delivery import sse
 from kvtax.delivery.asks import UsageWish
 from kvtax.delivery.sse import Fingerprint, StreamRewriter
 from kvtax_dev.fakevllm.events import DONE
+
+# Every test here runs with the one-call scan in C and in Python (tests/unit/conftest.py).
+pytestmark = pytest.mark.usefixtures("each_scan")
 
 FP = "vllm-0.32.0-abc"
 
@@ -200,7 +204,7 @@ def test_the_one_step_path_gives_what_the_line_path_gives(
     rng = random.Random(20261203)
     streams = [_random_ids_stream(rng) for _ in range(400)]
     fast = [_run(wish, reads) for reads in streams]
-    monkeypatch.setattr(StreamRewriter, "_fast_ids", lambda self, event, out: None)
+    monkeypatch.setattr(sse, "scan_ids", lambda data, keep_ids, include_usage: None)
     slow = [_run(wish, reads) for reads in streams]
     for (fast_out, fast_rw), (slow_out, slow_rw) in zip(fast, slow, strict=True):
         assert fast_out == slow_out

@@ -126,6 +126,17 @@ def test_the_wheel_keeps_the_type_marker_and_the_console_script(wheel: Path) -> 
     assert "kvtax = kvtax.plugin:KvtaxStatLogger" in text
 
 
+def test_the_wheel_carries_the_relay_scan_compiled_with_its_stub(wheel: Path) -> None:
+    """The build compiled the C scan (kvtax.delivery._eventscan) into the wheel: on a machine with
+    a C compiler, as CI's and the image's builder are, a wheel without it is a broken build that
+    would run the slower Python scan and say nothing. Its source stays out; its stub goes in."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert [n for n in names if n.startswith("kvtax/delivery/_eventscan.") and n.endswith(".so")]
+    assert "kvtax/delivery/_eventscan.pyi" in names
+    assert not [n for n in names if n.endswith(".c")]
+
+
 def test_the_harness_check_names_every_kind_of_harness_module() -> None:
     # Each name the old layout shipped must be caught, or the first test proves nothing.
     shipped_before = [

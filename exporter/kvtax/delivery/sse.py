@@ -52,33 +52,31 @@ from typing import NamedTuple
 import orjson
 
 from kvtax.delivery.asks import Scheme, UsageWish
+from kvtax.delivery.eventscan import (
+    CHOICES,
+    DATA,
+    IDS,
+    NULL_IDS,
+    NULL_PROMPT_IDS,
+    PROMPT_IDS,
+    TERMINAL,
+    IdsRead,
+    count_ids,
+    scan_ids,
+)
 from kvtax.delivery.usage import usage_tokens
 
 __all__ = ["MAX_HELD", "Fingerprint", "HoldBudget", "Relayed", "StreamRewriter"]
 
 _USAGE_KEY = b',"usage":{'
 _USAGE_ANY = b'"usage"'
-# A data line of a JSON event. The SSE spec makes the space after the colon optional: vLLM
-# writes it, other servers (and proxies in between) may not, and both must be read.
-_DATA = (b"data: {", b"data:{")
 _DONE = (b"data: [DONE]", b"data:[DONE]")
-# The top-level choices: "]" right after the bracket is the usage-only chunk, else the first
-# choice's index.
-_CHOICES = re.compile(rb'"choices":\[(?:(\])|\{"index":(\d+))')
 # vLLM's usage object exactly as vLLM writes it, read in one match; any other form (spaces,
 # another key order, details) is found by counting braces and read by a JSON parse.
 _VLLM_USAGE = re.compile(
     rb',"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,"completion_tokens":(\d+)'
     rb'(?:,"prompt_tokens_details":(?:null|\{"cached_tokens":\d+\}))?\}'
 )
-_TERMINAL = b'"finish_reason":"'
-# An event's ids, as vLLM writes them when asked (return_token_ids): a choice's delta, and (the
-# first event's) the prompt's. The leading quote tells "token_ids" from "prompt_token_ids"; a
-# string inside the JSON cannot hold either unescaped.
-_IDS = b'"token_ids":['
-_PROMPT_IDS = b'"prompt_token_ids":['
-_NULL_IDS = b'"token_ids":null'
-_NULL_PROMPT_IDS = b'"prompt_token_ids":null'
 # A chat role chunk (the first of each choice): no token, and vLLM gives it no ids.
 _ROLE = b'"delta":{"role":'
 # The usage-only chunk of the token_ids scheme, as vLLM writes it (include_usage).
@@ -162,11 +160,6 @@ def _parse_usage(line: bytes, span: tuple[int, int] | None) -> tuple[int, int] |
     return usage_tokens(event.get("usage")) if isinstance(event, dict) else None
 
 
-def _count_ids(line: bytes, start: int, stop: int) -> int:
-    """The ids in ``line[start:stop]``, a JSON list's inside of integers: its commas and one."""
-    return line.count(b",", start, stop) + 1 if stop > start else 0
-
-
 def _stamped(line: bytes, cut: int, fingerprint: bytes) -> bytes:
     """``line`` with ``system_fingerprint`` where its usage was cut, as vLLM would have put it."""
     return line[:cut] + b',"system_fingerprint":' + fingerprint + line[cut:]
@@ -232,6 +225,10 @@ class StreamRewriter:
             return self._feed_any_ends(data)
         if not self._buffer and not self._raw and data.endswith(_EVENT_END):
             return self._events(data)
+        return self._by_line(data)
+
+    def _by_line(self, data: bytes) -> Relayed:
+        """Any read of LF-ended lines: whole lines read one by one, a partial one held."""
         out: list[bytes] = []
         if self._raw:
             data = self._pass_raw(data, out)
@@ -251,28 +248,58 @@ class StreamRewriter:
         return Relayed(b"".join(out), self.completion_tokens)
 
     def _events(self, data: bytes) -> Relayed:
-        """The common read: whole events. Each ordinary event of vLLM's own shape is counted
-        and cut in one step (:meth:`_fast_ids`, :meth:`_fast_usage`); any other goes line by
-        line, which gives the same result for those. A read none of whose events needed a cut
-        goes out as it came."""
-        fast = self._fast_ids if self.scheme == "token_ids" else self._fast_usage
+        """The common read: whole events. A read of the token_ids scheme whose events are all
+        ordinary ones of one choice is counted and cut in one call (:func:`scan_ids`, in C
+        where built); an ordinary event of the usage scheme in one step (:meth:`_fast_usage`);
+        any other goes line by line, which gives the same result for those. A read none of
+        whose events needed a cut goes out as it came."""
+        ids = self.scheme == "token_ids"
+        if not self._held and not self._skip_blank:
+            if ids:
+                read = scan_ids(data, self.wish.token_ids, self.wish.include_usage)
+                if read is not None:
+                    return self._scanned(read)
+            elif data.find(_EVENT_END) == len(data) - 2:
+                # One event, the read of a paced stream: no split.
+                out: list[bytes] = []
+                kept = self._fast_usage(data[:-2], out)
+                if kept is not None:
+                    self.events += 1
+                    return Relayed(data if kept else b"".join(out), self.completion_tokens)
+        return self._each_event(data, ids)
+
+    def _scanned(self, read: IdsRead) -> Relayed:
+        payload, choice, tokens, prompt, events = read
+        self.events += events
+        self._seen[choice] = self._emitted[choice] = self._seen.get(choice, 0) + tokens
+        self.completion_tokens += tokens
+        self.prompt_tokens = max(self.prompt_tokens, prompt)
+        return Relayed(payload, self.completion_tokens)
+
+    def _each_event(self, data: bytes, ids: bool) -> Relayed:
+        """Whole events one by one: each of the common shape in one step, any other line by
+        line."""
         out: list[bytes] = []
-        if data.find(_EVENT_END) == len(data) - 2 and not self._held and not self._skip_blank:
-            # One event, the read of a paced stream: no split.
-            kept = fast(data[:-2], out)
-            if kept is not None:
-                self.events += 1
-                return Relayed(data if kept else b"".join(out), self.completion_tokens)
         events = data.split(_EVENT_END)
-        events.pop()  # what follows the last event's end: nothing
+        if events.pop():
+            # An odd newline after the last event: the read is lines, not events.
+            return self._by_line(data)
         cut = False
         for event in events:
             if not self._held and not self._skip_blank:
-                kept = fast(event, out)
-                if kept is not None:
-                    self.events += 1
-                    cut = cut or not kept
-                    continue
+                if ids:
+                    wish = self.wish
+                    read = scan_ids(event + _EVENT_END, wish.token_ids, wish.include_usage)
+                    if read is not None:
+                        cut = cut or not wish.token_ids
+                        out.append(self._scanned(read).payload)
+                        continue
+                else:
+                    kept = self._fast_usage(event, out)
+                    if kept is not None:
+                        self.events += 1
+                        cut = cut or not kept
+                        continue
             cut = True
             for line in event.split(_NL):
                 self._line(line, out)
@@ -284,18 +311,18 @@ class StreamRewriter:
         usage): counted and trimmed into ``out``. True: sent as it came; None: not such an
         event (nothing changed)."""
         end = len(event) - 1  # the event's closing brace
-        if not event.startswith(_DATA) or event.find(_NL) >= 0:
+        if not event.startswith(DATA) or event.find(_NL) >= 0:
             return None
         start = event.rfind(_USAGE_KEY, 0, end)
         exact = _VLLM_USAGE.match(event, start) if start >= 0 else None
         if exact is None or exact.end() != end:
             return None
-        choices = _CHOICES.search(event, 0, start)
+        choices = CHOICES.search(event, 0, start)
         if choices is None or choices.group(2) is None:
             return None  # the usage-only chunk, or choices in another shape
         wish = self.wish
         keep = wish.continuous
-        if not (keep or wish.include_usage) and event.find(_TERMINAL, choices.end(), start) >= 0:
+        if not (keep or wish.include_usage) and event.find(TERMINAL, choices.end(), start) >= 0:
             return None  # a terminal chunk the fingerprint goes on
         choice, tokens = int(choices.group(2)), int(exact.group(2))
         self.usage_lines += 1
@@ -306,46 +333,6 @@ class StreamRewriter:
             out += (event, _EVENT_END)
         else:
             out += (event[:start], event[end:], _EVENT_END)
-        return keep
-
-    def _fast_ids(self, event: bytes, out: list[bytes]) -> bool | None:
-        """An ordinary event of the token_ids scheme (a data line with its choice's ids, the
-        first one's with the prompt's): counted and cut into ``out``. True: sent as it came;
-        None: not such an event (nothing changed)."""
-        if not event.startswith(_DATA) or event.find(_NL) >= 0:
-            return None
-        start = event.rfind(_IDS)
-        if start < 0:
-            return None
-        stop = event.find(b"]", start)
-        choices = _CHOICES.search(event, 0, start)
-        if stop < 0 or choices is None or choices.group(2) is None:
-            return None
-        wish = self.wish
-        if not wish.include_usage and event.find(_TERMINAL, choices.end(), start) >= 0:
-            return None  # a terminal chunk the fingerprint goes on
-        prompt = event.find(_PROMPT_IDS)
-        if prompt >= 0 and prompt > start:
-            return None  # not the shape of vLLM's completions events
-        choice = int(choices.group(2))
-        count = _count_ids(event, start + len(_IDS), stop)
-        tokens = self._seen.get(choice, 0) + count
-        self._seen[choice] = self._emitted[choice] = tokens
-        self.completion_tokens += count
-        keep = wish.token_ids
-        if prompt >= 0:
-            closed = event.find(b"]", prompt)
-            self.prompt_tokens = max(
-                self.prompt_tokens, _count_ids(event, prompt + len(_PROMPT_IDS), closed)
-            )
-            if not keep:
-                out += (event[:prompt], _NULL_PROMPT_IDS, event[closed + 1 : start], _NULL_IDS)
-                out += (event[stop + 1 :], _EVENT_END)
-                return False
-        if keep:
-            out += (event, _EVENT_END)
-        else:
-            out += (event[:start], _NULL_IDS, event[stop + 1 :], _EVENT_END)
         return keep
 
     def _feed_any_ends(self, data: bytes) -> Relayed:
@@ -462,10 +449,10 @@ class StreamRewriter:
                 return
         if not line or line == b"\r":
             self.events += 1  # the blank line that ends an event
-        if self.scheme == "token_ids" and (line.startswith(_DATA) or _spaced_data(line)):
+        if self.scheme == "token_ids" and (line.startswith(DATA) or _spaced_data(line)):
             self._ids_line(line, out, end=end)
             return
-        if line.startswith(_DATA) or _spaced_data(line):
+        if line.startswith(DATA) or _spaced_data(line):
             # vLLM's usage is the last key of its event: a search from the end finds it at once.
             start = line.rfind(_USAGE_KEY)
             if start >= 0:
@@ -488,7 +475,7 @@ class StreamRewriter:
     def _ids_line(self, line: bytes, out: list[bytes], *, end: bytes) -> None:
         """A data line of the token_ids scheme: counted by its ids, which are cut to null
         unless the client asked for them."""
-        choices = _CHOICES.search(line)
+        choices = CHOICES.search(line)
         if choices is not None and choices.group(1):  # "choices":[]: the final usage chunk
             final = _FINAL_USAGE.search(line)
             parsed = (
@@ -509,23 +496,23 @@ class StreamRewriter:
             return
         choice = int(choices.group(2) or 0)
         keep = self.wish.token_ids
-        start = line.rfind(_IDS)
+        start = line.rfind(IDS)
         if start >= 0 and (stop := line.find(b"]", start)) >= 0:
-            tokens = _count_ids(line, start + len(_IDS), stop)
+            tokens = count_ids(line, start + len(IDS), stop)
             if not keep:
-                line = line[:start] + _NULL_IDS + line[stop + 1 :]
+                line = line[:start] + NULL_IDS + line[stop + 1 :]
         elif line.find(_ROLE) >= 0:
             tokens = 0  # a chat role chunk: no token, no ids
         else:
             tokens = 1  # vLLM sent no ids though asked: the event counts as one token
             self.ids_missing += 1
-        prompt = line.find(_PROMPT_IDS)
+        prompt = line.find(PROMPT_IDS)
         if prompt >= 0 and (stop := line.find(b"]", prompt)) >= 0:
             self.prompt_tokens = max(
-                self.prompt_tokens, _count_ids(line, prompt + len(_PROMPT_IDS), stop)
+                self.prompt_tokens, count_ids(line, prompt + len(PROMPT_IDS), stop)
             )
             if not keep:
-                line = line[:prompt] + _NULL_PROMPT_IDS + line[stop + 1 :]
+                line = line[:prompt] + NULL_PROMPT_IDS + line[stop + 1 :]
         self._seen[choice] = self._seen.get(choice, 0) + tokens
         # vLLM puts the fingerprint last, before the event's closing brace.
         cut = len(line.rstrip(b"\r")) - 1
@@ -564,7 +551,7 @@ class StreamRewriter:
         self.prompt_tokens = max(self.prompt_tokens, prompt)
         # The top-level choices come before the usage: one search finds them, and whether the
         # chunk is the usage-only one ("choices":[]).
-        choices = _CHOICES.search(line, 0, span[0] if span is not None else len(line))
+        choices = CHOICES.search(line, 0, span[0] if span is not None else len(line))
         if choices is not None and choices.group(1):
             self._final(line, tokens, out, end)
         else:
@@ -623,7 +610,7 @@ class StreamRewriter:
             self._emit(line, choice, tokens, out)
             return
         after = choices.end() if choices is not None else 0
-        terminal = line.find(_TERMINAL, after, cut) >= 0
+        terminal = line.find(TERMINAL, after, cut) >= 0
         if self._held and any(held[2] not in (None, choice) for held in self._held):
             # Another choice's tokens never wait for a fingerprint (n >= 2).
             self._let_go(out)

@@ -1,0 +1,127 @@
+"""The relay's one-call scan: the C build and the Python one answer alike, and both answer what
+the rewriter's line reader would, or leave the read to it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtax.delivery.asks import UsageWish
+from kvtax.delivery.eventscan import IdsRead, scan_ids_py
+from kvtax.delivery.sse import StreamRewriter
+
+if os.environ.get("KVTAX_NO_EXTENSIONS"):
+    pytest.skip("KVTAX_NO_EXTENSIONS is set: the C scan is switched off", allow_module_level=True)
+
+from kvtax.delivery._eventscan import scan_ids as scan_ids_c
+
+Scan = Callable[[bytes, bool, bool], IdsRead | None]
+
+
+def _event(
+    index: bytes = b"0",
+    ids: bytes = b"5",
+    *,
+    prompt: bytes | None = None,
+    finish: bytes = b"null",
+    data: bytes = b"data: ",
+) -> bytes:
+    prompt_part = b',"prompt_token_ids":[' + prompt + b"]" if prompt is not None else b""
+    return (
+        data
+        + b'{"id":"cmpl-1","object":"text_completion","model":"m","choices":[{"index":'
+        + index
+        + b',"text":"a","finish_reason":'
+        + finish
+        + prompt_part
+        + b',"token_ids":['
+        + ids
+        + b"]}]}\n\n"
+    )
+
+
+# Pieces an event is made of, in vLLM's shape and out of it: what a differential test needs to
+# reach every branch of both scanners.
+_IDS = st.sampled_from([b"", b"5", b"5,6", b"1,2,3,4", b"7,", b"]", b"1 ,2"])
+_INDEX = st.sampled_from([b"0", b"1", b"00", b"12", b"1234567890", b"", b"-1", b'"0"'])
+_FINISH = st.sampled_from([b"null", b'"stop"', b'"length"'])
+_PROMPT = st.sampled_from([None, b"", b"1", b"1,2,3", b"1,2]"])
+_DATA = st.sampled_from([b"data: ", b"data:", b"data:  ", b": ", b"event: x\ndata: "])
+
+
+@st.composite
+def _reads(draw: st.DrawFn) -> bytes:
+    events = draw(
+        st.lists(
+            st.builds(_event, _INDEX, _IDS, prompt=_PROMPT, finish=_FINISH, data=_DATA),
+            min_size=1,
+            max_size=20,
+        )
+    )
+    read = bytearray(b"".join(events))
+    # Any byte anywhere: a shape a generator of pieces would not think of.
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(read)))
+        read[at:at] = draw(st.sampled_from([b"\n", b"]", b",", b"[", b'"choices":[', b"\r", b"x"]))
+    if draw(st.booleans()):
+        del read[draw(st.integers(0, len(read) - 1))]
+    return bytes(read)
+
+
+@settings(max_examples=1500)
+@given(_reads(), st.booleans(), st.booleans())
+def test_the_c_scan_answers_every_read_as_the_python_one_does(
+    read: bytes, keep_ids: bool, include_usage: bool
+) -> None:
+    """Byte for byte, count for count, on reads of vLLM's shape and on reads broken anywhere."""
+    assert scan_ids_c(read, keep_ids, include_usage) == scan_ids_py(read, keep_ids, include_usage)
+
+
+@pytest.mark.parametrize("scan", [scan_ids_c, scan_ids_py], ids=["compiled", "python"])
+def test_a_read_of_one_choices_events_is_counted_and_cut_in_one_call(scan: Scan) -> None:
+    """Three events, the first with the prompt's ids: tokens summed, ids cut to null, the prompt
+    counted; with the ids asked for, the read is handed back as it came."""
+    read = _event(ids=b"5,6", prompt=b"1,2,3") + _event(ids=b"7") + _event(ids=b"8,9,10")
+    scanned = scan(read, False, False)
+    assert scanned is not None
+    payload, choice, tokens, prompt, events = scanned
+    assert (choice, tokens, prompt, events) == (0, 6, 3, 3)
+    assert payload.count(b'"token_ids":null') == 3
+    assert b'"prompt_token_ids":null' in payload
+    assert b"[" not in payload.replace(b'"choices":[', b"")
+    kept = scan(read, True, False)
+    assert kept is not None
+    assert kept[0] == read
+
+
+@pytest.mark.parametrize("scan", [scan_ids_c, scan_ids_py], ids=["compiled", "python"])
+@pytest.mark.parametrize(
+    "read",
+    [
+        _event(index=b"0") + _event(index=b"1"),  # two choices: the line reader keeps order
+        _event(finish=b'"stop"'),  # a terminal chunk the fingerprint goes on
+        _event() + b"\n",  # an odd newline after the last event
+        _event()[:-1],  # no blank line at the end
+        b'data: {"choices":[],"usage":{"prompt_tokens":1}}\n\n',  # the usage-only chunk
+        _event(index=b"1234567890"),  # no vLLM's choice index
+        _event(data=b"event: x\ndata: "),  # a line before the data line
+    ],
+    ids=["choices", "terminal", "odd-newline", "unended", "usage", "long-index", "two-lines"],
+)
+def test_a_read_out_of_the_common_shape_is_left_to_the_line_reader(scan: Scan, read: bytes) -> None:
+    assert scan(read, False, False) is None
+
+
+@pytest.mark.usefixtures("each_scan")
+@pytest.mark.parametrize("newlines", [1, 3])
+def test_newlines_after_the_last_event_go_out_as_they_came(newlines: int) -> None:
+    """A read that ends in more blank lines than the event's own (odd or even) loses none."""
+    rw = StreamRewriter(UsageWish(), scheme="token_ids")
+    read = _event() + b"\n" * newlines
+    out = rw.feed(read)
+    assert out.payload == read.replace(b'"token_ids":[5]', b'"token_ids":null')
+    assert out.completion_tokens == 1
