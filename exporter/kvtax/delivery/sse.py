@@ -224,6 +224,12 @@ class StreamRewriter:
         if data.find(b"\r") >= 0 or (self._buffer and self._buffer.endswith(b"\r")):
             return self._feed_any_ends(data)
         if not self._buffer and not self._raw and data.endswith(_EVENT_END):
+            if self.scheme == "token_ids" and not self._held and not self._skip_blank:
+                # The common read, one call (see _events): tried here, a call sooner.
+                wish = self.wish
+                read = scan_ids(data, wish.token_ids, wish.include_usage)
+                if read is not None:
+                    return self._scanned(read)
             return self._events(data)
         return self._by_line(data)
 
@@ -249,23 +255,20 @@ class StreamRewriter:
 
     def _events(self, data: bytes) -> Relayed:
         """The common read: whole events. A read of the token_ids scheme whose events are all
-        ordinary ones of one choice is counted and cut in one call (:func:`scan_ids`, in C
-        where built); an ordinary event of the usage scheme in one step (:meth:`_fast_usage`);
-        any other goes line by line, which gives the same result for those. A read none of
-        whose events needed a cut goes out as it came."""
+        ordinary ones of one choice was counted and cut in one call before this (:meth:`feed`,
+        :func:`scan_ids`, in C where built); here each event of such a shape is, and an
+        ordinary event of the usage scheme in one step (:meth:`_fast_usage`); any other goes
+        line by line, which gives the same result for those. A read none of whose events
+        needed a cut goes out as it came."""
         ids = self.scheme == "token_ids"
-        if not self._held and not self._skip_blank:
-            if ids:
-                read = scan_ids(data, self.wish.token_ids, self.wish.include_usage)
-                if read is not None:
-                    return self._scanned(read)
-            elif data.find(_EVENT_END) == len(data) - 2:
-                # One event, the read of a paced stream: no split.
-                out: list[bytes] = []
-                kept = self._fast_usage(data[:-2], out)
-                if kept is not None:
-                    self.events += 1
-                    return Relayed(data if kept else b"".join(out), self.completion_tokens)
+        one = data.find(_EVENT_END) == len(data) - 2
+        if one and not ids and not self._held and not self._skip_blank:
+            # One event of the usage scheme, the read of a paced stream: no split.
+            out: list[bytes] = []
+            kept = self._fast_usage(data[:-2], out)
+            if kept is not None:
+                self.events += 1
+                return Relayed(data if kept else b"".join(out), self.completion_tokens)
         return self._each_event(data, ids)
 
     def _scanned(self, read: IdsRead) -> Relayed:
@@ -274,7 +277,8 @@ class StreamRewriter:
         self._seen[choice] = self._emitted[choice] = self._seen.get(choice, 0) + tokens
         self.completion_tokens += tokens
         self.prompt_tokens = max(self.prompt_tokens, prompt)
-        return Relayed(payload, self.completion_tokens)
+        # tuple.__new__ in C: a NamedTuple's own __new__ is a Python function, a call per read.
+        return tuple.__new__(Relayed, (payload, self.completion_tokens))
 
     def _each_event(self, data: bytes, ids: bool) -> Relayed:
         """Whole events one by one: each of the common shape in one step, any other line by

@@ -294,8 +294,11 @@ class UpstreamConnection(asyncio.Protocol):
                 self.close()
         sink = self.sink
         if sink is not None:
-            if self._parts:
-                self._flush(sink)
+            parts = self._parts
+            if parts:
+                # _flush inlined: this runs once per read of every stream.
+                self._parts = []
+                sink.feed(parts[0] if len(parts) == 1 else b"".join(parts), self.arrived)
             if self.complete:
                 self._ended(sink)  # writes what this read brought, and the body's end
             else:
