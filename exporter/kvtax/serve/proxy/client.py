@@ -13,7 +13,9 @@ awaited per read.
 What the pool keeps from the aiohttp client it replaces:
 
 - Idle connections are dropped after ``idle`` seconds, before vLLM drops them (uvicorn closes
-  after 5 s): reusing one vLLM is closing at that instant fails the request.
+  after 5 s): reusing one vLLM is closing at that instant fails the request. A pooled
+  connection whose socket is readable is not reused either: vLLM closed it (or sent on it)
+  and kvtax's loop, late under load, has not read that yet (:meth:`UpstreamConnection.dropped`).
 - vLLM can still close a pooled connection just as it is reused (its event loop late under
   load); the request then fails before vLLM read it. nginx gives a cached connection's failure
   a second try for this reason, and so does :meth:`Upstream.send`, once, when the break came
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import ssl
 import time
 from collections.abc import Callable
@@ -195,6 +198,20 @@ class UpstreamConnection(asyncio.Protocol):
             sink.broke(self._failure)
         else:
             sink.flush()
+
+    def dropped(self) -> bool:
+        """vLLM closed this idle connection (or sent on it), and kvtax's loop has not read that
+        yet: its socket is readable. A loop late under load reads a close late, and a request
+        written on such a connection is refused by vLLM's kernel, unread. One poll per reuse,
+        as urllib3's pool checks a connection before it reuses it."""
+        if self.transport is None:
+            return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+        return bool(poller.poll(0))
 
     def idle_for(self, seconds: float) -> None:
         """Back in the pool: closed after ``seconds`` unless reused first."""
@@ -564,9 +581,13 @@ class Upstream:
     def _pooled(self) -> UpstreamConnection | None:
         while self._free:
             conn = self._free.pop()
-            if not conn.closed:
-                conn.connecting = 0.0
-                return conn
+            if conn.closed:
+                continue
+            if conn.dropped():
+                conn.close()
+                continue
+            conn.connecting = 0.0
+            return conn
         return None
 
     async def _connect(self) -> UpstreamConnection:
