@@ -14,7 +14,11 @@ Starts one testbed engine (16 KV blocks = 2,048 tokens, --max-num-seqs 64), then
 - ``apis/<version>-<api>.sse`` and ``.json``: the bodies of the generation APIs beyond
   completions and chat (Anthropic's Messages, OpenAI's Responses, generate, batch chat),
   streamed and not, 12 tokens each, as vLLM writes them (the engine runs with
-  ``--enable-scale-out`` for generate).
+  ``--enable-scale-out`` for generate); and completions and chat streamed as kvtax asks for
+  them by the ``token_ids`` scheme (``return_token_ids`` and the final usage chunk), which is
+  the shape the relay's one-call scan reads (kvtax.delivery.eventscan).
+
+``--only apis`` captures the API bodies alone, leaving the expositions as they are.
 
 ``<version>`` is the engine's major.minor from GET /version (e.g. ``0.32``). Run from
 the repository root with the sidecar's dev venv::
@@ -130,6 +134,8 @@ def _pick_preempting(snapshots: list[Snapshot]) -> Snapshot:
     return max(candidates, key=lambda s: s.kv_usage)
 
 
+# What kvtax adds to a stream by the token_ids scheme (kvtax.delivery.asks.with_usage).
+_IDS: dict[str, object] = {"stream_options": {"include_usage": True}, "return_token_ids": True}
 # The bodies of each generation API, 12 tokens each (apis/<version>-<name>).
 API_BODIES: dict[str, tuple[str, dict[str, object]]] = {
     "messages.sse": ("/v1/messages", {"max_tokens": 12, "stream": True}),
@@ -142,6 +148,8 @@ API_BODIES: dict[str, tuple[str, dict[str, object]]] = {
     ),
     "generate.json": ("/inference/v1/generate", {}),
     "chat-batch.json": ("/v1/chat/completions/batch", {"max_tokens": 12}),
+    "completions-ids.sse": ("/v1/completions", {"max_tokens": 12, "stream": True, **_IDS}),
+    "chat-ids.sse": ("/v1/chat/completions", {"max_tokens": 12, "stream": True, **_IDS}),
 }
 
 
@@ -151,6 +159,10 @@ def _api_body(path: str, model: str, more: dict[str, object]) -> dict[str, objec
         return {"model": model, "messages": hello, **more}
     if path == "/v1/responses":
         return {"model": model, "input": "hello there", **more}
+    if path == "/v1/completions":
+        return {"model": model, "prompt": "hello there", "ignore_eos": True, **more}
+    if path == "/v1/chat/completions":
+        return {"model": model, "messages": hello, "ignore_eos": True, **more}
     if path == "/inference/v1/generate":
         params = {"max_tokens": 12, "ignore_eos": True}
         return {"model": model, "token_ids": [5, 6, 7, 8], "sampling_params": params, **more}
@@ -167,12 +179,35 @@ async def _apis(url: str, model: str) -> dict[str, bytes]:
     return bodies
 
 
+def _write_apis(out: Path, prefix: str, apis: dict[str, bytes]) -> None:
+    (out / "apis").mkdir(exist_ok=True)
+    for name, body in apis.items():
+        (out / "apis" / f"{prefix}-{name}").write_bytes(body)
+        print(out / "apis" / f"{prefix}-{name}")
+
+
+def _capture_apis(out: Path) -> int:
+    with VllmEngine(extra_args=["--enable-scale-out"]) as engine:
+        version = json.loads(engine.get("/version"))["version"]
+        apis = asyncio.run(_apis(engine.url, engine.model_name))
+    _write_apis(out, ".".join(version.split(".")[:2]), apis)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "vllm")
+    parser.add_argument(
+        "--only",
+        choices=["all", "apis"],
+        default="all",
+        help="apis: capture the API bodies alone, leaving the expositions (default: all)",
+    )
     args = parser.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    if args.only == "apis":
+        return _capture_apis(out)
 
     with VllmEngine(extra_args=["--enable-scale-out"]) as engine:
         version = json.loads(engine.get("/version"))["version"]
@@ -187,9 +222,7 @@ def main() -> int:
     (out / f"{prefix}-idle.prom").write_text(idle)
     (out / f"{prefix}-preempting.prom").write_text(preempting.text)
     (out / f"{prefix}-after-overload.prom").write_text(after)
-    (out / "apis").mkdir(exist_ok=True)
-    for name, body in apis.items():
-        (out / "apis" / f"{prefix}-{name}").write_bytes(body)
+    _write_apis(out, prefix, apis)
 
     done = _snapshot(after, wall)
     print(

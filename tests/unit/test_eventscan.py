@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtax.delivery import sse
 from kvtax.delivery.asks import UsageWish
 from kvtax.delivery.eventscan import IdsRead, scan_ids_py
 from kvtax.delivery.sse import StreamRewriter
@@ -125,3 +127,45 @@ def test_newlines_after_the_last_event_go_out_as_they_came(newlines: int) -> Non
     out = rw.feed(read)
     assert out.payload == read.replace(b'"token_ids":[5]', b'"token_ids":null')
     assert out.completion_tokens == 1
+
+
+# vLLM 0.32's own streams as kvtax asks for them (scripts/capture-fixtures.py --only apis).
+_CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "apis"
+
+
+@pytest.mark.parametrize("capture", ["0.32-completions-ids.sse", "0.32-chat-ids.sse"])
+@pytest.mark.parametrize("scan", [scan_ids_c, scan_ids_py], ids=["compiled", "python"])
+def test_a_real_vllm_stream_is_read_in_one_call_per_ordinary_event(
+    capture: str, scan: Scan
+) -> None:
+    """Every event of the real stream but the role chunk, the terminal chunk (held for the
+    fingerprint), the usage chunk and [DONE] takes the one-call path: the scan is not silently
+    missing vLLM's real shape."""
+    events = [e + b"\n\n" for e in (_CAPTURES / capture).read_bytes().split(b"\n\n") if e]
+    scanned = [scan(e, False, False) for e in events]
+    taken = [r for r in scanned if r is not None]
+    assert len(taken) == len(events) - (4 if "chat" in capture else 3)
+    assert sum(r[2] for r in taken) == 11  # of the 12 tokens: the terminal chunk's is not here
+
+
+@pytest.mark.usefixtures("each_scan")
+@pytest.mark.parametrize("capture", ["0.32-completions-ids.sse", "0.32-chat-ids.sse"])
+@pytest.mark.parametrize(
+    "wish", [UsageWish(), UsageWish(include_usage=True), UsageWish(True, False, True)], ids=str
+)
+def test_a_real_vllm_stream_reads_alike_with_and_without_the_scan(
+    capture: str, wish: UsageWish, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read event by event, the rewriter gives the same bytes and counts with the scan as the
+    line reader alone does, and counts vLLM's own 12 tokens."""
+    events = [e + b"\n\n" for e in (_CAPTURES / capture).read_bytes().split(b"\n\n") if e]
+
+    def run() -> tuple[bytes, int, int]:
+        rw = StreamRewriter(wish, scheme="token_ids")
+        out = b"".join(rw.feed(e).payload for e in events) + rw.finish().payload
+        return out, rw.completion_tokens, rw.prompt_tokens
+
+    with_scan = run()
+    monkeypatch.setattr(sse, "scan_ids", lambda data, keep_ids, include_usage: None)
+    assert with_scan == run()
+    assert with_scan[1] == 12
