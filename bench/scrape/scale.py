@@ -53,7 +53,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import record
 from bench.scrape.pipeline import multi_model_payload
-from kvtax.delivery.ledger import RequestRecord
+from kvtax.delivery.ledger import ITL_BUCKETS, HistogramAccumulator, RequestRecord
 from kvtax.mixin.rules import DEFAULT, fleet, per_pod, recording_rules
 from kvtax.mixin.rules.alerts import alert_rules
 from kvtax.serve.config import load_config
@@ -130,7 +130,7 @@ def kvtax_page(models: int, adapters_per_model: int) -> str:
                 prompt_tokens=5,
                 duration=1.0,
                 ttft=0.1,
-                gaps=(0.01,),
+                itl=HistogramAccumulator.of(ITL_BUCKETS, (0.01,)),
                 stalls=((0.5, 12),),
                 slo_met=True,
             )

@@ -3,18 +3,22 @@ values."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from kvtax.delivery.adapters import AdapterError, ServedNames, served_from_models
 from kvtax.delivery.intake import PushError, gateway_totals, parse_push
 from kvtax.delivery.ledger import (
+    ITL_BUCKETS,
     DeliveryCounts,
     DeliveryLedger,
+    HistogramAccumulator,
     LedgerTotals,
     ModelNames,
     RequestRecord,
 )
-from kvtax.delivery.timing import SloTargets, StreamTiming, meets_slo_unstreamed
+from kvtax.delivery.timing import WINDOW, SloTargets, StreamTiming, meets_slo_unstreamed
 from kvtax.engine.snapshot import ModelMetrics, VllmSnapshot
 from kvtax.expose.publish import ledger_samples, model_samples
 from kvtax.expose.samples import HistogramSample, Sample
@@ -79,7 +83,7 @@ def test_settle_counts_outcomes_tokens_slo_and_stalls() -> None:
             delivered_tokens=10,
             prompt_tokens=4,
             ttft=0.1,
-            gaps=(0.01, 0.02),
+            itl=HistogramAccumulator.of(ITL_BUCKETS, (0.01, 0.02)),
             stalls=((0.5, 40),),
             duration=1.0,
             slo_met=True,
@@ -131,6 +135,53 @@ def test_stalls_are_gaps_far_above_the_running_median() -> None:
     assert t.stalls == [(pytest.approx(0.5), 17)]  # type: ignore[comparison-overlap]
     assert not t.meets(SloTargets(ttft=1.0, itl=0.2))
     assert t.meets(SloTargets(ttft=1.0, itl=0.6))
+
+
+def test_a_stall_is_judged_against_the_streams_recent_pace() -> None:
+    """A stream that ran at 100 ms a token, then sped up to 10 ms (vLLM's batch shrank): a
+    200 ms gap is 20x its pace now, a stall, though the median of its whole life (100 ms)
+    would pass it."""
+    t = StreamTiming(0.0, 5.0, 0.05)
+    now = 0.0
+    for gap in [0.1] * 3000 + [0.01] * 1500:
+        now += gap
+        t.tokens_written(now, 1)
+    assert t.stalls == []
+    t.tokens_written(now + 0.2, 2)
+    assert t.stalls == [(pytest.approx(0.2), 2)]  # type: ignore[comparison-overlap]
+
+
+def test_a_long_stream_holds_no_more_than_its_window() -> None:
+    """32,000 tokens: the timing holds the last WINDOW gaps and a few counts, not every gap
+    (1.3 MB when it kept and sorted them all), and the ITL buckets count every one."""
+    t = StreamTiming(0.0, 5.0, 0.05)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        now = 0.0
+        for i in range(32_000):
+            now += 0.01 + (i % 7) * 0.001
+            t.tokens_written(now, i)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 100 * WINDOW  # about 64 bytes a windowed gap; 40 a gap kept before
+    assert t.itl.count == 31_999
+    assert t.gaps is None
+    assert t.max_gap == pytest.approx(0.016)
+
+
+def test_the_ledger_counts_a_streams_gaps_as_its_itl_buckets_did() -> None:
+    ledger = _ledger()
+    gaps = (0.004, 0.02, 0.02, 0.3, 7.0)
+    ledger.settle(RequestRecord("m", "completed", itl=HistogramAccumulator.of(ITL_BUCKETS, gaps)))
+    ledger.settle(RequestRecord("m", "completed", itl=HistogramAccumulator.of(ITL_BUCKETS, gaps)))
+    alone = HistogramAccumulator.of(ITL_BUCKETS, gaps * 2)
+    itl = ledger.counts()["m"].itl
+    assert itl.buckets == alone.counts().buckets
+    assert itl.sum == pytest.approx(alone.counts().sum)
+    with pytest.raises(ValueError, match="bounds"):
+        alone.add(HistogramAccumulator((1.0,)))
 
 
 def test_early_gaps_are_never_stalls() -> None:

@@ -184,6 +184,21 @@ class HistogramAccumulator:
         self._counts[bisect.bisect_left(self._bounds, value)] += 1
         self._sum += value
 
+    def add(self, other: HistogramAccumulator) -> None:
+        """Count what ``other`` (of the same bounds) counted."""
+        if other._bounds != self._bounds:
+            raise ValueError("histograms of different bounds cannot be added")
+        self._counts = [a + b for a, b in zip(self._counts, other._counts, strict=True)]
+        self._sum += other._sum
+
+    @classmethod
+    def of(cls, bounds: tuple[float, ...], values: Iterable[float]) -> HistogramAccumulator:
+        """A histogram of ``values``."""
+        histogram = cls(bounds)
+        for value in values:
+            histogram.observe(value)
+        return histogram
+
     @property
     def count(self) -> int:
         return sum(self._counts)
@@ -206,7 +221,8 @@ class RequestRecord:
     """One request through the proxy, settled once when it ends (however it ends).
 
     ``forwarded`` says the request reached vLLM (vLLM's HTTP counter will count it);
-    ``gaps`` are the client-visible gaps between writes that carried tokens; ``stalls`` are
+    ``itl`` counts the client-visible gaps between writes that carried tokens, in
+    :data:`ITL_BUCKETS` (None: not a stream); ``stalls`` are
     ``(seconds, context tokens at the stall's start)``. ``credited_tokens`` of the delivered
     ones were already counted while the stream ran (:meth:`DeliveryLedger.credit`).
     """
@@ -220,7 +236,7 @@ class RequestRecord:
     forwarded: bool = True
     duration: float | None = None
     ttft: float | None = None
-    gaps: tuple[float, ...] = ()
+    itl: HistogramAccumulator | None = None
     stalls: tuple[tuple[float, int], ...] = ()
     slo_met: bool = False
     # Completed, but vLLM sent no usage kvtax could read: its tokens are missing from delivered.
@@ -382,8 +398,8 @@ class DeliveryLedger:
             book.slo_met_tokens += record.delivered_tokens
         if record.ttft is not None:
             book.ttft.observe(record.ttft)
-        for gap in record.gaps:
-            book.itl.observe(gap)
+        if record.itl is not None:
+            book.itl.add(record.itl)
         for seconds, context in record.stalls:
             book.stall.observe(seconds)
             book.stall_context += context

@@ -6,6 +6,13 @@ prefilled it again. The context length at the stall's start (prompt + tokens del
 is what the engine had to recompute, the input of the stall-based recompute estimate in
 vllm-facts.md. Pure: the caller passes the clock readings.
 
+What a stream holds stays bounded however long it runs: the median is of its last
+:data:`WINDOW` gaps (a stream's pace changes as vLLM's batch does, and a gap is judged against
+the pace of the moment), and its gaps are counted into the ledger's ITL buckets as they come
+(``itl``), not kept. A 32,000-token answer held 1.3 MB here when every gap was kept and sorted,
+and took each new gap in time growing with the answer's length. ``keep_gaps`` keeps them too,
+for the load tester's own quantiles.
+
 Example::
 
     t = StreamTiming(started=0.0, factor=5.0, floor=0.05)
@@ -16,12 +23,17 @@ Example::
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["SloTargets", "StreamTiming", "meets_slo_unstreamed"]
+from kvtax.delivery.ledger import ITL_BUCKETS, HistogramAccumulator
+
+__all__ = ["WINDOW", "SloTargets", "StreamTiming", "meets_slo_unstreamed"]
 
 # Gaps needed before a median means anything; earlier gaps are never flagged.
 _MIN_GAPS = 4
+# The gaps the running median is taken over: the stream's last ones.
+WINDOW = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,16 +45,34 @@ class SloTargets:
 class StreamTiming:
     """Timing of the token-carrying writes of one streamed response."""
 
-    __slots__ = ("_last", "_sorted", "factor", "floor", "gaps", "stalls", "started", "ttft")
+    __slots__ = (
+        "_last",
+        "_recent",
+        "_sorted",
+        "factor",
+        "floor",
+        "gaps",
+        "itl",
+        "max_gap",
+        "stalls",
+        "started",
+        "ttft",
+    )
 
-    def __init__(self, started: float, factor: float, floor: float) -> None:
+    def __init__(
+        self, started: float, factor: float, floor: float, *, keep_gaps: bool = False
+    ) -> None:
         self.started = started
         self.factor = factor
         self.floor = floor
         self.ttft: float | None = None
-        self.gaps: list[float] = []
+        # Every gap, in order, only when asked for (keep_gaps).
+        self.gaps: list[float] | None = [] if keep_gaps else None
+        self.itl = HistogramAccumulator(ITL_BUCKETS)
+        self.max_gap = 0.0
         self.stalls: list[tuple[float, int]] = []
-        self._sorted: list[float] = []
+        self._recent: deque[float] = deque()  # the last WINDOW gaps, oldest first
+        self._sorted: list[float] = []  # the same, sorted
         self._last = started
 
     def tokens_written(self, now: float, context: int) -> None:
@@ -50,19 +80,24 @@ class StreamTiming:
         the tokens delivered before this write."""
         if self.ttft is None:
             self.ttft = now - self.started
-        else:
-            gap = now - self._last
-            if len(self._sorted) >= _MIN_GAPS:
-                median = self._sorted[len(self._sorted) // 2]
-                if gap > max(self.factor * median, self.floor):
-                    self.stalls.append((gap, context))
-            self.gaps.append(gap)
-            bisect.insort(self._sorted, gap)
+            self._last = now
+            return
+        gap = now - self._last
         self._last = now
-
-    @property
-    def max_gap(self) -> float:
-        return max(self.gaps, default=0.0)
+        ordered = self._sorted
+        if len(ordered) >= _MIN_GAPS:
+            median = ordered[len(ordered) // 2]
+            if gap > self.factor * median and gap > self.floor:
+                self.stalls.append((gap, context))
+        self.itl.observe(gap)
+        self.max_gap = max(self.max_gap, gap)
+        if self.gaps is not None:
+            self.gaps.append(gap)
+        recent = self._recent
+        recent.append(gap)
+        bisect.insort(ordered, gap)
+        if len(recent) > WINDOW:
+            del ordered[bisect.bisect_left(ordered, recent.popleft())]
 
     def meets(self, slo: SloTargets) -> bool:
         """DistServe's criterion: first token within the TTFT SLO and no gap above the ITL SLO."""

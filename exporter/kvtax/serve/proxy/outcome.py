@@ -128,7 +128,7 @@ def record_of(ex: Facts, outcome: str, *, ended: float, slo: SloTargets) -> Requ
         forwarded=ex.status is not None or ex.sent,
         duration=ended - ex.started,
         ttft=timing.ttft if timing else None,
-        gaps=tuple(timing.gaps) if timing else (),
+        itl=timing.itl if timing else None,
         stalls=tuple(timing.stalls) if timing else (),
         slo_met=completed and _slo_met(ex, delivered, slo),
         usage_missing=completed and _usage_missing(ex),

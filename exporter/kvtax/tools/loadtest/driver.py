@@ -317,7 +317,7 @@ async def _request(
         body["ignore_eos"] = True
     began = time.monotonic()
     started = time.time()
-    timing = StreamTiming(began, factor=plan.stall_factor, floor=plan.stall_min)
+    timing = StreamTiming(began, factor=plan.stall_factor, floor=plan.stall_min, keep_gaps=True)
     tokens = 0
     usage: dict[str, Any] | None = None
     error: str | None = None
@@ -369,7 +369,7 @@ def _record(
             completion_tokens=completion,
             prompt_tokens=int(usage["prompt_tokens"]) if usage else None,
             ttft=timing.ttft,
-            gaps=tuple(timing.gaps),
+            gaps=tuple(timing.gaps or ()),  # kept: keep_gaps above
             stalls=len(timing.stalls),
             slo_met=ok and timing.meets(SloTargets(plan.slo_ttft, plan.slo_itl)),
             error=error if error is not None or ok else "empty response",
