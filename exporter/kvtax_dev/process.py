@@ -25,8 +25,9 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
@@ -131,6 +132,32 @@ def poll_until(
         time.sleep(interval)
 
 
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while a child is launched and recorded, then deliver them.
+
+    A KeyboardInterrupt raised inside ``subprocess.Popen`` after its fork (Python runs the
+    handler at the next bytecode, and Popen still runs Python after the child exists) leaves a
+    child nobody holds the pid of; in its own session it outlives everything. Held, the signal
+    reaches the handler once the child is recorded, where :meth:`ChildProcess.start` stops it.
+    Handlers can only be changed in the main thread: elsewhere, nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not set from Python, and cannot be set back
+                signal.signal(sig, handler)
+        for signum in held:
+            signal.raise_signal(signum)
+
+
 class ChildProcess:
     """A child process with its output in ``log_path``, ready when ``ready()`` says so.
 
@@ -180,19 +207,20 @@ class ChildProcess:
             return self
         self.returncode = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:  # the child keeps its own descriptor
-            self._proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=self._own_group,
-            )
-        # Never leave an orphan behind when a caller forgets stop() or the run crashes.
-        atexit.register(self.stop)
         try:
+            with _signals_held():
+                with self.log_path.open("wb") as log:  # the child keeps its own descriptor
+                    self._proc = subprocess.Popen(
+                        self.argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=self.env,
+                        cwd=self.cwd,
+                        start_new_session=self._own_group,
+                    )
+                # Never leave an orphan behind when a caller forgets stop() or the run crashes.
+                atexit.register(self.stop)
             self._wait_ready(self.startup_timeout if timeout is None else timeout)
         except BaseException:
             self.stop()

@@ -6,9 +6,11 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,6 +128,37 @@ pathlib.Path(sys.argv[1] + ".pid").write_text(str(grand.pid))
     assert not gone(grandchild)
     child.stop(grace=0.5)
     assert poll_until(lambda: gone(grandchild), timeout=30)
+
+
+def test_a_ctrl_c_inside_popen_still_stops_the_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C that lands while Popen is still running, after the child exists, stops that
+    child: ChildProcess.start holds the signal until the child is recorded, then stops it and
+    lets the KeyboardInterrupt through."""
+    # Protection: the demo's Ctrl-C test left vLLM's API server serving after the demo exited.
+    # The interrupt came inside Popen (the test signals as soon as the child appears), so
+    # start() never held the child's pid and nothing stopped it.
+    born: list[int] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_ctrl_c(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        proc = real_popen(*args, **kwargs)
+        born.append(proc.pid)
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, before Popen returns
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        child = ready_child(tmp_path, own_group=True)
+        with pytest.raises(KeyboardInterrupt):
+            child.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    (pid,) = born
+    assert gone(pid)
+    assert not child.running
 
 
 def test_poll_until_returns_the_first_truthy_value() -> None:
