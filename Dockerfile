@@ -26,7 +26,10 @@ WORKDIR /src
 # .dockerignore admits only pyproject.toml, README.md, LICENSE and exporter/.
 COPY . .
 # A C compiler for kvtax's one C module, the relay's per-read scan (kvtax.delivery._eventscan);
-# the final stage gets the built wheel, not the compiler.
+# the final stage gets the built wheel, not the compiler. Not pinned: libc6-dev must match the
+# libc6 of Debian's index at build time, and a pinned point release disappears from it; the
+# compiler only builds, and nothing of it ships.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
