@@ -145,6 +145,8 @@ class FleetRun:
     calm_failed_scrapes: dict[str, int]
     # The longest one of Prometheus' scrapes of each calm target took, by job, in seconds.
     calm_slowest_scrapes: dict[str, float]
+    # The calm kvtax's worst event-loop lateness over the run, as it published it, in seconds.
+    calm_loop_lag: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +368,15 @@ def _slowest_scrapes_over(api: PrometheusApi, pod: str, seconds: float) -> dict[
     return slowest
 
 
+def _worst_loop_lag_over(api: PrometheusApi, pod: str, seconds: float) -> float:
+    """The worst lateness of ``pod``'s kvtax event loop over the last ``seconds``, as kvtax
+    published it (``kvtax_event_loop_lag_seconds``, itself the worst of its last few seconds,
+    so Prometheus' samples miss no stall)."""
+    selector = f'kvtax_event_loop_lag_seconds{{namespace="{NAMESPACE}",pod="{pod}"}}'
+    found = api.query(f"max(max_over_time({selector}{_span(seconds)}))", time.time())
+    return max((s.points[-1][1] for s in found if s.points), default=0.0)
+
+
 def _firing(api: PrometheusApi) -> list[dict[str, Any]]:
     return [a for a in api.alerts() if a["state"] == "firing"]
 
@@ -549,6 +560,7 @@ def run(
             calm_lows = _lows_over(prom.api, CALM, time.monotonic() - prom_started)
             calm_failed = _failed_scrapes_over(prom.api, CALM, time.monotonic() - prom_started)
             calm_slowest = _slowest_scrapes_over(prom.api, CALM, time.monotonic() - prom_started)
+            calm_lag = _worst_loop_lag_over(prom.api, CALM, time.monotonic() - prom_started)
             yield FleetRun(
                 prom.api,
                 model,
@@ -565,6 +577,7 @@ def run(
                 calm_lows,
                 calm_failed,
                 calm_slowest,
+                calm_lag,
             )
 
 
@@ -628,7 +641,8 @@ def test_the_thrashing_pod_alerts_and_the_calm_one_stays_silent(run: FleetRun) -
 
 def _excused(run: FleetRun) -> dict[str, str]:
     """The calm pod's alerts whose condition the test's own measurements saw true, each with
-    that evidence: its clients' timing of every stream, and its prober's GETs of both /metrics.
+    that evidence: its clients' timing of every stream, its prober's GETs of both /metrics,
+    Prometheus' record of its own scrapes, and the calm kvtax's published event-loop lag.
     Nothing here excuses an alert about KV, the tax, the yield or the join: the clients sent
     every calm request through the proxy and received every token the engine generated
     (test_adapter_tokens_join_the_base_models_engine), so those conditions were false."""
@@ -670,6 +684,15 @@ def _excused(run: FleetRun) -> dict[str, str]:
     if slowest > 0.8 and "KvtaxVllmScrapeFailing" not in excused:
         excused["KvtaxVllmScrapeFailing"] = (
             f"Prometheus' slowest scrape of vLLM's /metrics took {slowest:.2f} s"
+        )
+    # kvtax times its fetch on its own event loop: a loop that ran late (on this machine, the
+    # suite's other lanes take its core) misses the 0.8 s deadline on a page that was quick.
+    # kvtax measured that lateness itself: its scrape did fail, as the alert says.
+    lag = run.calm_loop_lag
+    if lag + slowest > 0.8 and "KvtaxVllmScrapeFailing" not in excused:
+        excused["KvtaxVllmScrapeFailing"] = (
+            f"kvtax's own event loop ran {lag:.2f} s late, and vLLM's page took up to "
+            f"{slowest:.2f} s: over kvtax's 0.8 s deadline"
         )
     return excused
 
@@ -713,6 +736,7 @@ def test_calm_pod_raises_no_alert(run: FleetRun) -> None:
     print(f"calm pod's lowest coverage and {TEST_PROFILE.rate_window} yield: {run.calm_lows}")
     print(f"Prometheus' failed scrapes of the calm pod, by job: {run.calm_failed_scrapes}")
     print(f"Prometheus' slowest scrape of each calm target, s: {run.calm_slowest_scrapes}")
+    print(f"the calm kvtax's worst event-loop lag, s: {run.calm_loop_lag:.2f}")
     for name in excused:
         unexplained.pop(name, None)
     assert unexplained == {}, (unexplained, excused)
