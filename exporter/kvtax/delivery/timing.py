@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -78,26 +78,25 @@ class StreamTiming:
     def tokens_written(self, now: float, context: int) -> None:
         """A write that carried new tokens finished at ``now``; ``context`` is the prompt plus
         the tokens delivered before this write."""
+        last, self._last = self._last, now
         if self.ttft is None:
             self.ttft = now - self.started
-            self._last = now
             return
-        gap = now - self._last
-        self._last = now
+        gap = now - last
         ordered = self._sorted
-        if len(ordered) >= _MIN_GAPS:
-            median = ordered[len(ordered) // 2]
-            if gap > self.factor * median and gap > self.floor:
-                self.stalls.append((gap, context))
+        n = len(ordered)
+        # The floor first: most gaps are under it, and then the median is not looked at.
+        if gap > self.floor and n >= _MIN_GAPS and gap > self.factor * ordered[n // 2]:
+            self.stalls.append((gap, context))
         self.itl.observe(gap)
         self.max_gap = max(self.max_gap, gap)
         if self.gaps is not None:
             self.gaps.append(gap)
         recent = self._recent
         recent.append(gap)
-        bisect.insort(ordered, gap)
-        if len(recent) > WINDOW:
-            del ordered[bisect.bisect_left(ordered, recent.popleft())]
+        insort(ordered, gap)
+        if n >= WINDOW:
+            del ordered[bisect_left(ordered, recent.popleft())]
 
     def meets(self, slo: SloTargets) -> bool:
         """DistServe's criterion: first token within the TTFT SLO and no gap above the ITL SLO."""
