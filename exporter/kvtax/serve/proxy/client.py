@@ -210,7 +210,8 @@ class UpstreamConnection(asyncio.Protocol):
         if sock is None:
             return False
         poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+        # A close makes the socket readable (POLLIN, 0 bytes); Linux also says so apart.
+        poller.register(sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))
         return bool(poller.poll(0))
 
     def idle_for(self, seconds: float) -> None:
