@@ -150,7 +150,7 @@ def each_scan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
     impl: str = request.param
     if impl == "compiled":
-        if os.environ.get("KVTAX_NO_EXTENSIONS"):
+        if eventscan.extensions_off():
             pytest.skip("KVTAX_NO_EXTENSIONS is set: the C scan is switched off")
         from kvtax.delivery._eventscan import scan_ids
 

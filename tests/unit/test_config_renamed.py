@@ -186,3 +186,11 @@ def test_the_docs_list_the_old_spellings_once_under_renamed_settings() -> None:
     assert "KVTAX_ADMISSION" not in table
     assert renamed.count("`--admission.*`, `KVTAX_ADMISSION_*`, YAML `admission:`") == 1
     assert "`--gate.*`, `KVTAX_GATE_*`, YAML `gate:`" in renamed
+
+
+def test_the_switch_to_the_python_scan_is_known_and_a_misspelling_of_it_is_not() -> None:
+    """KVTAX_NO_EXTENSIONS is read by kvtax.delivery.eventscan, not by the settings: kvtax must
+    not call it ignored."""
+    assert unknown_env({"KVTAX_NO_EXTENSIONS": "1"}) == []
+    [warning] = unknown_env({"KVTAX_NO_EXTENSION": "1"})
+    assert "KVTAX_NO_EXTENSION is not a kvtax setting" in warning

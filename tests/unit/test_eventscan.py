@@ -3,7 +3,6 @@ the rewriter's line reader would, or leave the read to it."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,10 +12,10 @@ from hypothesis import strategies as st
 
 from kvtax.delivery import sse
 from kvtax.delivery.asks import UsageWish
-from kvtax.delivery.eventscan import IdsRead, scan_ids_py
+from kvtax.delivery.eventscan import IdsRead, extensions_off, scan_ids_py
 from kvtax.delivery.sse import StreamRewriter
 
-if os.environ.get("KVTAX_NO_EXTENSIONS"):
+if extensions_off():
     pytest.skip("KVTAX_NO_EXTENSIONS is set: the C scan is switched off", allow_module_level=True)
 
 from kvtax.delivery._eventscan import scan_ids as scan_ids_c
@@ -169,3 +168,12 @@ def test_a_real_vllm_stream_reads_alike_with_and_without_the_scan(
     monkeypatch.setattr(sse, "scan_ids", lambda data, keep_ids, include_usage: None)
     assert with_scan == run()
     assert with_scan[1] == 12
+
+
+def test_the_switch_reads_set_and_zero_as_a_user_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVTAX_NO_EXTENSIONS=1 turns the C scan off; unset, empty or 0 leave it on."""
+    for value, off in (("1", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv("KVTAX_NO_EXTENSIONS", value)
+        assert extensions_off() is off
+    monkeypatch.delenv("KVTAX_NO_EXTENSIONS")
+    assert extensions_off() is False

@@ -43,6 +43,7 @@ __all__ = [
     "TERMINAL",
     "IdsRead",
     "count_ids",
+    "extensions_off",
     "scan_ids",
     "scan_ids_py",
 ]
@@ -143,8 +144,14 @@ def scan_ids_py(data: bytes, keep_ids: bool, include_usage: bool) -> IdsRead | N
     return payload, choice, tokens, prompt, len(events)
 
 
+def extensions_off() -> bool:
+    """True when the environment asks for the Python scan (``KVTAX_NO_EXTENSIONS`` set, and not
+    to ``0``)."""
+    return os.environ.get("KVTAX_NO_EXTENSIONS", "") not in ("", "0")
+
+
 def _compiled() -> Callable[[bytes, bool, bool], IdsRead | None] | None:
-    if os.environ.get("KVTAX_NO_EXTENSIONS"):
+    if extensions_off():
         return None
     try:
         from kvtax.delivery._eventscan import scan_ids as native

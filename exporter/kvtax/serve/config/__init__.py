@@ -32,7 +32,15 @@ from kvtax.errors import ConfigError
 from kvtax.serve.config.docs import render_markdown
 from kvtax.serve.config.file import read_file
 from kvtax.serve.config.option import flag_name
-from kvtax.serve.config.options import OPTIONS, RENAMED, RENAMED_KEYS, Config, Option, env_name
+from kvtax.serve.config.options import (
+    OPTIONS,
+    RENAMED,
+    RENAMED_KEYS,
+    RUNTIME_SWITCHES,
+    Config,
+    Option,
+    env_name,
+)
 from kvtax.serve.config.values import parse_address, parse_duration, token
 
 __all__ = [
@@ -226,7 +234,8 @@ def unknown_env(env: Mapping[str, str]) -> list[str]:
     renamed = {env_name(key) for key in RENAMED_KEYS}
     warnings = []
     for name in sorted(env):
-        if not name.startswith("KVTAX_") or name in (*settings, *renamed, *_TOOL_VARIABLES):
+        known = (*settings, *renamed, *_TOOL_VARIABLES, *RUNTIME_SWITCHES)
+        if not name.startswith("KVTAX_") or name in known:
             continue
         close = difflib.get_close_matches(name, settings, n=1, cutoff=0.8)
         hint = f"did you mean {close[0]}?" if close else "see docs/configuration.md"

@@ -9,7 +9,7 @@ Example::
 from __future__ import annotations
 
 from kvtax.serve.config.option import env_name, flag_name
-from kvtax.serve.config.options import OPTIONS, RENAMED
+from kvtax.serve.config.options import OPTIONS, RENAMED, RUNTIME_SWITCHES
 
 __all__ = ["render_markdown"]
 
@@ -40,9 +40,20 @@ _RENAMED_HEADER = [
 ]
 
 
+_SWITCHES_HEADER = [
+    "",
+    "## Other environment variables",
+    "",
+    "Read at run time, with no flag or YAML key.",
+    "",
+    "| variable | meaning |",
+    "|---|---|",
+]
+
+
 def render_markdown() -> str:
     """The configuration reference: one row per option, with its flag, variable and default,
-    then the renamed settings' old spellings."""
+    then the renamed settings' old spellings, then the variables that are not settings."""
     lines = list(_HEADER)
     for o in OPTIONS:
         default = "unset" if o.default is None else f"`{o.default_text}`"
@@ -50,6 +61,8 @@ def render_markdown() -> str:
     if RENAMED:
         lines += _RENAMED_HEADER
         lines += [f"| {_spellings(old)} | {_spellings(new)} |" for old, new in RENAMED.items()]
+    lines += _SWITCHES_HEADER
+    lines += [f"| `{name}` | {meaning} |" for name, meaning in RUNTIME_SWITCHES.items()]
     return "\n".join(lines) + "\n"
 
 

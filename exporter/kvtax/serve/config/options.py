@@ -414,3 +414,12 @@ RENAMED: dict[str, str] = {
 }
 # Each old key (``admission.max_queue``) with the option it now names (``gate.max_queue``).
 RENAMED_KEYS: dict[str, Option] = renamed_keys(OPTIONS, RENAMED)
+
+# KVTAX_* variables kvtax reads at run time that are not settings of `kvtax serve` (no flag, no
+# YAML key), each with what it does; listed in docs/configuration.md.
+RUNTIME_SWITCHES: dict[str, str] = {
+    "KVTAX_NO_EXTENSIONS": "Set (to anything but empty or `0`): the relay counts and cuts "
+    "vLLM's events with its Python scan, not the compiled one (kvtax.delivery.eventscan). Both "
+    "give the same bytes and counts; the Python one costs more CPU per event. For comparing the "
+    "two, or a build without its C module.",
+}
