@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvtax.delivery import eventscan, sse
 from kvtax.serve.scrape.job import ScrapeJob
 from kvtax.serve.web.port import WebPort
 from kvtax_dev.exposition import Labels, Samples, read_samples
@@ -146,12 +147,11 @@ def each_scan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """The rewriter's one-call scan (:mod:`kvtax.delivery.eventscan`) as C, then as Python:
     a test that uses this runs under both. The C one must be there unless the environment
     says KVTAX_NO_EXTENSIONS: an install that silently lost it fails here."""
-    from kvtax.delivery import eventscan, sse
-
     impl: str = request.param
     if impl == "compiled":
         if eventscan.extensions_off():
             pytest.skip("KVTAX_NO_EXTENSIONS is set: the C scan is switched off")
+        # Imported here: without the C build, only this variant needs it (and is skipped).
         from kvtax.delivery._eventscan import scan_ids
 
         monkeypatch.setattr(sse, "scan_ids", scan_ids)

@@ -261,8 +261,12 @@ class StreamRewriter:
         line by line, which gives the same result for those. A read none of whose events
         needed a cut goes out as it came."""
         ids = self.scheme == "token_ids"
-        one = data.find(_EVENT_END) == len(data) - 2
-        if one and not ids and not self._held and not self._skip_blank:
+        if (
+            not ids
+            and not self._held
+            and not self._skip_blank
+            and data.find(_EVENT_END) == len(data) - 2
+        ):
             # One event of the usage scheme, the read of a paced stream: no split.
             out: list[bytes] = []
             kept = self._fast_usage(data[:-2], out)
