@@ -70,6 +70,7 @@ class EventCounter:
         "_tail",
         "completion_tokens",
         "done",
+        "ended",
         "events",
         "final_completion_tokens",
         "ids_missing",
@@ -83,6 +84,9 @@ class EventCounter:
         self.final_completion_tokens: int | None = None
         self.prompt_tokens = 0
         self.done = False
+        # Never: these APIs do not define their end event as the last bytes of the body, so
+        # the client's answer ends with vLLM's.
+        self.ended = False
         self.events = 0
         self.usage_lines = 0
         self.ids_missing = 0  # no ids are asked for: never any missing

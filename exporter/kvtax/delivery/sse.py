@@ -199,6 +199,7 @@ class StreamRewriter:
         self.final_completion_tokens: int | None = None
         self.completion_tokens = 0
         self.done = False
+        self.ended = False  # the blank line after [DONE] went out too: nothing follows
         self.usage_lines = 0
         self.unparsed = 0
         self.oversized = 0
@@ -457,6 +458,8 @@ class StreamRewriter:
                 return
         if not line or line == b"\r":
             self.events += 1  # the blank line that ends an event
+            if self.done:
+                self.ended = True
         if self.scheme == "token_ids" and (line.startswith(DATA) or _spaced_data(line)):
             self._ids_line(line, out, end=end)
             return

@@ -107,14 +107,18 @@ class StreamCounter(Protocol):
     ``completion_tokens`` is what was handed out for writing so far,
     ``upstream_completion_tokens`` what vLLM sent; ``final_completion_tokens`` the stream's
     own exact total once its end said it (None before). ``done``: the stream's end marker was
-    handed out. ``events`` counts events handed out whole, ``usage_lines`` the events whose
-    usage was read, ``ids_missing`` the events that came without the ids asked for.
+    handed out. ``ended``: that marker's event was handed out whole, and it is the stream's last
+    by its API's definition (OpenAI's ``data: [DONE]``): the client's answer may end there,
+    without waiting for vLLM's end of body. ``events`` counts events handed out whole,
+    ``usage_lines`` the events whose usage was read, ``ids_missing`` the events that came without
+    the ids asked for.
     """
 
     completion_tokens: int
     final_completion_tokens: int | None
     prompt_tokens: int
     done: bool
+    ended: bool
     events: int
     usage_lines: int
     ids_missing: int

@@ -214,6 +214,11 @@ class UpstreamConnection(asyncio.Protocol):
         poller.register(sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))
         return bool(poller.poll(0))
 
+    @property
+    def failed(self) -> bool:
+        """The exchange broke off (vLLM's side failed or timed out)."""
+        return self._failure is not None
+
     def idle_for(self, seconds: float) -> None:
         """Back in the pool: closed after ``seconds`` unless reused first."""
         self._idle = asyncio.get_running_loop().call_later(seconds, self.close)
@@ -451,6 +456,28 @@ class UpstreamConnection(asyncio.Protocol):
         self.close()
 
 
+class _Tail:
+    """The sink of a connection whose client has its whole answer: vLLM's last bytes are
+    dropped, and its end puts the connection back in the pool."""
+
+    __slots__ = ("_conn", "_upstream")
+
+    def __init__(self, upstream: Upstream, conn: UpstreamConnection) -> None:
+        self._upstream, self._conn = upstream, conn
+
+    def feed(self, data: bytes, arrived: float) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def end(self) -> None:
+        self._upstream.tail_ended(self._conn, clean=True)
+
+    def broke(self, cause: BaseException) -> None:
+        self._upstream.tail_ended(self._conn, clean=False)
+
+
 class _HeadTooLarge(httptools.HttpParserError):
     def __init__(self) -> None:
         super().__init__(f"vLLM's answer head exceeds {MAX_HEAD} bytes")
@@ -490,6 +517,8 @@ class Upstream:
         self.retries = 0
         self.clock = clock or time.monotonic
         self._free: list[UpstreamConnection] = []
+        # Connections whose client has its whole answer, waiting for vLLM's end (release_at_end).
+        self._tails: set[UpstreamConnection] = set()
         self._waiting: set[UpstreamConnection] = set()
         self._cut = False
 
@@ -539,6 +568,35 @@ class Upstream:
         self._free.append(conn)
         conn.idle_for(self.idle)
 
+    @property
+    def pooled(self) -> int:
+        """Idle connections in the pool."""
+        return len(self._free)
+
+    @property
+    def ending(self) -> int:
+        """Connections waiting for the end of an answer their client already has."""
+        return len(self._tails)
+
+    def release_at_end(self, conn: UpstreamConnection) -> None:
+        """A connection whose answer ended for the client before vLLM's body did (a stream's
+        last event ends it) goes back to the pool once vLLM's end comes; what vLLM sends until
+        then is dropped, and a connection that breaks or stays silent past the read timeout
+        closes instead."""
+        if conn.complete or conn.closed or conn.failed:
+            self.release(conn)
+            return
+        self._tails.add(conn)
+        conn.attach(_Tail(self, conn))
+
+    def tail_ended(self, conn: UpstreamConnection, *, clean: bool) -> None:
+        """vLLM's end of an answer its client already had: pooled when it ended cleanly."""
+        self._tails.discard(conn)
+        if clean:
+            self.release(conn)
+        else:
+            conn.close()
+
     def forget(self, conn: UpstreamConnection) -> None:
         if conn in self._free:
             self._free.remove(conn)
@@ -551,9 +609,10 @@ class Upstream:
             conn.close()
 
     def close(self) -> None:
-        for conn in self._free:
+        for conn in [*self._free, *self._tails]:
             conn.close()
         self._free.clear()
+        self._tails.clear()
 
     async def _exchange(
         self,

@@ -12,7 +12,9 @@ close the body and resolve :attr:`done`, which the request's owner awaits.
   shape and a clean end: its headers and 200 are long gone. Once its end marker or final usage
   went out (vLLM has finished the request), ``on_done`` is called, once: the gate frees the
   request's slot there, not when vLLM's connection ends, which an upstream that keeps it open
-  would put off for good.
+  would put off for good. When the counter says its last event went out whole (``ended``:
+  OpenAI's ``[DONE]``), the client's body ends in that same write, and what vLLM sends after
+  it is dropped: a client that closes as it reads ``[DONE]`` has nothing left unread.
 - :class:`InflatingStreamSink`: the same for a stream vLLM gzipped although kvtax asked for
   identity; inflated as it comes, so the usage the client did not ask for is still cut, and the
   client gets it plain. It inflates one piece of at most 256 KiB per turn of the event loop,
@@ -114,6 +116,9 @@ class _Sink:
         self.wrote_all = False
         self.eof = False
         self.broke_off = False
+        # The client's body was ended already (a stream's last event went out): what vLLM
+        # sends after it is not the client's, and its end closes nothing more.
+        self.body_ended = False
 
     def flush(self) -> None:
         out = self._out
@@ -135,9 +140,14 @@ class _Sink:
         self._out.append(payload)
         return len(payload)
 
-    def _close_body(self) -> None:
-        if self.chunked:
+    def _end_body(self) -> None:
+        """Queue the end of the client's body (chunked: the last chunk) behind what is queued."""
+        if self.chunked and not self.body_ended:
             self._out.append(LAST_CHUNK)
+        self.body_ended = True
+
+    def _close_body(self) -> None:
+        self._end_body()
         self.flush()
         self.exchange.finish()
         self._resolve()
@@ -238,6 +248,8 @@ class StreamSink(_Sink):
         self.acks = acks
 
     def feed(self, data: bytes, arrived: float) -> None:
+        if self.body_ended:
+            return  # past the stream's last event: nothing more is the client's
         if not self._arrived:
             self._arrived = arrived
         rewriter = self.rewriter
@@ -248,6 +260,13 @@ class StreamSink(_Sink):
             self._write(payload, tokens)
             if rewriter.done:
                 self.wrote_all = True  # the end marker is with the client's kernel
+                if rewriter.ended:
+                    # The body's end goes in the same write as its last event, not after
+                    # vLLM's own end: a client that closes as it reads [DONE] then has nothing
+                    # unread, so it closes with a FIN that acknowledges everything, not a reset
+                    # that acknowledges nothing. The answer is over for the client; vLLM's
+                    # connection goes back to the pool once its own end comes.
+                    self._finish()
         if self.on_done is not None and (
             rewriter.done or rewriter.final_completion_tokens is not None
         ):
@@ -258,6 +277,8 @@ class StreamSink(_Sink):
             done()
 
     def end(self) -> None:
+        if self.body_ended:
+            return  # the client's answer ended with its last event
         rewriter = self.rewriter
         # Shutdown closes vLLM's side, which can look like a clean end before [DONE].
         if self.relay.phase() == "cutting" and not rewriter.done:
@@ -270,6 +291,8 @@ class StreamSink(_Sink):
         self._finish()
 
     def broke(self, cause: BaseException) -> None:
+        if self.body_ended:
+            return  # vLLM broke off after the last event: the client has its whole answer
         if not self.rewriter.done:
             self._error(cause)
         self._finish()
