@@ -68,9 +68,12 @@ class _Probe:
 
     __slots__ = ("_sock",)
 
-    def __init__(self, fd: int) -> None:
-        # A socket object owns the duplicate and closes it; it is never used for I/O.
-        self._sock: socket.socket | None = socket.socket(fileno=os.dup(fd))
+    def __init__(self, fd: int, family: int) -> None:
+        # A socket object owns the duplicate and closes it; it is never used for I/O. Its
+        # family, type and protocol are given: asked, each is a syscall per request.
+        self._sock: socket.socket | None = socket.socket(
+            family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=os.dup(fd)
+        )
 
     def acked(self) -> int | None:
         sock = self._sock
@@ -99,10 +102,13 @@ def _probe_for(transport: asyncio.BaseTransport | None) -> _Probe | None:
     if transport is None or transport.is_closing():
         return None
     sock = transport.get_extra_info("socket")
-    if sock is None or sock.type != socket.SOCK_STREAM or sock.family == socket.AF_UNIX:
+    if sock is None or sock.type != socket.SOCK_STREAM:
+        return None
+    family = sock.family
+    if family not in (socket.AF_INET, socket.AF_INET6):
         return None
     try:
-        return _Probe(sock.fileno())
+        return _Probe(sock.fileno(), family)
     except OSError:
         return None
 
@@ -164,7 +170,8 @@ class AckTracker:
         reading of a response its client will not take whole, and the write the client
         acknowledged part of counts its share of tokens, by bytes (a write's events are of
         about one size: the count is then within one event of the client's)."""
-        if self._probe is None:
+        if self._probe is None or not self._pending:
+            # Every write is confirmed already: a reading could change nothing.
             return self.confirmed
         acked = self._probe.acked()
         if acked is None:

@@ -124,6 +124,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.upstream = upstream
         self.clock = upstream.clock
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop  # set as the connection is made
         self.parser = httptools.HttpResponseParser(self)
         # Whitespace after a chunk's size, as the client side reads it too.
         self.parser.set_dangerous_leniencies(lenient_spaces_after_chunk_size=True)
@@ -174,7 +175,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.sending, self.chunked = streamed, chunked
         self.sink, self._parts, self._failure = None, [], None
         self._head_bytes = 0
-        self.head = asyncio.get_running_loop().create_future()
+        self.head = self.loop.create_future()
         self.last_read = self.clock()
         self._arm(self.upstream.timeout)
         assert self.transport is not None
@@ -182,9 +183,10 @@ class UpstreamConnection(asyncio.Protocol):
         if isinstance(data, bytes):
             self.transport.write(data)
         else:
-            # Each buffer written in turn, never joined: a large body is not copied to be sent.
-            for part in data:
-                self.transport.write(part)
+            # The buffers in one call, never joined: uvloop sends them with one writev (a small
+            # request is one syscall and one segment, not one per buffer), and a large body is
+            # not copied to be sent. (asyncio's own loop, off Linux, joins them.)
+            self.transport.writelines(data)
         return self.head
 
     def attach(self, sink: Sink) -> None:
@@ -221,7 +223,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def idle_for(self, seconds: float) -> None:
         """Back in the pool: closed after ``seconds`` unless reused first."""
-        self._idle = asyncio.get_running_loop().call_later(seconds, self.close)
+        self._idle = self.loop.call_later(seconds, self.close)
 
     def close(self) -> None:
         """Drop the connection: vLLM sees the disconnect and aborts what it was running."""
@@ -286,6 +288,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not registered as asyncio.Transport subclasses.
         self.transport = cast(asyncio.Transport, transport)
+        self.loop = asyncio.get_running_loop()  # looked up once (see FlowControl.loop)
 
     def data_received(self, data: bytes) -> None:
         if self.complete or self.head is None:
@@ -433,7 +436,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _arm(self, delay: float) -> None:
         self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(delay, self._check)
+        self._timer = self.loop.call_later(delay, self._check)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -537,7 +540,6 @@ class Upstream:
         ``chunked`` or as it comes; ``holder`` pauses reading while vLLM's socket is full).
         ``interim`` gets each 1xx answer (but 100) as it comes. Raises :class:`Unreachable`,
         :class:`UpstreamBroke`, :class:`TimeoutError` or :class:`Cut`."""
-        loop = asyncio.get_running_loop()
         if streamed is not None:
             # A body still arriving cannot be sent twice: a new connection, which is not stale.
             conn = await self._connect()
@@ -545,11 +547,11 @@ class Upstream:
             return await self._exchange(conn, data, no_body, streamed, chunked)
         conn = self._pooled() or await self._connect()
         conn.interim = interim
-        began = loop.time()
+        began = time.monotonic()
         try:
             return await self._exchange(conn, data, no_body)
         except UpstreamBroke as exc:
-            if self._cut or conn.answered or loop.time() - began > self.stale_within:
+            if self._cut or conn.answered or time.monotonic() - began > self.stale_within:
                 raise
             self.retries += 1
             log.debug("vLLM closed the connection before answering (%s); one more try", exc)

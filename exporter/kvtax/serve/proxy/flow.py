@@ -77,6 +77,7 @@ class FlowControl:
         "_send_timeout",
         "_stalled",
         "closed",
+        "loop",
         "source",
         "transport",
         "writable",
@@ -87,6 +88,9 @@ class FlowControl:
         self, transport: asyncio.Transport, *, send_timeout: float, on_resume: Callable[[], None]
     ) -> None:
         self.transport = transport
+        # The connection's loop, looked up once: each lookup is a getpid() syscall (CPython 3.11
+        # checks the loop was not inherited through a fork), and requests made several each.
+        self.loop = asyncio.get_running_loop()
         self.closed = False
         self.write_paused = False
         self.writable = asyncio.Event()
@@ -128,8 +132,7 @@ class FlowControl:
         if self.source is not None:
             self.source.pause_reading()
         if self._stalled is None:
-            loop = asyncio.get_running_loop()
-            self._stalled = loop.call_later(self._send_timeout, self._stall)
+            self._stalled = self.loop.call_later(self._send_timeout, self._stall)
 
     def resume_writing(self) -> None:
         if not self.write_paused:

@@ -104,7 +104,7 @@ class _Sink:
         self.exchange = exchange
         self.chunked = framing == "chunked"
         self.cost = cost
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[None] = exchange.flow.loop.create_future()
         self._out: list[bytes] = [head]
         self._arrived = 0.0  # when the bytes waiting in _out arrived from vLLM (0: none)
         # The hot path's calls, looked up once: the client's write, the cost clock.

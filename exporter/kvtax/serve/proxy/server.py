@@ -246,7 +246,7 @@ class Exchange:
         is over ``limit`` (``too_large``) or its framing broke (``refusal``)."""
         self.want_body()
         if not self.body_complete and not self.too_large and self.refusal is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self.flow.loop.create_future()
             await self._waiter
         if self.too_large or self.refusal is not None:
             return None
@@ -370,6 +370,7 @@ class Connection(asyncio.Protocol):
         self.handler = handler
         self.settings = handler.server_settings
         self.transport: asyncio.Transport | None = None
+        self._loop: asyncio.AbstractEventLoop  # set as the connection is made
         self.flow: FlowControl | None = None
         self.parser = httptools.HttpRequestParser(self)
         # "5 \r\n": whitespace after a chunk's size, which nginx and h11 read (RFC 9112's
@@ -418,6 +419,7 @@ class Connection(asyncio.Protocol):
         self.flow = FlowControl(
             self.transport, send_timeout=self.settings.send_timeout, on_resume=self._resumed
         )
+        self._loop = self.flow.loop
         self.handler.connected(self)
         self._arm_idle()
 
@@ -454,7 +456,7 @@ class Connection(asyncio.Protocol):
         self.flow.release_all()
         if self._idle is not None:
             self._idle.cancel()
-        self._idle = asyncio.get_running_loop().call_later(self.settings.linger, self.close)
+        self._idle = self._loop.call_later(self.settings.linger, self.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -677,7 +679,7 @@ class Connection(asyncio.Protocol):
         """Run the queue's task, unless it runs already."""
         self._disarm_idle()
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._serve())
+            self.task = self._loop.create_task(self._serve())
 
     async def _serve(self) -> None:
         """Answer the queued exchanges in order, one at a time."""
@@ -763,7 +765,7 @@ class Connection(asyncio.Protocol):
         self._disarm_idle()
         if self.closed or (self.pipeline and self._receiving is None):
             return
-        self._idle = asyncio.get_running_loop().call_later(self.settings.keepalive, self.close)
+        self._idle = self._loop.call_later(self.settings.keepalive, self.close)
 
     def _disarm_idle(self) -> None:
         if self._idle is not None and not self._lingering:
