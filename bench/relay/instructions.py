@@ -20,6 +20,7 @@ Run from the repository root, holding the end-to-end lock (about four minutes)::
 
     flock /tmp/kvtax-e2e.lock .venv/bin/python -m bench.relay.instructions
     .venv/bin/python -m bench.relay.instructions --relays kvtax --streams 16 --events 50
+    .venv/bin/python -m bench.relay.instructions --relays kvtax --upstream-version 0.10.1
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import aiohttp
 from bench import record
 from bench.net import free_port, wait_port
 from bench.relay.relay import NGINX_CONF, STREAM_KINDS, _kvtax_serve, _stream
+from kvtax_dev.fakevllm.fast import VERSION
 
 __all__ = ["Count", "main"]
 
@@ -186,6 +188,14 @@ def main() -> None:
     parser.add_argument(
         "--events", type=int, default=100, help="events per paced stream (default 100)"
     )
+    parser.add_argument(
+        "--upstream-version",
+        default=VERSION,
+        help=(
+            f"the vLLM version the upstream says it is (default {VERSION}); one before the "
+            "token ids (0.10.1) has kvtax count by continuous usage"
+        ),
+    )
     args = parser.parse_args()
     names = [name.strip() for name in args.relays.split(",") if name.strip()]
     unknown = sorted(set(names) - set(RELAYS))
@@ -198,7 +208,13 @@ def main() -> None:
     log = work / "upstream.log"
     with log.open("wb") as sink:
         upstream = subprocess.Popen(
-            [sys.executable, "-m", "bench.relay.sse_upstream", f"--port={upstream_port}"],
+            [
+                sys.executable,
+                "-m",
+                "bench.relay.sse_upstream",
+                f"--port={upstream_port}",
+                f"--version={args.upstream_version}",
+            ],
             stdout=sink,
             stderr=subprocess.STDOUT,
         )

@@ -144,7 +144,7 @@ async def front_door() -> AsyncIterator[StartFront]:
 
 @pytest.fixture(params=["compiled", "python"])
 def each_scan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The rewriter's one-call scan (:mod:`kvtax.delivery.eventscan`) as C, then as Python:
+    """The rewriter's one-call scans (:mod:`kvtax.delivery.eventscan`) as C, then as Python:
     a test that uses this runs under both. The C one must be there unless the environment
     says KVTAX_NO_EXTENSIONS: an install that silently lost it fails here."""
     impl: str = request.param
@@ -152,9 +152,11 @@ def each_scan(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         if eventscan.extensions_off():
             pytest.skip("KVTAX_NO_EXTENSIONS is set: the C scan is switched off")
         # Imported here: without the C build, only this variant needs it (and is skipped).
-        from kvtax.delivery._eventscan import scan_ids
+        from kvtax.delivery._eventscan import scan_ids, scan_usage
 
         monkeypatch.setattr(sse, "scan_ids", scan_ids)
+        monkeypatch.setattr(sse, "scan_usage", scan_usage)
     else:
         monkeypatch.setattr(sse, "scan_ids", eventscan.scan_ids_py)
+        monkeypatch.setattr(sse, "scan_usage", eventscan.scan_usage_py)
     return impl

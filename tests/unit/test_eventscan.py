@@ -12,13 +12,15 @@ from hypothesis import strategies as st
 
 from kvtax.delivery import sse
 from kvtax.delivery.asks import UsageWish
-from kvtax.delivery.eventscan import IdsRead, extensions_off, scan_ids_py
+from kvtax.delivery.eventscan import IdsRead, extensions_off, scan_ids_py, scan_usage_py
 from kvtax.delivery.sse import StreamRewriter
+from kvtax_dev.fakevllm.events import DONE
 
 if extensions_off():
     pytest.skip("KVTAX_NO_EXTENSIONS is set: the C scan is switched off", allow_module_level=True)
 
 from kvtax.delivery._eventscan import scan_ids as scan_ids_c
+from kvtax.delivery._eventscan import scan_usage as scan_usage_c
 
 Scan = Callable[[bytes, bool, bool], IdsRead | None]
 
@@ -177,3 +179,176 @@ def test_the_switch_reads_set_and_zero_as_a_user_would(monkeypatch: pytest.Monke
         assert extensions_off() is off
     monkeypatch.delenv("KVTAX_NO_EXTENSIONS")
     assert extensions_off() is False
+
+
+# -- the usage scheme's scan ---------------------------------------------------------------------
+
+_USAGE = b'"usage":{"prompt_tokens":%b,"total_tokens":9,"completion_tokens":%b%b}'
+
+
+def _usage_event(
+    index: bytes = b"0",
+    tokens: bytes = b"2",
+    *,
+    prompt: bytes = b"3",
+    details: bytes = b"",
+    finish: bytes = b"null",
+    data: bytes = b"data: ",
+) -> bytes:
+    """An event of vLLM's continuous-usage shape, its usage the last key."""
+    return (
+        data
+        + b'{"id":"chatcmpl-1","object":"chat.completion.chunk","model":"m","choices":[{"index":'
+        + index
+        + b',"delta":{"content":"a"},"logprobs":null,"finish_reason":'
+        + finish
+        + b"}],"
+        + _USAGE % (prompt, tokens, details)
+        + b"}\n\n"
+    )
+
+
+_COUNT = st.sampled_from([b"0", b"2", b"17", b"", b"x", b"1" * 19, b"12345678901234567"])
+_DETAILS = st.sampled_from(
+    [
+        b"",
+        b',"prompt_tokens_details":null',
+        b',"prompt_tokens_details":{"cached_tokens":4}',
+        b',"prompt_tokens_details":{"cached_tokens":}',
+        b',"prompt_tokens_details":{}',
+        b',"prompt_tokens_details":nul',
+        b', "x":1',
+    ]
+)
+
+
+@st.composite
+def _usage_reads(draw: st.DrawFn) -> bytes:
+    events = draw(
+        st.lists(
+            st.builds(
+                _usage_event,
+                _INDEX,
+                _COUNT,
+                prompt=_COUNT,
+                details=_DETAILS,
+                finish=_FINISH,
+                data=_DATA,
+            ),
+            min_size=1,
+            max_size=20,
+        )
+    )
+    read = bytearray(b"".join(events))
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(read)))
+        piece = [b"\n", b"}", b",", b'"usage":{', b'"choices":[', b"\r", b"x", b"9"]
+        read[at:at] = draw(st.sampled_from(piece))
+    if draw(st.booleans()):
+        del read[draw(st.integers(0, len(read) - 1))]
+    return bytes(read)
+
+
+@settings(max_examples=1500)
+@given(_usage_reads(), st.booleans(), st.booleans())
+def test_the_c_usage_scan_answers_every_read_as_the_python_one_does(
+    read: bytes, keep: bool, include_usage: bool
+) -> None:
+    """Byte for byte, count for count, on reads of vLLM's usage shape and on reads broken
+    anywhere."""
+    assert scan_usage_c(read, keep, include_usage) == scan_usage_py(read, keep, include_usage)
+
+
+@pytest.mark.parametrize("scan", [scan_usage_c, scan_usage_py], ids=["compiled", "python"])
+def test_a_read_of_one_choices_usage_events_counts_by_its_last_event(scan: Scan) -> None:
+    """Three events: the count is the last event's (each says the choice's count so far), the
+    usage is cut unless the client asked for it, and the details vLLM may add are read too."""
+    details = b',"prompt_tokens_details":{"cached_tokens":4}'
+    read = (
+        _usage_event(tokens=b"1")
+        + _usage_event(tokens=b"2", details=b',"prompt_tokens_details":null')
+        + _usage_event(tokens=b"4", details=details)
+    )
+    scanned = scan(read, False, False)
+    assert scanned is not None
+    payload, choice, tokens, prompt, events = scanned
+    assert (choice, tokens, prompt, events) == (0, 4, 3, 3)
+    assert b"usage" not in payload
+    assert payload.count(b"}]}\n\n") == 3
+    kept = scan(read, True, False)
+    assert kept is not None
+    assert kept[0] == read
+
+
+@pytest.mark.parametrize("scan", [scan_usage_c, scan_usage_py], ids=["compiled", "python"])
+@pytest.mark.parametrize(
+    "read",
+    [
+        _usage_event(index=b"0") + _usage_event(index=b"1"),
+        _usage_event(finish=b'"stop"'),
+        _usage_event() + b"\n",
+        _usage_event()[:-1],
+        b'data: {"choices":[],"usage":{"prompt_tokens":1,"total_tokens":2,"completion_tokens":1}}'
+        b"\n\n",
+        _usage_event(index=b"1234567890"),
+        _usage_event(tokens=b"1" * 19),
+        _usage_event(data=b"event: x\ndata: "),
+        _usage_event(details=b',"prompt_tokens_details":{}'),
+    ],
+    ids=[
+        "choices",
+        "terminal",
+        "odd-newline",
+        "unended",
+        "usage-chunk",
+        "long-index",
+        "long-count",
+        "two-lines",
+        "other-details",
+    ],
+)
+def test_a_usage_read_out_of_the_common_shape_is_left_to_the_line_reader(
+    scan: Scan, read: bytes
+) -> None:
+    assert scan(read, False, False) is None
+
+
+def _usage_stream() -> list[bytes]:
+    """A chat stream by continuous usage, as vLLM before 0.12 writes it: the role chunk, ten
+    content events, the terminal chunk, the final usage chunk, [DONE]."""
+    role = _usage_event(tokens=b"0").replace(b'{"content":"a"}', b'{"role":"assistant"}')
+    content = [_usage_event(tokens=str(n).encode()) for n in range(1, 11)]
+    final = _usage_event(tokens=b"11", finish=b'"stop"')
+    usage = (
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","model":"m","choices":[],'
+        b'"usage":{"prompt_tokens":3,"total_tokens":14,"completion_tokens":11}}\n\n'
+    )
+    return [role, *content, final, usage, DONE]
+
+
+@pytest.mark.usefixtures("each_scan")
+@pytest.mark.parametrize("per_read", [1, 3, 20])
+@pytest.mark.parametrize(
+    "wish",
+    [UsageWish(), UsageWish(include_usage=True), UsageWish(True, True)],
+    ids=["none", "include", "continuous"],
+)
+def test_a_usage_stream_reads_alike_with_and_without_the_scan(
+    per_read: int, wish: UsageWish, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read a few events at a time, the rewriter gives the same bytes and counts with the scan
+    as its line reader alone does, and counts the stream's 11 tokens."""
+    events = _usage_stream()
+    # The content events are the common shape: the scan takes them.
+    assert all(scan_usage_py(e, wish.continuous, wish.include_usage) for e in events[1:11])
+    reads = [b"".join(events[i : i + per_read]) for i in range(0, len(events), per_read)]
+
+    def run() -> tuple[bytes, int, int, int]:
+        rw = StreamRewriter(wish, scheme="usage")
+        out = b"".join(rw.feed(r).payload for r in reads) + rw.finish().payload
+        return out, rw.completion_tokens, rw.prompt_tokens, rw.events
+
+    with_scan = run()
+    monkeypatch.setattr(sse, "scan_usage", lambda data, keep, include_usage: None)
+    assert with_scan == run()
+    assert with_scan[1:3] == (11, 3)

@@ -1,8 +1,8 @@
-/* kvtax.delivery._eventscan: scan_ids in C, one native call per read.
+/* kvtax.delivery._eventscan: scan_ids and scan_usage in C, one native call per read.
  *
- * The same function as kvtax.delivery.eventscan.scan_ids_py, whose docstring says what it
- * does; the two must answer alike for every input (tests/unit/test_eventscan.py holds them to
- * it). This one exists for what it spares: the line reader makes several Python objects per
+ * The same functions as kvtax.delivery.eventscan.scan_ids_py and scan_usage_py, whose
+ * docstrings say what they do; each pair must answer alike for every input
+ * (tests/unit/test_eventscan.py holds them to it). This one exists for what it spares: the line reader makes several Python objects per
  * event (slices, match objects, tuples, lists), and that object work, not the searching, is
  * most of the relay's CPU per event. Here each event's end, choice, ids and cuts are found over
  * the read's bytes, and the client's bytes are built in one allocation.
@@ -27,8 +27,19 @@ static const char PROMPT_IDS[] = "\"prompt_token_ids\":[";
 static const char NULL_IDS[] = "\"token_ids\":null";
 static const char NULL_PROMPT_IDS[] = "\"prompt_token_ids\":null";
 
+/* vLLM's usage object, the event's last key (the regular expression VLLM_USAGE in Python). */
+static const char USAGE_KEY[] = ",\"usage\":{";
+static const char USAGE_PROMPT[] = ",\"usage\":{\"prompt_tokens\":";
+static const char USAGE_TOTAL[] = ",\"total_tokens\":";
+static const char USAGE_COMPLETION[] = ",\"completion_tokens\":";
+static const char USAGE_DETAILS[] = ",\"prompt_tokens_details\":";
+static const char USAGE_NULL[] = "null";
+static const char USAGE_CACHED[] = "{\"cached_tokens\":";
+
 /* A choice index longer than this is no vLLM's: the line reader takes it (as in Python). */
 #define MAX_INDEX_DIGITS 9
+/* A token count longer than this does not fit a long long: the line reader takes it. */
+#define MAX_COUNT_DIGITS 18
 /* Events of one read kept on the stack; a read with more grows a heap array. */
 #define STACK_EVENTS 16
 
@@ -36,8 +47,18 @@ static const char NULL_PROMPT_IDS[] = "\"prompt_token_ids\":null";
 typedef struct {
     Py_ssize_t begin, end;          /* the event, without its blank line */
     Py_ssize_t prompt, closed;      /* the prompt's ids list: '[' ... ']' (prompt < 0: none) */
-    Py_ssize_t ids, stop;           /* the choice's ids list */
+    Py_ssize_t ids, stop;           /* the choice's ids list; for usage, the usage object */
 } Event;
+
+/* What one event counts: its choice, its tokens, its prompt tokens (-1: none). */
+typedef struct {
+    long long choice, tokens, prompt;
+} Counts;
+
+/* One event s[b:e] of a scan's shape: its cuts in *ev and its counts in *c; 0 if it is not of
+ * the shape. `flag` is the scan's include_usage. */
+typedef int (*EventScan)(const char *s, Py_ssize_t b, Py_ssize_t e, int flag, Event *ev,
+                         Counts *c);
 
 /* First `needle` wholly inside s[from:to], or -1. */
 static Py_ssize_t
@@ -91,7 +112,8 @@ count_ids(const char *s, Py_ssize_t from, Py_ssize_t to)
  * match's index in *choice and the match's end in *after. Returns 0 on no match, and also when
  * the first match is the empty list (the usage-only chunk), -1 when the index is too long. */
 static int
-choices_index(const char *s, Py_ssize_t from, Py_ssize_t to, long *choice, Py_ssize_t *after)
+choices_index(const char *s, Py_ssize_t from, Py_ssize_t to, long long *choice,
+              Py_ssize_t *after)
 {
     for (Py_ssize_t at = find(s, from, to, CHOICES, LEN(CHOICES)); at >= 0;
          at = find(s, at + 1, to, CHOICES, LEN(CHOICES))) {
@@ -104,7 +126,7 @@ choices_index(const char *s, Py_ssize_t from, Py_ssize_t to, long *choice, Py_ss
         }
         p += LEN(INDEX);
         Py_ssize_t digits = p;
-        long value = 0;
+        long long value = 0;
         while (p < to && s[p] >= '0' && s[p] <= '9') {
             if (p - digits >= MAX_INDEX_DIGITS) {
                 return -1;
@@ -122,15 +144,21 @@ choices_index(const char *s, Py_ssize_t from, Py_ssize_t to, long *choice, Py_ss
     return 0;
 }
 
-/* One event s[b:e]: its cuts in *ev, its choice, tokens and prompt ids (-1: none). Returns 0 if
- * it is not of the shape (the line reader takes the read). */
+/* s[b:e] starts a data line of a JSON event. */
 static int
-scan_event(const char *s, Py_ssize_t b, Py_ssize_t e, int include_usage, Event *ev,
-           long *choice, long *tokens, long *prompt_tokens)
+is_data(const char *s, Py_ssize_t b, Py_ssize_t e)
 {
-    int data = (e - b >= LEN(DATA_SPACED) && memcmp(s + b, DATA_SPACED, LEN(DATA_SPACED)) == 0)
-               || (e - b >= LEN(DATA_BARE) && memcmp(s + b, DATA_BARE, LEN(DATA_BARE)) == 0);
-    if (!data) {
+    return (e - b >= LEN(DATA_SPACED) && memcmp(s + b, DATA_SPACED, LEN(DATA_SPACED)) == 0)
+           || (e - b >= LEN(DATA_BARE) && memcmp(s + b, DATA_BARE, LEN(DATA_BARE)) == 0);
+}
+
+/* One event s[b:e] of the token_ids shape: its cuts in *ev, its choice, tokens and prompt ids
+ * (-1: none). Returns 0 if it is not of the shape (the line reader takes the read). */
+static int
+scan_event(const char *s, Py_ssize_t b, Py_ssize_t e, int include_usage, Event *ev, Counts *c)
+{
+    long long *choice = &c->choice;
+    if (!is_data(s, b, e)) {
         return 0;
     }
     Py_ssize_t ids = rfind(s, b, e, IDS, LEN(IDS));
@@ -150,15 +178,15 @@ scan_event(const char *s, Py_ssize_t b, Py_ssize_t e, int include_usage, Event *
         return 0;  /* not the shape of vLLM's completions events */
     }
     Py_ssize_t closed = -1;
-    *prompt_tokens = -1;
+    c->prompt = -1;
     if (prompt >= 0) {
         closed = find_byte(s, prompt, e, ']');
         if (closed > ids) {
             return 0;  /* the prompt's list does not close before the choice's ids */
         }
-        *prompt_tokens = count_ids(s, prompt + LEN(PROMPT_IDS), closed);
+        c->prompt = count_ids(s, prompt + LEN(PROMPT_IDS), closed);
     }
-    *tokens = count_ids(s, ids + LEN(IDS), stop);
+    c->tokens = count_ids(s, ids + LEN(IDS), stop);
     ev->begin = b;
     ev->end = e;
     ev->prompt = prompt;
@@ -166,6 +194,119 @@ scan_event(const char *s, Py_ssize_t b, Py_ssize_t e, int include_usage, Event *
     ev->ids = ids;
     ev->stop = stop;
     return 1;
+}
+
+/* `lit` at s[*p:to]: 1 and *p past it, or 0. */
+static int
+literal(const char *s, Py_ssize_t *p, Py_ssize_t to, const char *lit, Py_ssize_t m)
+{
+    if (to - *p < m || memcmp(s + *p, lit, (size_t)m) != 0) {
+        return 0;
+    }
+    *p += m;
+    return 1;
+}
+
+/* The digits at s[*p:to] (at least one), *p past them, their value in *value when it is not
+ * NULL. 0 when there are none, or (with a value asked for) more than MAX_COUNT_DIGITS. */
+static int
+number(const char *s, Py_ssize_t *p, Py_ssize_t to, long long *value)
+{
+    Py_ssize_t start = *p;
+    long long v = 0;
+    while (*p < to && s[*p] >= '0' && s[*p] <= '9') {
+        if (value != NULL) {
+            if (*p - start >= MAX_COUNT_DIGITS) {
+                return 0;
+            }
+            v = v * 10 + (s[*p] - '0');
+        }
+        (*p)++;
+    }
+    if (*p == start) {
+        return 0;
+    }
+    if (value != NULL) {
+        *value = v;
+    }
+    return 1;
+}
+
+/* VLLM_USAGE matched at s[p:to]: where the match ends, or -1. The optional details group, when
+ * present but not whole, leaves a ',' where the closing brace must be: no match, as in the
+ * regular expression. */
+static Py_ssize_t
+vllm_usage(const char *s, Py_ssize_t p, Py_ssize_t to, Counts *c)
+{
+    if (!literal(s, &p, to, USAGE_PROMPT, LEN(USAGE_PROMPT)) || !number(s, &p, to, &c->prompt)
+        || !literal(s, &p, to, USAGE_TOTAL, LEN(USAGE_TOTAL)) || !number(s, &p, to, NULL)
+        || !literal(s, &p, to, USAGE_COMPLETION, LEN(USAGE_COMPLETION))
+        || !number(s, &p, to, &c->tokens)) {
+        return -1;
+    }
+    Py_ssize_t q = p;
+    if (literal(s, &q, to, USAGE_DETAILS, LEN(USAGE_DETAILS))) {
+        if (literal(s, &q, to, USAGE_NULL, LEN(USAGE_NULL))) {
+            p = q;
+        }
+        else if (literal(s, &q, to, USAGE_CACHED, LEN(USAGE_CACHED)) && number(s, &q, to, NULL)
+                 && q < to && s[q] == '}') {
+            p = q + 1;
+        }
+    }
+    return p < to && s[p] == '}' ? p + 1 : -1;
+}
+
+/* One event s[b:e] of the usage shape: the usage object's place in *ev (ids: where it starts),
+ * its choice, completion tokens and prompt tokens in *c. 0 if it is not of the shape. */
+static int
+scan_usage_event(const char *s, Py_ssize_t b, Py_ssize_t e, int include_usage, Event *ev,
+                 Counts *c)
+{
+    if (!is_data(s, b, e)) {
+        return 0;
+    }
+    Py_ssize_t end = e - 1;  /* the event's closing brace */
+    Py_ssize_t start = rfind(s, b, end, USAGE_KEY, LEN(USAGE_KEY));
+    if (start < 0 || vllm_usage(s, start, e, c) != end) {
+        return 0;
+    }
+    Py_ssize_t after;
+    if (choices_index(s, b, start, &c->choice, &after) != 1) {
+        return 0;  /* the usage-only chunk, or choices in another shape */
+    }
+    if (!include_usage && find(s, after, start, TERMINAL, LEN(TERMINAL)) >= 0) {
+        return 0;  /* a terminal chunk the fingerprint goes on */
+    }
+    ev->begin = b;
+    ev->end = e;
+    ev->ids = start;
+    return 1;
+}
+
+/* The client's bytes of a usage read: each event without its usage object, and its blank
+ * line. */
+static PyObject *
+cut_usage(const char *s, const Event *events, Py_ssize_t count)
+{
+    Py_ssize_t size = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        size += events[i].ids - events[i].begin + 3;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out == NULL) {
+        return NULL;
+    }
+    char *w = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const Event *ev = &events[i];
+        memcpy(w, s + ev->begin, (size_t)(ev->ids - ev->begin));
+        w += ev->ids - ev->begin;
+        *w++ = s[ev->end - 1];
+        *w++ = '\n';
+        *w++ = '\n';
+    }
+    return out;
 }
 
 /* The client's bytes: each event with its ids (and the prompt's) cut to null, and its blank
@@ -204,17 +345,19 @@ cut(const char *s, const Event *events, Py_ssize_t count)
     return out;
 }
 
-/* Every event of the read s[0:n], each ending at its blank line, into *events (grown on the
- * heap past STACK_EVENTS). Returns the number of events, 0 if the read is not all events of the
- * shape and of one choice, -1 on a memory error. */
+/* Every event of the read s[0:n], each ending at its blank line and read by `one`, into
+ * *events (grown on the heap past STACK_EVENTS), the read's counts in *read: its choice, the
+ * most prompt tokens, and the tokens summed (`sum`) or the last event's. Returns the number of
+ * events, 0 if the read is not all events of the shape and of one choice, -1 on a memory
+ * error. */
 static Py_ssize_t
-scan_read(const char *s, Py_ssize_t n, int include_usage, Event **events, Py_ssize_t *room,
-          long *choice, long *tokens, long *prompt_tokens)
+scan_read(const char *s, Py_ssize_t n, EventScan one, int flag, int sum, Event **events,
+          Py_ssize_t *room, Counts *read)
 {
     Py_ssize_t count = 0;
-    *choice = -1;
-    *tokens = 0;
-    *prompt_tokens = -1;
+    read->choice = -1;
+    read->tokens = 0;
+    read->prompt = -1;
     for (Py_ssize_t b = 0; b < n;) {
         /* An event holds no line break: its first one must start its blank line. */
         Py_ssize_t e = find_byte(s, b, n, '\n');
@@ -235,18 +378,17 @@ scan_read(const char *s, Py_ssize_t n, int include_usage, Event **events, Py_ssi
             *events = more;
             *room = grown;
         }
-        long one_choice, one_tokens, one_prompt;
-        if (!scan_event(s, b, e, include_usage, &(*events)[count], &one_choice, &one_tokens,
-                        &one_prompt)) {
+        Counts c;
+        if (!one(s, b, e, flag, &(*events)[count], &c)) {
             return 0;
         }
-        if (*choice >= 0 && one_choice != *choice) {
+        if (read->choice >= 0 && c.choice != read->choice) {
             return 0;  /* another choice's event: the line reader keeps their order */
         }
-        *choice = one_choice;
-        *tokens += one_tokens;
-        if (one_prompt > *prompt_tokens) {
-            *prompt_tokens = one_prompt;
+        read->choice = c.choice;
+        read->tokens = sum ? read->tokens + c.tokens : c.tokens;
+        if (c.prompt > read->prompt) {
+            read->prompt = c.prompt;
         }
         count++;
         b = e + 2;
@@ -254,18 +396,18 @@ scan_read(const char *s, Py_ssize_t n, int include_usage, Event **events, Py_ssi
     return count;
 }
 
+/* scan_ids and scan_usage: (data, keep, include_usage), by the event scanner `one`. */
 static PyObject *
-scan_ids(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+scan(PyObject *const *args, Py_ssize_t nargs, const char *usage, EventScan one, int sum,
+     PyObject *(*cut_read)(const char *, const Event *, Py_ssize_t))
 {
-    (void)module;
     if (nargs != 3 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "scan_ids(data: bytes, keep_ids: bool, include_usage: bool)");
+        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
-    int keep_ids = PyObject_IsTrue(args[1]);
+    int keep = PyObject_IsTrue(args[1]);
     int include_usage = PyObject_IsTrue(args[2]);
-    if (keep_ids < 0 || include_usage < 0) {
+    if (keep < 0 || include_usage < 0) {
         return NULL;
     }
     PyObject *data = args[0];
@@ -278,14 +420,14 @@ scan_ids(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Event stack[STACK_EVENTS];
     Event *events = stack;
     Py_ssize_t room = STACK_EVENTS;
-    long choice, tokens, prompt_tokens;
-    Py_ssize_t count = scan_read(s, n, include_usage, &events, &room, &choice, &tokens,
-                                 &prompt_tokens);
+    Counts read;
+    Py_ssize_t count = scan_read(s, n, one, include_usage, sum, &events, &room, &read);
     PyObject *result = NULL;
     if (count > 0) {
-        PyObject *payload = keep_ids ? Py_NewRef(data) : cut(s, events, count);
+        PyObject *payload = keep ? Py_NewRef(data) : cut_read(s, events, count);
         if (payload != NULL) {
-            result = Py_BuildValue("(Nllln)", payload, choice, tokens, prompt_tokens, count);
+            result = Py_BuildValue("(NLLLn)", payload, read.choice, read.tokens, read.prompt,
+                                   count);
         }
     }
     else if (count == 0) {
@@ -297,9 +439,27 @@ scan_ids(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+static PyObject *
+scan_ids(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    return scan(args, nargs, "scan_ids(data: bytes, keep_ids: bool, include_usage: bool)",
+                scan_event, 1, cut);
+}
+
+static PyObject *
+scan_usage(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    return scan(args, nargs, "scan_usage(data: bytes, keep: bool, include_usage: bool)",
+                scan_usage_event, 0, cut_usage);
+}
+
 static PyMethodDef methods[] = {
     {"scan_ids", (PyCFunction)(void (*)(void))scan_ids, METH_FASTCALL,
      "scan_ids(data, keep_ids, include_usage): see kvtax.delivery.eventscan.scan_ids_py."},
+    {"scan_usage", (PyCFunction)(void (*)(void))scan_usage, METH_FASTCALL,
+     "scan_usage(data, keep, include_usage): see kvtax.delivery.eventscan.scan_usage_py."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,6 @@
 """The relay's common read, counted and cut in one call: whole events of vLLM's ``token_ids``
-shape, all of one choice.
+shape (:func:`scan_ids`), or of its continuous-usage shape (:func:`scan_usage`), all of one
+choice.
 
 A paced stream's read is one event; a busy one's, a few. :func:`scan_ids` takes such a read as
 it came and answers in one step what :class:`~kvtax.delivery.sse.StreamRewriter` otherwise
@@ -22,6 +23,18 @@ An event of the shape, as vLLM writes it with ``return_token_ids`` (the prompt's
 choice's first event)::
 
     data: {"id":"x",...,"choices":[{"index":0,"text":"a",...,"token_ids":[5]}]}
+
+and of the usage shape, which a vLLM before the ids (0.10.2 for completions, 0.12 for chat)
+streams with ``continuous_usage_stats``: its usage the event's last key, the completion tokens
+so far::
+
+    data: {"id":"x",...,"choices":[{"index":0,...}],"usage":{"prompt_tokens":3,
+    "total_tokens":5,"completion_tokens":2}}
+
+:func:`scan_usage` (C, or :func:`scan_usage_py`) answers for such a read what the rewriter's
+one-event step (``StreamRewriter._fast_usage``) answers event by event: the bytes the client
+gets (the usage cut unless it asked for continuous usage), the choice, its completion tokens as
+of the last event, the prompt tokens, and the number of events.
 """
 
 from __future__ import annotations
@@ -41,15 +54,22 @@ __all__ = [
     "NULL_PROMPT_IDS",
     "PROMPT_IDS",
     "TERMINAL",
+    "USAGE_KEY",
+    "VLLM_USAGE",
     "IdsRead",
+    "UsageRead",
     "count_ids",
     "extensions_off",
     "scan_ids",
     "scan_ids_py",
+    "scan_usage",
+    "scan_usage_py",
 ]
 
 # payload, choice, completion tokens, prompt tokens (-1: no prompt ids in the read), events.
 IdsRead = tuple[bytes, int, int, int, int]
+# payload, choice, its completion tokens as of the read's last event, prompt tokens, events.
+UsageRead = tuple[bytes, int, int, int, int]
 
 # A data line of a JSON event. The SSE spec makes the space after the colon optional: vLLM
 # writes it, other servers (and proxies in between) may not, and both must be read.
@@ -65,9 +85,18 @@ IDS = b'"token_ids":['
 PROMPT_IDS = b'"prompt_token_ids":['
 NULL_IDS = b'"token_ids":null'
 NULL_PROMPT_IDS = b'"prompt_token_ids":null'
+# vLLM's usage object as it writes it, the event's last key: read in one match. Any other form
+# (spaces, another key order, details) is found by the line reader, which counts braces.
+USAGE_KEY = b',"usage":{'
+VLLM_USAGE = re.compile(
+    rb',"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,"completion_tokens":(\d+)'
+    rb'(?:,"prompt_tokens_details":(?:null|\{"cached_tokens":\d+\}))?\}'
+)
 _EVENT_END = b"\n\n"
 # A choice index longer than this is no vLLM's: the line reader takes it.
 _MAX_INDEX_DIGITS = 9
+# A token count longer than this does not fit the C scan's integers: the line reader takes it.
+_MAX_COUNT_DIGITS = 18
 
 
 def count_ids(event: bytes, start: int, stop: int) -> int:
@@ -144,23 +173,77 @@ def scan_ids_py(data: bytes, keep_ids: bool, include_usage: bool) -> IdsRead | N
     return payload, choice, tokens, prompt, len(events)
 
 
+def _one_usage(
+    event: bytes, keep: bool, include_usage: bool, out: list[bytes]
+) -> tuple[int, int, int] | None:
+    """One event of the usage shape (without its blank line): its choice, completion tokens and
+    prompt tokens, its bytes for the client appended to ``out``; None if it is not of the shape.
+    ``keep``: the client asked for continuous usage, and the event goes as it came."""
+    end = len(event) - 1  # the event's closing brace
+    if not event.startswith(DATA) or event.find(b"\n") >= 0:
+        return None
+    start = event.rfind(USAGE_KEY, 0, end)
+    exact = VLLM_USAGE.match(event, start) if start >= 0 else None
+    if exact is None or exact.end() != end:
+        return None
+    choices = CHOICES.search(event, 0, start)
+    if choices is None or choices.group(2) is None:
+        return None  # the usage-only chunk, or choices in another shape
+    index, tokens, prompt = choices.group(2), exact.group(2), exact.group(1)
+    if len(index) > _MAX_INDEX_DIGITS or max(len(tokens), len(prompt)) > _MAX_COUNT_DIGITS:
+        return None
+    if not (keep or include_usage) and event.find(TERMINAL, choices.end(), start) >= 0:
+        return None  # a terminal chunk the fingerprint goes on
+    if keep:
+        out += (event, _EVENT_END)
+    else:
+        out += (event[:start], event[end:], _EVENT_END)
+    return int(index), int(tokens), int(prompt)
+
+
+def scan_usage_py(data: bytes, keep: bool, include_usage: bool) -> UsageRead | None:
+    """``data``, whole events each ending in a blank line, if every one is an ordinary event
+    of the usage scheme and all are one choice's: what the client gets, and the counts.
+    ``keep``: the client asked for continuous usage; ``include_usage``: for the final usage (so
+    a terminal chunk is not held for the fingerprint). None: read it line by line."""
+    if not data.endswith(_EVENT_END) or data.endswith(b"\n\n\n"):
+        return None  # an odd newline more after the last event is a line of its own
+    out: list[bytes] = []
+    events = data.split(_EVENT_END)
+    events.pop()  # what follows the last blank line: nothing
+    choice, tokens, prompt = -1, 0, -1
+    for event in events:
+        one = _one_usage(event, keep, include_usage, out)
+        if one is None or choice not in (-1, one[0]):
+            return None
+        choice, tokens = one[0], one[1]  # the count so far: the last event's is the read's
+        prompt = max(prompt, one[2])
+    payload = data if keep else b"".join(out)
+    return payload, choice, tokens, prompt, len(events)
+
+
 def extensions_off() -> bool:
     """True when the environment asks for the Python scan (``KVTAX_NO_EXTENSIONS`` set, and not
     to ``0``)."""
     return os.environ.get("KVTAX_NO_EXTENSIONS", "") not in ("", "0")
 
 
-def _compiled() -> Callable[[bytes, bool, bool], IdsRead | None] | None:
+Scan = Callable[[bytes, bool, bool], tuple[bytes, int, int, int, int] | None]
+
+
+def _compiled() -> tuple[Scan, Scan] | None:
     if extensions_off():
         return None
     try:
-        from kvtax.delivery._eventscan import scan_ids as native
-    except ImportError:  # not built here (no C compiler at install): the Python one
+        from kvtax.delivery._eventscan import scan_ids as ids
+        from kvtax.delivery._eventscan import scan_usage as usage
+    except ImportError:  # not built here (no C compiler at install): the Python ones
         return None
-    return native
+    return ids, usage
 
 
 _NATIVE = _compiled()
-# True when scan_ids is the C one.
+# True when scan_ids and scan_usage are the C ones.
 COMPILED = _NATIVE is not None
-scan_ids: Callable[[bytes, bool, bool], IdsRead | None] = _NATIVE or scan_ids_py
+scan_ids: Scan = _NATIVE[0] if _NATIVE is not None else scan_ids_py
+scan_usage: Scan = _NATIVE[1] if _NATIVE is not None else scan_usage_py

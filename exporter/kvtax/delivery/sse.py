@@ -60,23 +60,24 @@ from kvtax.delivery.eventscan import (
     NULL_PROMPT_IDS,
     PROMPT_IDS,
     TERMINAL,
+    USAGE_KEY,
+    VLLM_USAGE,
     IdsRead,
+    UsageRead,
     count_ids,
     scan_ids,
+    scan_usage,
 )
 from kvtax.delivery.usage import usage_tokens
 
 __all__ = ["MAX_HELD", "Fingerprint", "HoldBudget", "Relayed", "StreamRewriter"]
 
-_USAGE_KEY = b',"usage":{'
+_USAGE_KEY = USAGE_KEY
 _USAGE_ANY = b'"usage"'
 _DONE = (b"data: [DONE]", b"data:[DONE]")
 # vLLM's usage object exactly as vLLM writes it, read in one match; any other form (spaces,
 # another key order, details) is found by counting braces and read by a JSON parse.
-_VLLM_USAGE = re.compile(
-    rb',"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,"completion_tokens":(\d+)'
-    rb'(?:,"prompt_tokens_details":(?:null|\{"cached_tokens":\d+\}))?\}'
-)
+_VLLM_USAGE = VLLM_USAGE
 # A chat role chunk (the first of each choice): no token, and vLLM gives it no ids.
 _ROLE = b'"delta":{"role":'
 # The usage-only chunk of the token_ids scheme, as vLLM writes it (include_usage).
@@ -225,12 +226,17 @@ class StreamRewriter:
         if data.find(b"\r") >= 0 or (self._buffer and self._buffer.endswith(b"\r")):
             return self._feed_any_ends(data)
         if not self._buffer and not self._raw and data.endswith(_EVENT_END):
-            if self.scheme == "token_ids" and not self._held and not self._skip_blank:
+            if not self._held and not self._skip_blank:
                 # The common read, one call (see _events): tried here, a call sooner.
                 wish = self.wish
-                read = scan_ids(data, wish.token_ids, wish.include_usage)
-                if read is not None:
-                    return self._scanned(read)
+                if self.scheme == "token_ids":
+                    read = scan_ids(data, wish.token_ids, wish.include_usage)
+                    if read is not None:
+                        return self._scanned(read)
+                else:
+                    usage = scan_usage(data, wish.continuous, wish.include_usage)
+                    if usage is not None:
+                        return self._scanned_usage(usage)
             return self._events(data)
         return self._by_line(data)
 
@@ -283,6 +289,16 @@ class StreamRewriter:
         self.completion_tokens += tokens
         self.prompt_tokens = max(self.prompt_tokens, prompt)
         # tuple.__new__ in C: a NamedTuple's own __new__ is a Python function, a call per read.
+        return tuple.__new__(Relayed, (payload, self.completion_tokens))
+
+    def _scanned_usage(self, read: UsageRead) -> Relayed:
+        payload, choice, tokens, prompt, events = read
+        self.events += events
+        self.usage_lines += events
+        self.prompt_tokens = max(self.prompt_tokens, prompt)
+        # Each event's count is the choice's so far: the read's last one says it all.
+        self.completion_tokens += tokens - self._emitted.get(choice, 0)
+        self._seen[choice] = self._emitted[choice] = tokens
         return tuple.__new__(Relayed, (payload, self.completion_tokens))
 
     def _each_event(self, data: bytes, ids: bool) -> Relayed:

@@ -10,7 +10,9 @@ the prompt's ids on the first chunk only), cumulative usage on each chunk only w
 those APIs' named events (one token per content event, usage at the end only), ``max_tokens``
 or ``max_output_tokens`` deltas long.
 ``GET /metrics`` answers a minimal vLLM page and ``GET /version`` 0.32's version, so a kvtax
-sidecar in front of it scrapes without errors and counts as it would in front of vLLM 0.32.
+sidecar in front of it scrapes without errors and counts as it would in front of vLLM 0.32
+(``--version`` names another: a version before the token ids has kvtax count by continuous
+usage, as it does in front of such a vLLM).
 The events come from the one builder (:mod:`kvtax_dev.fakevllm.events`), each distinct chunk
 encoded once and kept: the server should cost as little CPU as possible, so the benchmark
 measures the relay.
@@ -141,16 +143,20 @@ async def named(request: web.Request) -> web.StreamResponse:
     return response
 
 
+_VERSION = web.AppKey("version", str)
+
+
 async def version(request: web.Request) -> web.Response:
-    return web.json_response({"version": VERSION})
+    return web.json_response({"version": request.app.get(_VERSION, VERSION)})
 
 
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=_METRICS, content_type="text/plain")
 
 
-def app() -> web.Application:
+def app(vllm_version: str = VERSION) -> web.Application:
     served = web.Application()
+    served[_VERSION] = vllm_version
     served.router.add_post("/v1/completions", completions)
     served.router.add_post("/v1/messages", named)
     served.router.add_post("/v1/responses", named)
@@ -162,5 +168,11 @@ def app() -> web.Application:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--version",
+        default=VERSION,
+        help=f"the vLLM version GET /version answers (default {VERSION})",
+    )
     args = parser.parse_args()
-    web.run_app(app(), host="127.0.0.1", port=args.port, access_log=None, print=None, backlog=4096)
+    served = app(args.version)
+    web.run_app(served, host="127.0.0.1", port=args.port, access_log=None, print=None, backlog=4096)
