@@ -86,11 +86,16 @@ async def run_round(
     url: str, clients: int, requests_: int, body: dict[str, Any], stagger: float = 0.0
 ) -> tuple[list[Stream], float]:
     """``requests_`` streams from ``clients`` closed-loop clients, client j starting
-    ``j * stagger`` seconds after the first; the streams and the wall time."""
+    ``j * stagger`` seconds after the first; the streams and the wall time.
+
+    Each stream goes out on a connection of its own, in both arms, as the load tester's do
+    (docs/loadtest.md, "Errors"): a reused connection can meet vLLM's keep-alive close, armed
+    as an answer ends, when the engine runs late, and the stream then fails before vLLM read
+    it, stopping the run ("Server disconnected", seen in the direct arm)."""
     left = [requests_]
     done: list[Stream] = []
     timeout = aiohttp.ClientTimeout(total=600)
-    connector = aiohttp.TCPConnector(limit=clients)
+    connector = aiohttp.TCPConnector(limit=clients, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
         async def client(j: int) -> None:
