@@ -419,7 +419,7 @@ RENAMED_KEYS: dict[str, Option] = renamed_keys(OPTIONS, RENAMED)
 # YAML key), each with what it does; listed in docs/configuration.md.
 RUNTIME_SWITCHES: dict[str, str] = {
     "KVTAX_NO_EXTENSIONS": "Set (to anything but empty or `0`): the relay counts and cuts "
-    "vLLM's events with its Python scan, not the compiled one (kvtax.delivery.eventscan). Both "
-    "give the same bytes and counts; the Python one costs more CPU per event. For comparing the "
-    "two, or a build without its C module.",
+    "vLLM's events with its Python scans, not the compiled ones (kvtax.delivery.eventscan: the "
+    "token ids' and continuous usage's). Both give the same bytes and counts; the Python ones "
+    "cost more CPU per event. For comparing the two, or a build without its C module.",
 }
