@@ -65,11 +65,16 @@ def _reads(draw: st.DrawFn) -> bytes:
             max_size=20,
         )
     )
+    return _broken(draw, events, [b"\n", b"]", b",", b"[", b'"choices":[', b"\r", b"x"])
+
+
+def _broken(draw: st.DrawFn, events: list[bytes], pieces: list[bytes]) -> bytes:
+    """``events`` joined, with up to three of ``pieces`` put in anywhere and perhaps a byte
+    taken out: a shape a generator of pieces would not think of."""
     read = bytearray(b"".join(events))
-    # Any byte anywhere: a shape a generator of pieces would not think of.
     for _ in range(draw(st.integers(0, 3))):
         at = draw(st.integers(0, len(read)))
-        read[at:at] = draw(st.sampled_from([b"\n", b"]", b",", b"[", b'"choices":[', b"\r", b"x"]))
+        read[at:at] = draw(st.sampled_from(pieces))
     if draw(st.booleans()):
         del read[draw(st.integers(0, len(read) - 1))]
     return bytes(read)
@@ -239,14 +244,8 @@ def _usage_reads(draw: st.DrawFn) -> bytes:
             max_size=20,
         )
     )
-    read = bytearray(b"".join(events))
-    for _ in range(draw(st.integers(0, 3))):
-        at = draw(st.integers(0, len(read)))
-        piece = [b"\n", b"}", b",", b'"usage":{', b'"choices":[', b"\r", b"x", b"9"]
-        read[at:at] = draw(st.sampled_from(piece))
-    if draw(st.booleans()):
-        del read[draw(st.integers(0, len(read) - 1))]
-    return bytes(read)
+    pieces = [b"\n", b"}", b",", b'"usage":{', b'"choices":[', b"\r", b"x", b"9"]
+    return _broken(draw, events, pieces)
 
 
 @settings(max_examples=1500)

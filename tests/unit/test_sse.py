@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvtax.delivery import sse
 from kvtax.delivery.asks import UsageWish, with_usage
 from kvtax.delivery.sse import HoldBudget, StreamRewriter
 from kvtax_dev.fakevllm.events import DONE, done
@@ -307,6 +308,7 @@ def test_whole_events_in_one_pass_give_what_the_line_path_gives(
     streams = [_random_stream(rng) for _ in range(400)]
     fast = [_run(wish, reads) for reads in streams]
     monkeypatch.setattr(StreamRewriter, "_fast_usage", lambda self, event, out: None)
+    monkeypatch.setattr(sse, "scan_usage", lambda data, keep, include_usage: None)
     slow = [_run(wish, reads) for reads in streams]
     for (fast_out, fast_rw), (slow_out, slow_rw) in zip(fast, slow, strict=True):
         assert fast_out == slow_out

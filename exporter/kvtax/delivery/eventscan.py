@@ -60,6 +60,7 @@ __all__ = [
     "UsageRead",
     "count_ids",
     "extensions_off",
+    "one_usage",
     "scan_ids",
     "scan_ids_py",
     "scan_usage",
@@ -149,31 +150,10 @@ def scan_ids_py(data: bytes, keep_ids: bool, include_usage: bool) -> IdsRead | N
     of the ``token_ids`` scheme and all are one choice's: what the client gets, and the counts.
     ``keep_ids``: the client asked for the ids; ``include_usage``: for the usage chunk (so a
     terminal chunk is not held for the fingerprint). None: read it line by line."""
-    if not data.endswith(_EVENT_END) or data.endswith(b"\n\n\n"):
-        return None  # an odd newline more after the last event is a line of its own
-    out: list[bytes] = []
-    if data.find(_EVENT_END) == len(data) - 2:
-        # One event, the read of a paced stream: no split.
-        one = _one(data[:-2], keep_ids, include_usage, out)
-        if one is None:
-            return None
-        return data if keep_ids else b"".join(out), one[0], one[1], one[2], 1
-    events = data.split(_EVENT_END)
-    events.pop()  # what follows the last blank line: nothing
-    choice, tokens, prompt = -1, 0, -1
-    for event in events:
-        one = _one(event, keep_ids, include_usage, out)
-        if one is None or choice not in (-1, one[0]):
-            return None
-        choice = one[0]
-        tokens += one[1]
-        prompt = max(prompt, one[2])
-    # Every event kept whole is the read as it came.
-    payload = data if keep_ids else b"".join(out)
-    return payload, choice, tokens, prompt, len(events)
+    return _scan(data, keep_ids, include_usage, _one, summed=True)
 
 
-def _one_usage(
+def one_usage(
     event: bytes, keep: bool, include_usage: bool, out: list[bytes]
 ) -> tuple[int, int, int] | None:
     """One event of the usage shape (without its blank line): its choice, completion tokens and
@@ -206,20 +186,37 @@ def scan_usage_py(data: bytes, keep: bool, include_usage: bool) -> UsageRead | N
     of the usage scheme and all are one choice's: what the client gets, and the counts.
     ``keep``: the client asked for continuous usage; ``include_usage``: for the final usage (so
     a terminal chunk is not held for the fingerprint). None: read it line by line."""
+    # Each event's count is the choice's so far: the last event's is the read's.
+    return _scan(data, keep, include_usage, one_usage, summed=False)
+
+
+# One event's scanner: (event, keep, include_usage, out) -> (choice, tokens, prompt) or None.
+_EventScan = Callable[[bytes, bool, bool, list[bytes]], tuple[int, int, int] | None]
+
+
+def _scan(
+    data: bytes, keep: bool, include_usage: bool, one: _EventScan, *, summed: bool
+) -> tuple[bytes, int, int, int, int] | None:
+    """The read loop both scans share (as the C one's ``scan_read``): every event by ``one``,
+    all of one choice; the tokens ``summed`` over the events, or the last event's."""
     if not data.endswith(_EVENT_END) or data.endswith(b"\n\n\n"):
         return None  # an odd newline more after the last event is a line of its own
+    if data.find(_EVENT_END) == len(data) - 2:
+        events = [data[:-2]]  # one event, the read of a paced stream: no split
+    else:
+        events = data.split(_EVENT_END)
+        events.pop()  # what follows the last blank line: nothing
     out: list[bytes] = []
-    events = data.split(_EVENT_END)
-    events.pop()  # what follows the last blank line: nothing
     choice, tokens, prompt = -1, 0, -1
     for event in events:
-        one = _one_usage(event, keep, include_usage, out)
-        if one is None or choice not in (-1, one[0]):
+        got = one(event, keep, include_usage, out)
+        if got is None or choice not in (-1, got[0]):
             return None
-        choice, tokens = one[0], one[1]  # the count so far: the last event's is the read's
-        prompt = max(prompt, one[2])
-    payload = data if keep else b"".join(out)
-    return payload, choice, tokens, prompt, len(events)
+        choice = got[0]
+        tokens = tokens + got[1] if summed else got[1]
+        prompt = max(prompt, got[2])
+    # Every event kept whole is the read as it came.
+    return data if keep else b"".join(out), choice, tokens, prompt, len(events)
 
 
 def extensions_off() -> bool:

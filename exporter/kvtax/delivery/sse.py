@@ -65,6 +65,7 @@ from kvtax.delivery.eventscan import (
     IdsRead,
     UsageRead,
     count_ids,
+    one_usage,
     scan_ids,
     scan_usage,
 )
@@ -72,12 +73,8 @@ from kvtax.delivery.usage import usage_tokens
 
 __all__ = ["MAX_HELD", "Fingerprint", "HoldBudget", "Relayed", "StreamRewriter"]
 
-_USAGE_KEY = USAGE_KEY
 _USAGE_ANY = b'"usage"'
 _DONE = (b"data: [DONE]", b"data:[DONE]")
-# vLLM's usage object exactly as vLLM writes it, read in one match; any other form (spaces,
-# another key order, details) is found by counting braces and read by a JSON parse.
-_VLLM_USAGE = VLLM_USAGE
 # A chat role chunk (the first of each choice): no token, and vLLM gives it no ids.
 _ROLE = b'"delta":{"role":'
 # The usage-only chunk of the token_ids scheme, as vLLM writes it (include_usage).
@@ -136,7 +133,7 @@ def _usage_span(line: bytes, start: int) -> tuple[int, int] | None:
     ``,"usage":{`` cannot occur inside a JSON string (its quotes would be escaped), and usage
     holds no strings with braces, so counting braces finds its end; the JSON parse that follows
     checks it."""
-    pos = start + len(_USAGE_KEY)
+    pos = start + len(USAGE_KEY)
     depth = 1
     while depth:
         close = line.find(b"}", pos)
@@ -150,7 +147,7 @@ def _usage_span(line: bytes, start: int) -> tuple[int, int] | None:
 def _parse_usage(line: bytes, span: tuple[int, int] | None) -> tuple[int, int] | None:
     if span is not None:
         try:
-            return usage_tokens(orjson.loads(line[span[0] + len(_USAGE_KEY) - 1 : span[1]]))
+            return usage_tokens(orjson.loads(line[span[0] + len(USAGE_KEY) - 1 : span[1]]))
         except orjson.JSONDecodeError:
             return None
     # Not vLLM's compact form (spaces, another key order): read the whole event.
@@ -261,26 +258,12 @@ class StreamRewriter:
         return Relayed(b"".join(out), self.completion_tokens)
 
     def _events(self, data: bytes) -> Relayed:
-        """The common read: whole events. A read of the token_ids scheme whose events are all
-        ordinary ones of one choice was counted and cut in one call before this (:meth:`feed`,
-        :func:`scan_ids`, in C where built); here each event of such a shape is, and an
-        ordinary event of the usage scheme in one step (:meth:`_fast_usage`); any other goes
-        line by line, which gives the same result for those. A read none of whose events
-        needed a cut goes out as it came."""
-        ids = self.scheme == "token_ids"
-        if (
-            not ids
-            and not self._held
-            and not self._skip_blank
-            and data.find(_EVENT_END) == len(data) - 2
-        ):
-            # One event of the usage scheme, the read of a paced stream: no split.
-            out: list[bytes] = []
-            kept = self._fast_usage(data[:-2], out)
-            if kept is not None:
-                self.events += 1
-                return Relayed(data if kept else b"".join(out), self.completion_tokens)
-        return self._each_event(data, ids)
+        """The common read: whole events. A read whose events are all ordinary ones of one
+        choice was counted and cut in one call before this (:meth:`feed`: :func:`scan_ids` or
+        :func:`scan_usage`, in C where built); here each event of such a shape is, in one step,
+        and any other goes line by line, which gives the same result for those. A read none of
+        whose events needed a cut goes out as it came."""
+        return self._each_event(data, self.scheme == "token_ids")
 
     def _scanned(self, read: IdsRead) -> Relayed:
         payload, choice, tokens, prompt, events = read
@@ -294,12 +277,16 @@ class StreamRewriter:
     def _scanned_usage(self, read: UsageRead) -> Relayed:
         payload, choice, tokens, prompt, events = read
         self.events += events
+        self._usage_counted(choice, tokens, prompt, events)
+        return tuple.__new__(Relayed, (payload, self.completion_tokens))
+
+    def _usage_counted(self, choice: int, tokens: int, prompt: int, events: int) -> None:
+        """``events`` ordinary events of the usage scheme read, the last saying ``choice`` has
+        ``tokens`` so far (each event's count is the choice's so far)."""
         self.usage_lines += events
         self.prompt_tokens = max(self.prompt_tokens, prompt)
-        # Each event's count is the choice's so far: the read's last one says it all.
         self.completion_tokens += tokens - self._emitted.get(choice, 0)
         self._seen[choice] = self._emitted[choice] = tokens
-        return tuple.__new__(Relayed, (payload, self.completion_tokens))
 
     def _each_event(self, data: bytes, ids: bool) -> Relayed:
         """Whole events one by one: each of the common shape in one step, any other line by
@@ -332,32 +319,14 @@ class StreamRewriter:
         return Relayed(b"".join(out) if cut else data, self.completion_tokens)
 
     def _fast_usage(self, event: bytes, out: list[bytes]) -> bool | None:
-        """An ordinary event of the usage scheme (a data line whose last key is vLLM's own
-        usage): counted and trimmed into ``out``. True: sent as it came; None: not such an
-        event (nothing changed)."""
-        end = len(event) - 1  # the event's closing brace
-        if not event.startswith(DATA) or event.find(_NL) >= 0:
+        """An ordinary event of the usage scheme (:func:`~kvtax.delivery.eventscan.one_usage`:
+        a data line whose last key is vLLM's own usage): counted and trimmed into ``out``.
+        True: sent as it came; None: not such an event (nothing changed)."""
+        keep = self.wish.continuous
+        read = one_usage(event, keep, self.wish.include_usage, out)
+        if read is None:
             return None
-        start = event.rfind(_USAGE_KEY, 0, end)
-        exact = _VLLM_USAGE.match(event, start) if start >= 0 else None
-        if exact is None or exact.end() != end:
-            return None
-        choices = CHOICES.search(event, 0, start)
-        if choices is None or choices.group(2) is None:
-            return None  # the usage-only chunk, or choices in another shape
-        wish = self.wish
-        keep = wish.continuous
-        if not (keep or wish.include_usage) and event.find(TERMINAL, choices.end(), start) >= 0:
-            return None  # a terminal chunk the fingerprint goes on
-        choice, tokens = int(choices.group(2)), int(exact.group(2))
-        self.usage_lines += 1
-        self.prompt_tokens = max(self.prompt_tokens, int(exact.group(1)))
-        self.completion_tokens += tokens - self._emitted.get(choice, 0)
-        self._seen[choice] = self._emitted[choice] = tokens
-        if keep:
-            out += (event, _EVENT_END)
-        else:
-            out += (event[:start], event[end:], _EVENT_END)
+        self._usage_counted(*read, 1)
         return keep
 
     def _feed_any_ends(self, data: bytes) -> Relayed:
@@ -481,9 +450,9 @@ class StreamRewriter:
             return
         if line.startswith(DATA) or _spaced_data(line):
             # vLLM's usage is the last key of its event: a search from the end finds it at once.
-            start = line.rfind(_USAGE_KEY)
+            start = line.rfind(USAGE_KEY)
             if start >= 0:
-                exact = _VLLM_USAGE.match(line, start)
+                exact = VLLM_USAGE.match(line, start)
                 if exact is not None:
                     span = (start, exact.end())
                     tokens, prompt = int(exact.group(2)), int(exact.group(1))

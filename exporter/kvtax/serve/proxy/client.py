@@ -520,7 +520,7 @@ class Upstream:
         self.retries = 0
         self.clock = clock or time.monotonic
         self._free: list[UpstreamConnection] = []
-        # Connections whose client has its whole answer, waiting for vLLM's end (release_at_end).
+        # Connections whose client has its whole answer, waiting for vLLM's end (release).
         self._tails: set[UpstreamConnection] = set()
         self._waiting: set[UpstreamConnection] = set()
         self._cut = False
@@ -560,7 +560,14 @@ class Upstream:
         return await self._exchange(conn, data, no_body)
 
     def release(self, conn: UpstreamConnection) -> None:
-        """A connection whose exchange ended cleanly goes back to the pool."""
+        """A connection whose exchange ended cleanly goes back to the pool. One whose answer
+        ended for the client before vLLM's body did (a stream's last event ends it) goes back
+        once vLLM's end comes: what vLLM sends until then is dropped, and a connection that
+        breaks or stays silent past the read timeout closes instead."""
+        if not (conn.complete or conn.closed or conn.failed or self._cut):
+            self._tails.add(conn)
+            conn.attach(_Tail(self, conn))
+            return
         if conn.closed or not conn.reusable or self._cut:
             conn.close()
             return
@@ -579,17 +586,6 @@ class Upstream:
     def ending(self) -> int:
         """Connections waiting for the end of an answer their client already has."""
         return len(self._tails)
-
-    def release_at_end(self, conn: UpstreamConnection) -> None:
-        """A connection whose answer ended for the client before vLLM's body did (a stream's
-        last event ends it) goes back to the pool once vLLM's end comes; what vLLM sends until
-        then is dropped, and a connection that breaks or stays silent past the read timeout
-        closes instead."""
-        if conn.complete or conn.closed or conn.failed:
-            self.release(conn)
-            return
-        self._tails.add(conn)
-        conn.attach(_Tail(self, conn))
 
     def tail_ended(self, conn: UpstreamConnection, *, clean: bool) -> None:
         """vLLM's end of an answer its client already had: pooled when it ended cleanly."""

@@ -140,14 +140,10 @@ class _Sink:
         self._out.append(payload)
         return len(payload)
 
-    def _end_body(self) -> None:
-        """Queue the end of the client's body (chunked: the last chunk) behind what is queued."""
-        if self.chunked and not self.body_ended:
+    def _close_body(self) -> None:
+        if self.chunked:
             self._out.append(LAST_CHUNK)
         self.body_ended = True
-
-    def _close_body(self) -> None:
-        self._end_body()
         self.flush()
         self.exchange.finish()
         self._resolve()

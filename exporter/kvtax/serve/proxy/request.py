@@ -502,9 +502,9 @@ class AccountedRequest:
         conn = self.conn
         if conn is not None:
             if outcome == "completed" and facts.eof:
-                # vLLM's end may still be on its way: a stream's answer ends for the client
-                # with its last event.
-                shared.upstream.release_at_end(conn)
+                # vLLM's end may still be on its way (a stream's answer ends for the client
+                # with its last event): the pool takes it back once it comes.
+                shared.upstream.release(conn)
             else:
                 # Closing (not releasing) drops the connection: vLLM sees the disconnect and
                 # aborts the request, freeing its KV blocks.
