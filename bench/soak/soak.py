@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,20 +54,25 @@ from bench.soak.compare import (
 from bench.soak.report import IDLE_LIMIT_S, MARKS, Mark, SoakResult, report
 from bench.soak.report import header as report_header
 from kvtax.delivery.ledger import OUTCOMES
+from kvtax_dev.process import poll_until
 
 __all__ = ["Mark", "SoakResult", "main", "report", "run"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = ROOT / "tests" / "fixtures" / "vllm" / "0.32-idle.prom"
 TASKS, STREAMS = "kvtax_event_loop_tasks", "kvtax_proxy_streams_open"
+WORKER = "kvtax.serve.workers.child"  # a proxy worker's module, on its command line
 SETTLE_S = 30.0  # longest wait for kvtax to settle requests its clients have finished
 _EXCEPTION = re.compile(r"[\w.]*(Error|Exception)\b[^ ]*(: |$)")
 
 
 def _proc(pid: int) -> tuple[int, int, int]:
-    """VmRSS and VmHWM in KiB, and the number of open descriptors, of a process."""
-    pids = [pid]
-    return procfs.rss_bytes(pids) // 1024, procfs.peak_rss_bytes(pids) // 1024, procfs.open_fds(pid)
+    """VmRSS and VmHWM in KiB, and the number of open descriptors, of kvtax: its process and
+    its proxy workers' (--proxy.workers), added up."""
+    workers = [c for c in procfs.children(pid) if WORKER in procfs.cmdline(c)]
+    pids = [pid, *workers]
+    fds = sum(procfs.open_fds(p) for p in pids)
+    return procfs.rss_bytes(pids) // 1024, procfs.peak_rss_bytes(pids) // 1024, fds
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +90,9 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 @contextlib.contextmanager
-def processes(work: Path) -> Iterator[Sidecar]:
-    """The fake vLLM and a ``kvtax serve`` in front of it, both stopped on the way out."""
+def processes(work: Path, workers: int = 1) -> Iterator[Sidecar]:
+    """The fake vLLM and a ``kvtax serve`` in front of it (relaying with ``workers`` proxy
+    processes), both stopped on the way out."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         upstream_port = free_port()
@@ -104,14 +111,21 @@ def processes(work: Path) -> Iterator[Sidecar]:
             "--scrape.interval=1s",
             "--shutdown.grace-period=1s",
             "--log.level=warning",
+            f"--proxy.workers={workers}",
         ]
         procs.append(_start([sys.executable, "-m", "kvtax.cli.main", "serve", *serve], kvtax_log))
         wait_port(proxy_port, procs[-1], kvtax_log)
         wait_port(web_port, procs[-1], kvtax_log)
+        metrics = f"http://127.0.0.1:{web_port}/metrics"
+        if workers > 1:
+            # The port opens with the first worker: the baseline waits for every one of them.
+            started = poll_until(lambda: _workers_running(metrics) == workers, timeout=60.0)
+            if started is None:
+                raise RuntimeError(f"kvtax did not start {workers} proxy workers: {kvtax_log}")
         yield Sidecar(
             procs[-1].pid,
             f"http://127.0.0.1:{proxy_port}",
-            f"http://127.0.0.1:{web_port}/metrics",
+            metrics,
             (kvtax_log, up_log),
         )
     finally:
@@ -122,6 +136,11 @@ def processes(work: Path) -> Iterator[Sidecar]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _workers_running(metrics: str) -> float | None:
+    with urllib.request.urlopen(metrics, timeout=5.0) as resp:
+        return gauge(resp.read().decode(), "kvtax_proxy_workers")
 
 
 async def _page(scrape: aiohttp.ClientSession, side: Sidecar) -> str:
@@ -254,12 +273,16 @@ def run(
     concurrency: int = 64,
     idle: float = 3.0,
     only: frozenset[str] = frozenset(),
+    workers: int = 1,
 ) -> SoakResult:
     """The whole soak, processes included (the short form in CI calls this)."""
     specs = plan(requests, seed)
     # Filtered after drawing, so that the requests kept are the same as in the full mix.
     specs = [spec for spec in specs if not only or spec.kind in only]
-    with tempfile.TemporaryDirectory(prefix="kvtax-soak-") as tmp, processes(Path(tmp)) as side:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtax-soak-") as tmp,
+        processes(Path(tmp), workers) as side,
+    ):
         result = asyncio.run(soak(side, specs, concurrency, idle))
         result.log_lines = _log_errors(side.logs)
     return result
@@ -287,6 +310,9 @@ def main() -> None:
         default="",
         help=f"run only these kinds of the mix, e.g. drop ({', '.join(KINDS)})",
     )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="kvtax's --proxy.workers (default 1)"
+    )
     parser.add_argument("--out", type=Path, help="Also write the tables to this file.")
     args = parser.parse_args()
     header = report_header(sys.argv[1:])
@@ -294,7 +320,12 @@ def main() -> None:
     if only - set(KINDS):
         parser.error(f"--only: unknown kinds {', '.join(sorted(only - set(KINDS)))}")
     result = run(
-        args.requests, seed=args.seed, concurrency=args.concurrency, idle=args.idle, only=only
+        args.requests,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        idle=args.idle,
+        only=only,
+        workers=args.workers,
     )
     text = header + "\n" + report(result)
     print(text)

@@ -31,7 +31,7 @@ like the adapters', never added to them.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -190,6 +190,23 @@ class HistogramAccumulator:
             raise ValueError("histograms of different bounds cannot be added")
         self._counts = [a + b for a, b in zip(self._counts, other._counts, strict=True)]
         self._sum += other._sum
+
+    def raw(self) -> tuple[list[int], float]:
+        """Its count per bucket (not cumulative; ``+Inf``'s last) and its sum, as
+        :meth:`restored` takes them back: how a proxy worker reports one to its parent."""
+        return list(self._counts), self._sum
+
+    @classmethod
+    def restored(
+        cls, bounds: tuple[float, ...], counts: Sequence[int], total: float
+    ) -> HistogramAccumulator:
+        """The histogram :meth:`raw` described; ValueError if ``counts`` do not fit ``bounds``."""
+        if len(counts) != len(bounds) + 1:
+            raise ValueError(f"{len(counts)} bucket counts for {len(bounds) + 1} buckets")
+        histogram = cls(bounds)
+        histogram._counts = [int(n) for n in counts]
+        histogram._sum = float(total)
+        return histogram
 
     @classmethod
     def of(cls, bounds: tuple[float, ...], values: Iterable[float]) -> HistogramAccumulator:
@@ -405,6 +422,10 @@ class DeliveryLedger:
             book.stall_context += context
         if record.duration is not None:
             book.duration.observe(record.duration)
+
+    def learn(self, model: str) -> None:
+        """vLLM answered 2xx for ``model``: it serves it (:meth:`ModelNames.learn`)."""
+        self.names.learn(model)
 
     def credit(self, model: str | None, tokens: int, api: str | None = None) -> None:
         """Count tokens of a stream still running as delivered (the proxy, at each scrape).

@@ -134,6 +134,29 @@ METRIC_LIST: tuple[MetricSpec, ...] = (
     ),
     _S("kvtax_proxy_streams_open", "gauge", "Streams the proxy is relaying now.", (), "delivery"),
     _S(
+        "kvtax_proxy_workers",
+        "gauge",
+        "Proxy worker processes running (--proxy.workers above 1); 0: kvtax's own process relays.",
+        (),
+        "delivery",
+    ),
+    _S(
+        "kvtax_proxy_worker_cpu_seconds_total",
+        "counter",
+        "CPU time (user and system) of the proxy worker processes, the ended ones' included, as "
+        "each last reported it; kvtax's whole CPU is this plus its process_cpu_seconds_total.",
+        (),
+        "delivery",
+    ),
+    _S(
+        "kvtax_proxy_worker_restarts_total",
+        "counter",
+        "Proxy workers started again after one ended on its own; the requests it had in flight "
+        "settle as outcome shutdown.",
+        (),
+        "delivery",
+    ),
+    _S(
         "kvtax_proxy_relay_seconds",
         "histogram",
         "kvtax's own time on the path of every event: from a read of vLLM's bytes arriving to "

@@ -37,6 +37,7 @@ __all__ = [
     "ledger_samples",
     "model_samples",
     "proxy_samples",
+    "worker_samples",
 ]
 
 _COUNTERS = (
@@ -147,6 +148,13 @@ def proxy_samples(
     yield Sample("kvtax_proxy_events_relayed_total", (), float(cost.events))
     for scheme, streams in cost.schemes.items():
         yield Sample("kvtax_proxy_streams_counted_total", (scheme,), float(streams))
+
+
+def worker_samples(workers: int, cpu: float, restarts: int) -> Iterator[Sample]:
+    """The proxy workers' own (``--proxy.workers``; all 0 when kvtax's own process relays)."""
+    yield Sample("kvtax_proxy_workers", (), float(workers))
+    yield Sample("kvtax_proxy_worker_cpu_seconds_total", (), cpu)
+    yield Sample("kvtax_proxy_worker_restarts_total", (), float(restarts))
 
 
 def _histogram(metric: str, labels: tuple[str, ...], h: HistogramCounts) -> HistogramSample:

@@ -49,12 +49,20 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
+from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
-from kvtax.expose.publish import adapter_samples, api_samples, ledger_samples, proxy_samples
+from kvtax.expose.publish import (
+    adapter_samples,
+    api_samples,
+    ledger_samples,
+    proxy_samples,
+    worker_samples,
+)
 from kvtax.expose.samples import HistogramSample, Sample
 from kvtax.figures.window import Window
 from kvtax.gate.cap import CapSettings, Mode
@@ -71,10 +79,30 @@ from kvtax.serve.sources.models import ModelsPoller
 from kvtax.serve.sources.push import PUSH_PATH, GatewayPoller, push_handler
 from kvtax.serve.web.port import Report, WebPort
 from kvtax.serve.web.webconfig import load as load_web_config
+from kvtax.serve.workers.pool import WorkerPool
 
-__all__ = ["Stack", "build", "gate_settings", "report_of", "run"]
+__all__ = ["Relay", "Stack", "build", "gate_settings", "report_of", "run"]
 
 log = logging.getLogger("kvtax.serve.wiring")
+
+
+class Relay(Protocol):
+    """What ``/metrics`` and the scrape read of the relay: the proxy in this process, or the
+    pool of proxy workers (``--proxy.workers`` above 1)."""
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def streams_open(self) -> int: ...
+
+    @property
+    def upstream_retries(self) -> int: ...
+
+    @property
+    def cost(self) -> RelayCost: ...
+
+    def credit_in_flight(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +123,13 @@ class Stack:
     web: WebPort
     scheduler: AsyncIOScheduler
     models: ModelsPoller | None = None
+    # --proxy.workers above 1: the workers relay, and ``proxy`` is never started.
+    workers: WorkerPool | None = None
+
+    @property
+    def relay(self) -> Relay:
+        """Whichever relays: the pool of workers, or the proxy in this process."""
+        return self.workers if self.workers is not None else self.proxy
 
     async def start(self) -> None:
         # The one scheduler first: each part adds its job to it as it starts, removes it as
@@ -105,8 +140,11 @@ class Stack:
         await self.web.start()
         self.scrape.start()
         self.loopwatch.start()
-        if self.config.proxy_listen_address is not None:
-            await self.proxy.start(*self.config.proxy_listen_address)
+        address = self.config.proxy_listen_address
+        if address is not None and self.workers is not None:
+            await self.workers.start(*address)
+        elif address is not None:
+            await self.proxy.start(*address)
         if self.gateway is not None:
             self.gateway.start()
         if self.models is not None:
@@ -117,6 +155,8 @@ class Stack:
         to ``grace`` seconds, and the gateway and ``/v1/models`` pollers stop (their jobs leave
         the scheduler). ``/metrics`` stays up, and the scrape goes on."""
         self.scrape.draining = True
+        if self.workers is not None:
+            await self.workers.stop(grace)
         await self.proxy.stop(grace)
         if self.gateway is not None:
             await self.gateway.stop()
@@ -137,7 +177,13 @@ class Stack:
 
 
 def report_of(
-    scrape: ScrapeJob, ledger: DeliveryLedger, proxy: Proxy, gate: Gate, loopwatch: LoopWatch
+    scrape: ScrapeJob,
+    ledger: DeliveryLedger,
+    proxy: Relay,
+    gate: Gate,
+    loopwatch: LoopWatch,
+    *,
+    workers: WorkerPool | None = None,
 ) -> Report:
     """Everything ``/metrics`` shows, read from the parts on each call; it changes none of
     them. (The web port adds its own ``kvtax_metrics_requests_total``.)"""
@@ -150,6 +196,10 @@ def report_of(
         yield from proxy_samples(
             proxy.in_flight, proxy.streams_open, proxy.upstream_retries, proxy.cost
         )
+        if workers is None:
+            yield from worker_samples(0, 0.0, 0)
+        else:
+            yield from worker_samples(workers.running, workers.cpu, workers.restarts)
         yield from gate.samples()
         yield from loopwatch.samples()
 
@@ -162,6 +212,23 @@ def _proxy(
     """The proxy, holding the gate only when it is on (off, the gate still advises)."""
     settings = _proxy_settings(config)
     return Proxy(settings, ledger, gate=gate if gate.settings.on else None, vllm_version=version)
+
+
+def _workers(
+    config: Config, ledger: DeliveryLedger, *, version: Callable[[], str | None]
+) -> WorkerPool | None:
+    """The pool of proxy workers, when ``--proxy.workers`` asks for more than one."""
+    if config.proxy_workers < 2 or config.proxy_listen_address is None:
+        return None
+    return WorkerPool(
+        _proxy_settings(config),
+        ledger,
+        count=config.proxy_workers,
+        version=version,
+        grace=config.shutdown_grace_period,
+        log_level=config.log_level,
+        log_format=config.log_format,
+    )
 
 
 def _proxy_settings(config: Config) -> ProxySettings:
@@ -257,13 +324,14 @@ def build(
     gate = Gate(gate_settings(config))
     # The scrape reads vLLM's version (GET /version); how streams are counted follows it.
     proxy = _proxy(config, ledger, gate, version=lambda: scrape.health.version)
+    workers = _workers(config, ledger, version=lambda: scrape.health.version)
     push = push_handler(
         ledger, config.push_token, allow_unauthenticated=config.push_allow_unauthenticated
     )
     scrape = ScrapeJob(
         config,
         window=window,
-        feed=LedgerFeed(names, ledger, proxy.credit_in_flight),
+        feed=LedgerFeed(names, ledger, (workers or proxy).credit_in_flight),
         clock=clock,
         parser=parser,
         scheduler=scheduler,
@@ -271,7 +339,7 @@ def build(
         on_figures=[gate.on_figures],
     )
     loopwatch = LoopWatch(scheduler=scheduler)
-    report = report_of(scrape, ledger, proxy, gate, loopwatch)
+    report = report_of(scrape, ledger, workers or proxy, gate, loopwatch, workers=workers)
     port = WebPort(
         config,
         report=report,
@@ -295,6 +363,7 @@ def build(
         web=port,
         scheduler=scheduler,
         models=_models(config, names, scheduler),
+        workers=workers,
     )
 
 

@@ -15,7 +15,11 @@ from kvtax.mixin.dashboards.queries import by, histogram_quantile, kvtax, proces
 __all__ = ["SELF_COST_ROW"]
 
 _PER_POD = "namespace, pod"
-_cpu = by(_PER_POD, "sum", process_rate("process_cpu_seconds_total"))
+_own_cpu = by(_PER_POD, "sum", process_rate("process_cpu_seconds_total"))
+# With --proxy.workers above 1 the relay's CPU is the workers'; a kvtax before them has no such
+# series, and its own process is all there is.
+_workers_cpu = by(_PER_POD, "sum", rate(kvtax("kvtax_proxy_worker_cpu_seconds_total")))
+_cpu = f"(({_own_cpu} + {_workers_cpu}) or {_own_cpu})"
 _events = by(_PER_POD, "sum", rate(kvtax("kvtax_proxy_events_relayed_total")))
 
 _cpu_per_event = Panel(
@@ -23,7 +27,8 @@ _cpu_per_event = Panel(
     "timeseries",
     (Target(f"1e6 * {_cpu} / {_events}", "{{pod}}"),),
     "µs",
-    "kvtax's own CPU time (its process_cpu_seconds_total: the relay, the scrape, /metrics) over "
+    "kvtax's own CPU time (its process_cpu_seconds_total: the relay, the scrape, /metrics; and "
+    "its proxy workers', kvtax_proxy_worker_cpu_seconds_total, with --proxy.workers) over "
     "the SSE events it relayed on accounted streams, in microseconds per event. nginx costs "
     "about 20-35 µs to relay one on the machines bench/results/relay.md was measured on; kvtax's "
     "scrape and /metrics are in the figure too, so it reads high when few events pass. Empty "

@@ -130,6 +130,18 @@ class Config:
         "Where the proxy in front of vLLM (on every generation API) listens; off turns it off.",
         "HOST:PORT",
     )
+    proxy_workers: int = option(
+        "proxy.workers",
+        1,
+        v.workers,
+        "Proxy processes relaying on the proxy port (SO_REUSEPORT), each on a core of its own; "
+        "auto: as many as the cores kvtax's CPU limit allows (its cgroup's cpu.max, else the "
+        "CPUs it may run on). Above 1, kvtax itself keeps the scrape, /metrics and the one "
+        "ledger the workers report to; raise it when kvtax's CPU nears one core under load "
+        "(rate(process_cpu_seconds_total) near 1), and give the pod's kvtax container a CPU "
+        "limit of about N cores. Needs --gate.mode=off.",
+        "N|auto",
+    )
     proxy_max_body: int = option(
         "proxy.max_body",
         "64MiB",

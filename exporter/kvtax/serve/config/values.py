@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvtax.serve.logformat import FORMATS
 
 __all__ = [
     "boolean",
+    "cores_allowed",
     "endpoint_url",
     "fraction",
     "log_level",
@@ -43,6 +45,7 @@ __all__ = [
     "text",
     "token",
     "url",
+    "workers",
 ]
 
 
@@ -127,6 +130,38 @@ def optional_positive_int(value: Any) -> int | None:
     if number <= 0:
         raise ValueError("must be a positive integer")
     return number
+
+
+def workers(value: Any) -> int:
+    """A count of proxy workers: a positive integer, or ``auto`` for :func:`cores_allowed`."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return cores_allowed()
+    if isinstance(value, bool):
+        raise ValueError("expected a positive integer or auto")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError("expected a positive integer or auto") from None
+    if number <= 0:
+        raise ValueError("must be a positive integer or auto")
+    return number
+
+
+def cores_allowed(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its cgroup's CPU limit rounded up (cgroup v2
+    ``cpu.max``: quota and period), else the CPUs it may run on."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max":
+        return cpus
+    try:
+        limit = -(-int(quota) // int(period))  # a ceiling: 1.5 cores can feed two workers
+    except (ValueError, ZeroDivisionError):
+        return cpus
+    return max(1, min(cpus, limit))
 
 
 def optional_address(value: Any) -> tuple[str, int] | None:

@@ -52,7 +52,7 @@ from kvtax.serve.proxy.gatekeeper import Gate
 from kvtax.serve.proxy.head import RequestHead
 from kvtax.serve.proxy.outcome import Phase
 from kvtax.serve.proxy.relay import RelaySettings
-from kvtax.serve.proxy.request import AccountedRequest, Schemes, Shared
+from kvtax.serve.proxy.request import AccountedRequest, Books, Schemes, Shared
 from kvtax.serve.proxy.server import Connection, Exchange, ServerSettings
 
 __all__ = ["Proxy", "ProxySettings"]
@@ -106,13 +106,17 @@ class Proxy:
     def __init__(
         self,
         settings: ProxySettings,
-        ledger: DeliveryLedger,
+        ledger: Books,
         *,
         clock: Callable[[], float] = time.monotonic,
         gate: Gate | None = None,
         vllm_version: Callable[[], str | None] = lambda: None,
+        on_accounted: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
+        # Called as each accounted request begins: a proxy worker tells its parent, which
+        # settles the ones a dead worker never settled (kvtax.serve.workers).
+        self._on_accounted = on_accounted
         self.server_settings = settings.server
         # None: no gate, the plain relay.
         self.gate = gate
@@ -157,8 +161,12 @@ class Proxy:
 
     @property
     def ledger(self) -> DeliveryLedger:
-        """Where every accounted request settles."""
-        return self.shared.ledger
+        """Where every accounted request settles, when this process keeps the ledger (a proxy
+        worker reports to its parent's instead: TypeError)."""
+        ledger = self.shared.ledger
+        if not isinstance(ledger, DeliveryLedger):
+            raise TypeError("this proxy reports to another process's ledger")
+        return ledger
 
     @ledger.setter
     def ledger(self, ledger: DeliveryLedger) -> None:
@@ -179,11 +187,13 @@ class Proxy:
         return self.shared.encoded_streams
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self, host: str, port: int = 0) -> int:
-        """Listen on ``host``:``port``; the port bound (the kernel's choice for port 0)."""
+    async def start(self, host: str, port: int = 0, *, reuse_port: bool = False) -> int:
+        """Listen on ``host``:``port``; the port bound (the kernel's choice for port 0).
+        ``reuse_port``: share the port with other processes that set it too (SO_REUSEPORT:
+        the kernel spreads new connections across them; kvtax.serve.workers)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: Connection(self), host or None, port, backlog=4096
+            lambda: Connection(self), host or None, port, backlog=4096, reuse_port=reuse_port
         )
         bound = int(self._server.sockets[0].getsockname()[1])
         log.info("proxy on %s:%d relays to %s", host, bound, self.settings.upstream)
@@ -280,6 +290,8 @@ class Proxy:
             if exchange.refusal is not None:
                 exchange.answer(exchange.refusal)
             elif dialect is not None:
+                if self._on_accounted is not None:
+                    self._on_accounted()
                 self.in_flight += 1
                 try:
                     await AccountedRequest(exchange, dialect, self.shared).run()

@@ -37,11 +37,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvtax.delivery.asks import Scheme, UsageWish, asked_everything
 from kvtax.delivery.cost import RelayCost
 from kvtax.delivery.dialects import Dialect
-from kvtax.delivery.ledger import DeliveryLedger
+from kvtax.delivery.ledger import RequestRecord
 from kvtax.delivery.timing import SloTargets, StreamTiming
 from kvtax.serve.proxy.acks import AckTracker, acknowledged
 from kvtax.serve.proxy.answers import (
@@ -75,7 +76,7 @@ from kvtax.serve.proxy.relay import (
 from kvtax.serve.proxy.server import Exchange
 from kvtax.serve.proxy.wire import Framing, Headers
 
-__all__ = ["AccountedRequest", "Schemes", "Shared"]
+__all__ = ["AccountedRequest", "Books", "Schemes", "Shared"]
 
 log = logging.getLogger("kvtax.serve.proxy")
 
@@ -122,6 +123,18 @@ class Schemes:
             self.cost.schemes[scheme] += 1
 
 
+class Books(Protocol):
+    """Where accounted requests are counted: the :class:`~kvtax.delivery.ledger.DeliveryLedger`,
+    or in a proxy worker the link that reports to its parent's
+    (:class:`~kvtax.serve.workers.child.Reporter`)."""
+
+    def settle(self, record: RequestRecord) -> None: ...
+
+    def credit(self, model: str | None, tokens: int, api: str | None = None) -> None: ...
+
+    def learn(self, model: str) -> None: ...
+
+
 @dataclass(slots=True, eq=False)
 class Shared:
     """What every accounted request shares, made once by the proxy. ``streams`` holds the
@@ -129,7 +142,7 @@ class Shared:
     ``relaying`` the connections to vLLM being relayed, on any path (what shutdown cuts)."""
 
     upstream: Upstream
-    ledger: DeliveryLedger
+    ledger: Books
     relay: RelaySettings
     schemes: Schemes
     gate: Gate | None
@@ -418,7 +431,7 @@ class AccountedRequest:
         exchange, facts, shared = self.exchange, self.facts, self.shared
         ok = conn.status < 300
         if ok and facts.model is not None:
-            shared.ledger.names.learn(facts.model)
+            shared.ledger.learn(facts.model)
         stream = wish is not None and ok and is_event_stream(conn)
         coding = coding_of(conn) if ok else None
         if stream and coding is not None and coding not in INFLATABLE:

@@ -1,0 +1,436 @@
+"""``--proxy.workers N``: N proxy processes on one port, and the one ledger they report to.
+
+One Python process relays on one core. Above one worker, the parent kvtax stops relaying: it
+starts N workers (:mod:`kvtax.serve.workers.child`), each listening on the proxy port with
+SO_REUSEPORT, so the kernel spreads new client connections across them. The parent keeps
+everything there is one of: the scrape, the web port and ``/metrics``, and the ledger. Each
+worker reports over its own socketpair (:mod:`~kvtax.serve.workers.frames`), and the parent
+applies each report to the ledger as it arrives; so ``/metrics`` shows one set of series, and
+each request is counted once, by the worker that relayed it.
+
+- **Credits.** A scrape credits running streams (``credit_in_flight``): the pool sends each
+  worker a tick, and the credits the workers send back count from the next scrape on.
+- **A worker that dies** is started again (after a second if it died within a second of its
+  start, so a worker that cannot run does not spin). The requests it had begun and not settled
+  settle as ``shutdown``: kvtax ended them. Their tokens credited while they ran stay counted;
+  their model and API are unknown to the parent (the default model's label, no API).
+- **The parent's death** takes the workers with it (``PR_SET_PDEATHSIG``; a worker whose link
+  closes drains and ends too).
+- **Shutdown** sends every worker a stop with the grace period: each drains as one kvtax would,
+  and the parent reads every frame each one wrote before it counts the worker gone.
+
+The gate's decisions are the parent's alone, and no worker asks for them yet: more than one
+worker needs ``--gate.mode=off`` (:func:`kvtax.serve.config` refuses the pair).
+
+Example::
+
+    pool = WorkerPool(ProxySettings(upstream="http://127.0.0.1:8000"), ledger, count=2)
+    port = await pool.start("127.0.0.1", 0)
+    ...
+    await pool.stop(grace=30.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvtax.delivery.cost import FORWARD_BUCKETS, RELAY_BUCKETS, RelayCost
+from kvtax.delivery.ledger import DeliveryLedger, HistogramAccumulator, RequestRecord
+from kvtax.serve.proxy import ProxySettings
+from kvtax.serve.workers.child import ENV, Launch
+from kvtax.serve.workers.frames import (
+    TO_PARENT,
+    Credit,
+    FrameError,
+    Frames,
+    Learned,
+    Opened,
+    Ready,
+    Settled,
+    Stats,
+    Stop,
+    Tick,
+    encode,
+    record_of,
+)
+
+__all__ = ["WorkerPool"]
+
+log = logging.getLogger("kvtax.serve.workers")
+
+# Seconds a worker has to import, listen and say it is ready.
+_START_LIMIT = 30.0
+# A worker that died sooner than this after its start waits this long before the next.
+_QUICK_DEATH = 1.0
+# Seconds past the grace period (and the proxy's own cut) a stopping worker is given before it
+# is killed.
+_STOP_MARGIN = 10.0
+# Seconds the parent reads a dead worker's last frames for.
+_LAST_FRAMES = 5.0
+
+
+@dataclass(eq=False)
+class _Worker:
+    """One worker process, as the parent follows it."""
+
+    index: int
+    process: asyncio.subprocess.Process
+    ready: asyncio.Future[int]
+    closed: asyncio.Future[None]
+    transport: asyncio.Transport | None = None
+    opened: int = 0
+    settled: int = 0
+    stats: Stats | None = None
+    started_at: float = 0.0
+
+    def tell(self, message: Tick | Stop) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(encode(message))
+
+
+class _Link(asyncio.Protocol):
+    """A worker's reports, read and applied to the ledger as they arrive."""
+
+    def __init__(self, worker_of: Callable[[], _Worker | None], ledger: DeliveryLedger) -> None:
+        self._worker_of = worker_of
+        self._ledger = ledger
+        self._frames = Frames(TO_PARENT)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        worker = self._worker_of()
+        if worker is None:
+            return
+        try:
+            messages = self._frames.feed(data)
+        except FrameError as exc:
+            log.error("worker %d sent what is not a frame (%s): dropping it", worker.index, exc)
+            worker.process.kill()
+            return
+        ledger = self._ledger
+        for message in messages:
+            if isinstance(message, Settled):
+                worker.settled += 1
+                try:
+                    ledger.settle(record_of(message))
+                except ValueError as exc:
+                    log.error(
+                        "worker %d settled a record kvtax cannot count: %s", worker.index, exc
+                    )
+            elif isinstance(message, Credit):
+                ledger.credit(message.model, message.tokens, message.api)
+            elif isinstance(message, Learned):
+                ledger.learn(message.model)
+            elif isinstance(message, Opened):
+                worker.opened += 1
+            elif isinstance(message, Stats):
+                worker.stats = message
+            elif isinstance(message, Ready) and not worker.ready.done():
+                worker.ready.set_result(message.pid)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        worker = self._worker_of()
+        if worker is not None and not worker.closed.done():
+            worker.closed.set_result(None)
+
+
+@dataclass
+class _Retired:
+    """The counters of workers that ended, so that /metrics' totals never go back."""
+
+    cost: RelayCost = field(default_factory=RelayCost)
+    retries: int = 0
+    encoded_streams: int = 0
+    cpu: float = 0.0
+
+
+def _add_stats(cost: RelayCost, stats: Stats) -> None:
+    cost.relay.add(HistogramAccumulator.restored(RELAY_BUCKETS, *stats.relay))
+    cost.forward.add(HistogramAccumulator.restored(FORWARD_BUCKETS, *stats.forward))
+    cost.events += stats.events
+    for scheme, streams in stats.schemes.items():
+        cost.schemes[scheme] = cost.schemes.get(scheme, 0) + streams
+
+
+class WorkerPool:
+    """N proxy worker processes on one port; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        ledger: DeliveryLedger,
+        *,
+        count: int,
+        version: Callable[[], str | None] = lambda: None,
+        grace: float = 30.0,
+        log_level: str = "info",
+        log_format: str = "logfmt",
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"a pool of {count} workers")
+        self.settings = settings
+        self.ledger = ledger
+        self.count = count
+        self._version = version
+        self._grace = grace
+        self._log = (log_level, log_format)
+        self._live: dict[int, _Worker] = {}
+        self._keepers: list[asyncio.Task[None]] = []
+        self._retired = _Retired()
+        self._stopping = False
+        self._stopped = asyncio.Event()  # set with _stopping: ends a pause between starts
+        self._reserved: socket.socket | None = None
+        self._address: tuple[str, int] | None = None
+        self.restarts = 0
+        # Requests dead workers had begun and never settled (settled here as shutdown).
+        self.lost = 0
+
+    # -- what /metrics and the scrape read ---------------------------------------------------
+    def _stats(self) -> list[Stats]:
+        return [w.stats for w in self._live.values() if w.stats is not None]
+
+    @property
+    def in_flight(self) -> int:
+        return sum(s.in_flight for s in self._stats())
+
+    @property
+    def streams_open(self) -> int:
+        return sum(s.streams_open for s in self._stats())
+
+    @property
+    def upstream_retries(self) -> int:
+        return self._retired.retries + sum(s.retries for s in self._stats())
+
+    @property
+    def encoded_streams(self) -> int:
+        return self._retired.encoded_streams + sum(s.encoded_streams for s in self._stats())
+
+    @property
+    def running(self) -> int:
+        """Workers running now."""
+        return len(self._live)
+
+    @property
+    def cpu(self) -> float:
+        """The workers' CPU seconds as each last reported them, the ended ones' included."""
+        return self._retired.cpu + sum(s.cpu for s in self._stats())
+
+    @property
+    def cost(self) -> RelayCost:
+        """Every worker's relay cost added up, the ended ones' included."""
+        total = RelayCost()
+        retired = self._retired.cost
+        total.relay.add(retired.relay)
+        total.forward.add(retired.forward)
+        total.events = retired.events
+        total.schemes = dict(retired.schemes)
+        for stats in self._stats():
+            _add_stats(total, stats)
+        return total
+
+    @property
+    def pids(self) -> list[int]:
+        """The live workers' process ids, in worker order."""
+        return [self._live[i].process.pid for i in sorted(self._live)]
+
+    def credit_in_flight(self) -> None:
+        """Ask every worker to credit its running streams (and report its stats); their
+        credits count from the next scrape on."""
+        tick = Tick(self._version())
+        for worker in self._live.values():
+            worker.tell(tick)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, host: str, port: int = 0) -> int:
+        """Start every worker on ``host``:``port`` and wait until each listens; the port (the
+        kernel's choice for 0). OSError if a worker cannot listen."""
+        if port == 0:
+            # Hold the port the kernel picks, bound and not listening, so that every worker
+            # (and every restarted one) joins the same one; it takes no connection itself.
+            reserved = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            reserved.bind((host or "0.0.0.0", 0))
+            self._reserved = reserved
+            port = int(reserved.getsockname()[1])
+        self._address = (host, port)
+        try:
+            for index in range(self.count):
+                self._follow(await self._spawn(index))
+        except OSError:
+            await self.stop(0.0)
+            raise
+        log.info(
+            "proxy on %s:%d: %d workers relay to %s",
+            host,
+            port,
+            self.count,
+            self.settings.upstream,
+        )
+        return port
+
+    async def _spawn(self, index: int) -> _Worker:
+        assert self._address is not None
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        launch = Launch(
+            proxy=self.settings,
+            host=self._address[0],
+            port=self._address[1],
+            fd=theirs.fileno(),
+            parent=os.getpid(),
+            index=index,
+            log_level=self._log[0],
+            log_format=self._log[1],
+            version=self._version(),
+            grace=self._grace,
+        )
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "kvtax.serve.workers.child",
+                pass_fds=(theirs.fileno(),),
+                env={**os.environ, ENV: msgspec.json.encode(launch).decode()},
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        worker = _Worker(
+            index,
+            process,
+            ready=loop.create_future(),
+            closed=loop.create_future(),
+            started_at=loop.time(),
+        )
+        transport, _ = await loop.create_unix_connection(
+            lambda: _Link(lambda: worker, self.ledger), sock=ours
+        )
+        worker.transport = transport
+        exited = asyncio.ensure_future(process.wait())
+        try:
+            await asyncio.wait(
+                {worker.ready, exited}, timeout=_START_LIMIT, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            exited.cancel()
+        if not worker.ready.done():
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+            transport.close()
+            raise OSError(f"proxy worker {index} did not start (exit status {process.returncode})")
+        return worker
+
+    def _follow(self, worker: _Worker) -> None:
+        self._live[worker.index] = worker
+        self._keepers = [k for k in self._keepers if not k.done()]
+        self._keepers.append(asyncio.create_task(self._keep(worker)))
+
+    async def _keep(self, worker: _Worker) -> None:
+        """Follow one worker to its end: account for it and, unless the pool is stopping,
+        start its successor."""
+        status = await worker.process.wait()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_LAST_FRAMES):
+                await worker.closed  # every frame it wrote is read first
+        self._retire(worker)
+        if self._stopping:
+            return
+        log.error(
+            "proxy worker %d (pid %d) ended with status %s: starting another",
+            worker.index,
+            worker.process.pid,
+            status,
+        )
+        if asyncio.get_running_loop().time() - worker.started_at < _QUICK_DEATH:
+            await self._pause(_QUICK_DEATH)
+        successor = await self._successor(worker.index)
+        if successor is None:
+            return
+        self.restarts += 1
+        self._follow(successor)
+        if self._stopping:  # the stop came while it started: it drains at once
+            successor.tell(Stop(0.0))
+
+    async def _successor(self, index: int) -> _Worker | None:
+        """A new worker in slot ``index``, tried again each second it fails to start; None if
+        the pool stops first."""
+        while not self._stopping:
+            try:
+                return await self._spawn(index)
+            except OSError as exc:
+                log.error("%s; trying again", exc)
+                await self._pause(_QUICK_DEATH)
+        return None
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` between a worker's death and the next start, or until the stop."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopped.wait()
+
+    def _retire(self, worker: _Worker) -> None:
+        """A worker ended: its counters join the retired ones, and the requests it began and
+        never settled settle as ``shutdown``."""
+        if self._live.get(worker.index) is worker:
+            del self._live[worker.index]
+        if worker.transport is not None:
+            worker.transport.close()
+        stats = worker.stats
+        if stats is not None:
+            _add_stats(self._retired.cost, stats)
+            self._retired.retries += stats.retries
+            self._retired.encoded_streams += stats.encoded_streams
+            self._retired.cpu += stats.cpu
+        lost = worker.opened - worker.settled
+        if lost > 0:
+            self.lost += lost
+            log.error(
+                "proxy worker %d ended with %d request(s) in flight: settled as shutdown",
+                worker.index,
+                lost,
+            )
+            for _ in range(lost):
+                # Most requests in flight had reached vLLM, whose HTTP counter counts them.
+                self.ledger.settle(RequestRecord(model=None, outcome="shutdown", forwarded=True))
+
+    async def stop(self, grace: float = 0.0) -> None:
+        """Drain every worker within ``grace`` seconds and wait for their ends (killing any
+        that outlast the grace period by the proxy's cut and a margin)."""
+        self._stopping = True
+        self._stopped.set()
+        stop = Stop(grace)
+        for worker in list(self._live.values()):
+            worker.tell(stop)
+        # Twice: a worker that was starting as the stop came has a keeper of its own by then.
+        for _ in range(2):
+            keepers = [k for k in self._keepers if not k.done()]
+            if not keepers:
+                break
+            _, late = await asyncio.wait(keepers, timeout=grace + _STOP_MARGIN)
+            if late:
+                for worker in list(self._live.values()):
+                    log.error("proxy worker %d outlasted its drain: killing it", worker.index)
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.kill()
+                await asyncio.wait(late)
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None

@@ -1,0 +1,309 @@
+"""``--proxy.workers``: several proxy processes on one port, one exact ledger in the parent.
+
+The pool tests run real worker processes (``python -m kvtax.serve.workers.child``) on a real
+port, in front of the fast fake vLLM served in this process; the ledger they read is the
+parent's. The time limits only guard against hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtax.delivery.ledger import (
+    ITL_BUCKETS,
+    DeliveryLedger,
+    HistogramAccumulator,
+    ModelNames,
+    RequestRecord,
+)
+from kvtax.errors import ConfigError
+from kvtax.serve.config import load_config
+from kvtax.serve.config import values as v
+from kvtax.serve.proxy import ProxySettings
+from kvtax.serve.workers.frames import (
+    MAX_FRAME,
+    TO_PARENT,
+    TO_WORKER,
+    Credit,
+    FrameError,
+    Frames,
+    Learned,
+    Opened,
+    Ready,
+    Settled,
+    Stats,
+    Stop,
+    Tick,
+    encode,
+    record_of,
+    settled_of,
+)
+from kvtax.serve.workers.pool import WorkerPool
+from kvtax_dev.fakevllm.aio import serve
+from kvtax_dev.fakevllm.events import DONE
+from kvtax_dev.fakevllm.fast import app
+from kvtax_dev.process import until
+
+HANG_GUARD = 60.0  # seconds; see the module docstring
+
+
+def _record(**changes: object) -> RequestRecord:
+    itl = HistogramAccumulator.of(ITL_BUCKETS, [0.004, 0.03, 0.03, 7.0])
+    fields: dict[str, object] = {
+        "model": "m",
+        "outcome": "completed",
+        "delivered_tokens": 41,
+        "credited_tokens": 12,
+        "prompt_tokens": 9,
+        "undelivered_tokens": 2,
+        "forwarded": True,
+        "duration": 1.25,
+        "ttft": 0.031,
+        "itl": itl,
+        "stalls": ((0.8, 300),),
+        "slo_met": True,
+        "usage_missing": False,
+        "api": "completions",
+    }
+    fields.update(changes)
+    return RequestRecord(**fields)  # type: ignore[arg-type]
+
+
+def _same(a: RequestRecord, b: RequestRecord) -> bool:
+    def plain(r: RequestRecord) -> tuple[object, ...]:
+        itl = None if r.itl is None else r.itl.raw()
+        return (r.model, r.outcome, r.delivered_tokens, r.credited_tokens, r.prompt_tokens,
+                r.undelivered_tokens, r.forwarded, r.duration, r.ttft, itl, r.stalls,
+                r.slo_met, r.usage_missing, r.api)  # fmt: skip
+
+    return plain(a) == plain(b)
+
+
+# -- the frames ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "record",
+    [_record(), _record(itl=None, ttft=None, duration=None, stalls=(), model=None, api=None)],
+)
+def test_a_settled_record_crosses_the_link_unchanged(record: RequestRecord) -> None:
+    frames = Frames(TO_PARENT)
+    (message,) = frames.feed(encode(settled_of(record)))
+    assert _same(record_of(message), record)  # type: ignore[arg-type]
+
+
+@given(st.lists(st.integers(min_value=1, max_value=40), max_size=12))
+def test_frames_split_anywhere_come_out_whole_and_in_order(cuts: list[int]) -> None:
+    sent: list[Ready | Opened | Learned | Credit | Settled | Stats] = [
+        Ready(7),
+        Opened(),
+        Learned("m"),
+        Credit("m", 3, None),
+        settled_of(_record()),
+        Stats(1, 1, 0, 0, 5, ([0] * 13, 0.0), ([0] * 14, 0.0), {"token_ids": 1}, 0.25),
+    ]
+    data = b"".join(encode(m) for m in sent)
+    frames = Frames(TO_PARENT)
+    got: list[object] = []
+    at = 0
+    for cut in cuts:
+        got += frames.feed(data[at : at + cut])
+        at += cut
+    got += frames.feed(data[at:])
+    assert [type(m) for m in got] == [type(m) for m in sent]
+    assert got[:4] == sent[:4]
+    assert got[5] == sent[5]
+
+
+def test_the_parent_says_tick_and_stop() -> None:
+    frames = Frames(TO_WORKER)
+    assert frames.feed(encode(Tick("0.32.0")) + encode(Stop(2.5))) == [Tick("0.32.0"), Stop(2.5)]
+
+
+def test_bytes_that_are_not_frames_are_refused_not_buffered_without_end() -> None:
+    with pytest.raises(FrameError, match="at most"):
+        Frames(TO_PARENT).feed((MAX_FRAME + 1).to_bytes(4, "little"))
+    with pytest.raises(FrameError):
+        Frames(TO_PARENT).feed(b"\x03\x00\x00\x00abc")
+    # A worker's message is not one the parent sends, and the other way round.
+    with pytest.raises(FrameError):
+        Frames(TO_WORKER).feed(encode(Ready(1)))
+
+
+def test_a_histogram_restored_from_counts_of_other_buckets_is_refused() -> None:
+    with pytest.raises(ValueError, match="bucket counts"):
+        HistogramAccumulator.restored(ITL_BUCKETS, [1, 2], 0.5)
+
+
+# -- the setting --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "cpus", "want"),
+    [("150000 100000\n", 4, 2), ("max 100000\n", 3, 3), ("50000 100000", 4, 1), ("", 2, 2)],
+)
+def test_auto_counts_the_cores_the_cpu_limit_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, cpus: int, want: int
+) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(text)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    assert v.cores_allowed(cpu_max) == want
+    assert v.cores_allowed(tmp_path / "absent") == cpus
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5x", True])
+def test_a_worker_count_that_is_not_one_is_refused_by_name(bad: object) -> None:
+    with pytest.raises(ConfigError, match=r"--proxy.workers=.* is invalid: .*positive integer"):
+        load_config({"proxy.workers": bad}, env={}, file=None)
+
+
+def test_workers_with_the_gate_on_are_refused_naming_both_flags() -> None:
+    assert load_config({"proxy.workers": "2"}, env={}, file=None).proxy_workers == 2
+    with pytest.raises(ConfigError, match=r"--proxy.workers=2 is invalid with --gate.mode=static"):
+        load_config({"proxy.workers": "2", "gate.mode": "static"}, env={}, file=None)
+
+
+# -- the pool, through the real port -------------------------------------------------------------
+@pytest.fixture
+async def upstream() -> AsyncIterator[str]:
+    runner, url = await serve(app())
+    yield url
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def pool(upstream: str) -> AsyncIterator[tuple[WorkerPool, int]]:
+    names = ModelNames()
+    names.update(["bench"])
+    workers = WorkerPool(ProxySettings(upstream=upstream), DeliveryLedger(names), count=2)
+    async with asyncio.timeout(HANG_GUARD):
+        port = await workers.start("127.0.0.1", 0)
+    yield workers, port
+    async with asyncio.timeout(HANG_GUARD):
+        await workers.stop(1.0)
+
+
+async def _stream(port: int, tokens: int, interval: float = 0.0) -> tuple[int, bool]:
+    """One stream on a connection of its own: the tokens its client read, and whether it ended
+    with ``[DONE]``."""
+    body = {
+        "model": "bench",
+        "prompt": "p",
+        "max_tokens": tokens,
+        "stream": True,
+        "bench_interval": interval,
+    }
+    connector = aiohttp.TCPConnector(force_close=True)
+    read = b""
+    async with aiohttp.ClientSession(connector=connector) as session:
+        try:
+            async with session.post(
+                f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body)
+            ) as response:
+                async for chunk in response.content.iter_any():
+                    read += chunk
+        except aiohttp.ClientError:
+            pass
+    events = [e for e in read.split(b"\n\n") if e.startswith(b"data: {")]
+    return len(events), read.endswith(DONE)
+
+
+def _outcomes(pool: WorkerPool) -> dict[str, float]:
+    return {k: n for k, n in pool.ledger.outcomes().items() if n}
+
+
+async def test_two_workers_share_the_port_and_the_ledger_counts_every_request_once(
+    pool: tuple[WorkerPool, int],
+) -> None:
+    workers, port = pool
+    async with asyncio.timeout(HANG_GUARD):
+        seen = await asyncio.gather(*(_stream(port, 1 + i % 7) for i in range(120)))
+        assert all(done for _, done in seen)
+        # Settled records reach the parent a turn of each worker's loop after the client's end.
+        assert await until(lambda: workers.ledger.outcomes()["completed"] == 120)
+        workers.credit_in_flight()  # each worker reports its stats on a tick
+        assert await until(lambda: len(workers._stats()) == 2)
+    totals = workers.ledger.totals()["bench"]
+    assert totals.delivered == sum(tokens for tokens, _ in seen)
+    assert _outcomes(workers) == {"completed": 120}
+    # Both relayed (the kernel spread 120 connections over two listeners), and /metrics' one
+    # count of events is their sum.
+    assert all(s.events > 0 for s in workers._stats())
+    assert workers.cost.events == sum(s.events for s in workers._stats()) == 120 + totals.delivered
+    assert workers.in_flight == 0
+
+
+async def test_a_killed_worker_breaks_its_streams_settles_them_and_is_replaced(
+    pool: tuple[WorkerPool, int],
+) -> None:
+    workers, port = pool
+    async with asyncio.timeout(HANG_GUARD):
+        running = [asyncio.create_task(_stream(port, 40, 0.05)) for _ in range(24)]
+        assert await until(lambda: _opened(workers) == 24)
+        workers.credit_in_flight()
+        await asyncio.sleep(0.5)  # a credit of what the streams delivered so far
+        victim = workers.pids[0]
+        os.kill(victim, signal.SIGKILL)
+        seen = await asyncio.gather(*running)
+        assert await until(lambda: victim not in workers.pids and len(workers.pids) == 2)
+        assert await until(lambda: sum(_outcomes(workers).values()) == 24)
+    broken = [tokens for tokens, done in seen if not done]
+    whole = [tokens for tokens, done in seen if done]
+    assert broken
+    assert whole
+    assert _outcomes(workers) == {"completed": len(whole), "shutdown": len(broken)}
+    assert workers.lost == len(broken)
+    assert workers.restarts == 1
+    # The completed streams' tokens exactly; of the broken ones, no more than their clients read.
+    delivered = workers.ledger.totals()["bench"].delivered
+    assert sum(whole) <= delivered <= sum(whole) + sum(broken)
+    # The new worker serves: new connections reach both listeners again.
+    async with asyncio.timeout(HANG_GUARD):
+        again = await asyncio.gather(*(_stream(port, 2) for _ in range(60)))
+        assert all(done for _, done in again)
+        workers.credit_in_flight()
+        assert await until(lambda: len(workers._stats()) == 2)
+    assert all(s.events > 0 for s in workers._stats())
+
+
+def _opened(workers: WorkerPool) -> int:
+    return sum(w.opened - w.settled for w in workers._live.values())
+
+
+async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: str) -> None:
+    workers = WorkerPool(ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2)
+    async with asyncio.timeout(HANG_GUARD):
+        port = await workers.start("127.0.0.1", 0)
+        running = [asyncio.create_task(_stream(port, 10, 0.05)) for _ in range(16)]
+        assert await until(lambda: _opened(workers) == 16)
+        await workers.stop(grace=10.0)
+        seen = await asyncio.gather(*running)
+    assert all(done for _, done in seen)  # the grace let every stream finish
+    assert _outcomes(workers) == {"completed": 16}
+    assert workers.pids == []
+    assert workers.restarts == 0
+
+
+async def test_a_worker_that_cannot_listen_fails_the_start(upstream: str) -> None:
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # no SO_REUSEPORT: no worker can share it
+    taken.listen()
+    try:
+        workers = WorkerPool(
+            ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2
+        )
+        async with asyncio.timeout(HANG_GUARD):
+            with pytest.raises(OSError, match="proxy worker 0 did not start"):
+                await workers.start("127.0.0.1", taken.getsockname()[1])
+        assert workers.pids == []
+    finally:
+        taken.close()
