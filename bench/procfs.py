@@ -27,6 +27,7 @@ __all__ = [
     "cpu_model",
     "cpu_seconds",
     "find",
+    "kvtax_pids",
     "name",
     "open_fds",
     "peak_rss_bytes",
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 _GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
+_WORKER = "kvtax.serve.workers.child"  # a proxy worker's module, on its command line
 
 
 def rss_bytes(pids: Iterable[int]) -> int:
@@ -101,6 +103,12 @@ def children(pid: int, *, recursive: bool = False) -> list[int]:
     with contextlib.suppress(*_GONE):
         return [c.pid for c in psutil.Process(pid).children(recursive=recursive)]
     return []
+
+
+def kvtax_pids(pid: int) -> list[int]:
+    """``kvtax serve``'s relaying processes: itself and its proxy workers (``--proxy.workers``),
+    not its parse worker."""
+    return [pid, *(c for c in children(pid) if _WORKER in cmdline(c))]
 
 
 def cmdline(pid: int) -> list[str]:

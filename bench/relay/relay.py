@@ -23,11 +23,11 @@ jobs on the machine hit all modes alike. One mode's turn is three measurements:
   the relay's CPU time per request.
 
 The relay's CPU time is the run time of its processes, all threads, from /proc
-(``task/*/schedstat``, in ns): kvtax's main process (not its parse worker), nginx's master and
-worker, the pass-through. Its RSS is sampled every 50 ms. The report gives the median over the
-rounds of each CPU figure, percentiles of the samples of all rounds pooled, the peak RSS of all
-rounds, then the issue's targets for kvtax against nginx in this run, met or not, with the
-pass-through's figure beside each.
+(``task/*/schedstat``, in ns): kvtax's main process and its proxy workers (not its parse
+worker), nginx's master and worker, the pass-through. Its RSS is sampled every 50 ms. The report
+gives the median over the rounds of each CPU figure, percentiles of the samples of all rounds
+pooled, the peak RSS of all rounds, then the issue's targets for kvtax against nginx in this
+run, met or not, with the pass-through's figure beside each.
 
 Flags:
 
@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -213,7 +214,7 @@ def relays(
         )
         modes = [
             Relay("direct", f"http://127.0.0.1:{upstream_port}", lambda: []),
-            Relay("kvtax", f"http://127.0.0.1:{kvtax_port}", lambda: [kvtax.pid]),
+            Relay("kvtax", f"http://127.0.0.1:{kvtax_port}", lambda: procfs.kvtax_pids(kvtax.pid)),
         ]
         if before is not None:
             old_port, old_web = free_port(), free_port()
@@ -226,7 +227,8 @@ def relays(
                 RELAY_CORE,
                 env,
             )
-            modes.append(Relay("kvtax-before", f"http://127.0.0.1:{old_port}", lambda: [old.pid]))
+            old_pids = functools.partial(procfs.kvtax_pids, old.pid)
+            modes.append(Relay("kvtax-before", f"http://127.0.0.1:{old_port}", old_pids))
         nginx_port = free_port()
         (work / "nginx.conf").write_text(
             NGINX_CONF.format(dir=work, upstream=upstream_port, port=nginx_port)

@@ -61,7 +61,6 @@ __all__ = ["Mark", "SoakResult", "main", "report", "run"]
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURE = ROOT / "tests" / "fixtures" / "vllm" / "0.32-idle.prom"
 TASKS, STREAMS = "kvtax_event_loop_tasks", "kvtax_proxy_streams_open"
-WORKER = "kvtax.serve.workers.child"  # a proxy worker's module, on its command line
 SETTLE_S = 30.0  # longest wait for kvtax to settle requests its clients have finished
 _EXCEPTION = re.compile(r"[\w.]*(Error|Exception)\b[^ ]*(: |$)")
 
@@ -69,8 +68,7 @@ _EXCEPTION = re.compile(r"[\w.]*(Error|Exception)\b[^ ]*(: |$)")
 def _proc(pid: int) -> tuple[int, int, int]:
     """VmRSS and VmHWM in KiB, and the number of open descriptors, of kvtax: its process and
     its proxy workers' (--proxy.workers), added up."""
-    workers = [c for c in procfs.children(pid) if WORKER in procfs.cmdline(c)]
-    pids = [pid, *workers]
+    pids = procfs.kvtax_pids(pid)
     fds = sum(procfs.open_fds(p) for p in pids)
     return procfs.rss_bytes(pids) // 1024, procfs.peak_rss_bytes(pids) // 1024, fds
 
