@@ -12,10 +12,12 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,9 +29,11 @@ from kvtax.delivery.ledger import (
     RequestRecord,
 )
 from kvtax.errors import ConfigError
+from kvtax.gate.cap import CapSettings
 from kvtax.serve.config import load_config
 from kvtax.serve.config import values as v
 from kvtax.serve.proxy import ProxySettings
+from kvtax.serve.proxy.gatekeeper import Gate, GateSettings
 from kvtax.serve.workers.frames import (
     MAX_FRAME,
     TO_PARENT,
@@ -51,7 +55,7 @@ from kvtax.serve.workers.frames import (
 from kvtax.serve.workers.pool import WorkerPool
 from kvtax_dev.fakevllm.aio import serve
 from kvtax_dev.fakevllm.events import DONE
-from kvtax_dev.fakevllm.fast import app
+from kvtax_dev.fakevllm.fast import app, completions
 from kvtax_dev.process import until
 
 HANG_GUARD = 60.0  # seconds; see the module docstring
@@ -162,12 +166,6 @@ def test_auto_counts_the_cores_the_cpu_limit_allows(
 def test_a_worker_count_that_is_not_one_is_refused_by_name(bad: object) -> None:
     with pytest.raises(ConfigError, match=r"--proxy.workers=.* is invalid: .*positive integer"):
         load_config({"proxy.workers": bad}, env={}, file=None)
-
-
-def test_workers_with_the_gate_on_are_refused_naming_both_flags() -> None:
-    assert load_config({"proxy.workers": "2"}, env={}, file=None).proxy_workers == 2
-    with pytest.raises(ConfigError, match=r"--proxy.workers=2 is invalid with --gate.mode=static"):
-        load_config({"proxy.workers": "2", "gate.mode": "static"}, env={}, file=None)
 
 
 # -- the pool, through the real port -------------------------------------------------------------
@@ -307,3 +305,80 @@ async def test_a_worker_that_cannot_listen_fails_the_start(upstream: str) -> Non
         assert workers.pids == []
     finally:
         taken.close()
+
+
+# -- one gate across workers --------------------------------------------------------------------
+@dataclass
+class CountingVllm:
+    """The fast fake, counting the requests it is answering at once."""
+
+    now: int = 0
+    most: int = 0
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            return await completions(request)
+        finally:
+            self.now -= 1
+
+
+async def test_the_cap_holds_across_workers_that_race_for_it() -> None:
+    """A static cap of 4 with two workers: never more than 4 requests at vLLM at once, the
+    rest queued in the parent's one gate, none lost. Two gates of their own would let 8 in."""
+    fake = CountingVllm()
+    served = web.Application()
+    served.router.add_post("/v1/completions", fake.completions)
+    runner, url = await serve(served)
+    gate = Gate(GateSettings(cap=CapSettings(mode="static", static_cap=4), max_wait=60.0))
+    workers = WorkerPool(
+        ProxySettings(upstream=url), DeliveryLedger(ModelNames()), count=2, gate=gate
+    )
+    try:
+        async with asyncio.timeout(HANG_GUARD):
+            port = await workers.start("127.0.0.1", 0)
+            seen = await asyncio.gather(*(_stream(port, 6, 0.02) for _ in range(48)))
+            assert await until(lambda: workers.ledger.outcomes()["completed"] == 48)
+            assert await until(lambda: gate.in_flight == 0)
+            workers.credit_in_flight()
+            assert await until(lambda: len(workers._stats()) == 2)
+    finally:
+        await workers.stop(1.0)
+        await runner.cleanup()
+    assert all(done for _, done in seen)
+    assert fake.most == 4  # the cap, reached and never passed
+    assert gate.admitted == 48
+    assert all(s.events > 0 for s in workers._stats())  # both workers asked
+
+
+async def test_a_dead_workers_slots_go_to_the_next_in_line() -> None:
+    """A worker killed while its requests hold every slot of the cap: the parent frees them,
+    and the other worker's queued requests go in."""
+    fake = CountingVllm()
+    served = web.Application()
+    served.router.add_post("/v1/completions", fake.completions)
+    runner, url = await serve(served)
+    gate = Gate(GateSettings(cap=CapSettings(mode="static", static_cap=2), max_wait=60.0))
+    workers = WorkerPool(
+        ProxySettings(upstream=url), DeliveryLedger(ModelNames()), count=2, gate=gate
+    )
+    try:
+        async with asyncio.timeout(HANG_GUARD):
+            port = await workers.start("127.0.0.1", 0)
+            running = [asyncio.create_task(_stream(port, 200, 0.05)) for _ in range(12)]
+            assert await until(lambda: gate.in_flight == 2 and gate.queued == 10)
+            holder = next(w for w in workers._live.values() if w.tickets)
+            os.kill(holder.process.pid, signal.SIGKILL)
+            # Its slots go to requests the other worker asked for, which then run.
+            assert await until(lambda: gate.in_flight == 2 and not holder.tickets)
+            assert await until(lambda: gate.admitted > 2)
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+    finally:
+        await workers.stop(0.0)
+        await runner.cleanup()
+    # (vLLM may still be answering the dead worker's requests as the next ones arrive: it
+    # notices a closed connection at its next write; the gate counts kvtax's requests.)
+    assert gate.in_flight == 0

@@ -215,7 +215,7 @@ def _proxy(
 
 
 def _workers(
-    config: Config, ledger: DeliveryLedger, *, version: Callable[[], str | None]
+    config: Config, ledger: DeliveryLedger, gate: Gate, *, version: Callable[[], str | None]
 ) -> WorkerPool | None:
     """The pool of proxy workers, when ``--proxy.workers`` asks for more than one."""
     if config.proxy_workers < 2 or config.proxy_listen_address is None:
@@ -228,6 +228,7 @@ def _workers(
         grace=config.shutdown_grace_period,
         log_level=config.log_level,
         log_format=config.log_format,
+        gate=gate if gate.settings.on else None,
     )
 
 
@@ -324,7 +325,7 @@ def build(
     gate = Gate(gate_settings(config))
     # The scrape reads vLLM's version (GET /version); how streams are counted follows it.
     proxy = _proxy(config, ledger, gate, version=lambda: scrape.health.version)
-    workers = _workers(config, ledger, version=lambda: scrape.health.version)
+    workers = _workers(config, ledger, gate, version=lambda: scrape.health.version)
     push = push_handler(
         ledger, config.push_token, allow_unauthenticated=config.push_allow_unauthenticated
     )

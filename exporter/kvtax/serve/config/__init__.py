@@ -176,12 +176,6 @@ def _check_together(config: Config) -> None:
             f"--gate.floor={config.gate_floor} is invalid: must not exceed "
             f"--gate.ceiling={config.gate_ceiling}"
         )
-    if config.proxy_workers > 1 and config.gate_mode != "off":
-        raise ConfigError(
-            f"--proxy.workers={config.proxy_workers} is invalid with "
-            f"--gate.mode={config.gate_mode}: the gate's decisions are one process's, and "
-            "workers do not ask for them yet; run one worker with the gate"
-        )
     if config.gate_fair_reserve and config.gate_fairness_header is None:
         raise ConfigError(
             "--gate.fair-reserve=true is invalid: it reserves shares of fairness keys; "

@@ -136,10 +136,11 @@ class Config:
         v.workers,
         "Proxy processes relaying on the proxy port (SO_REUSEPORT), each on a core of its own; "
         "auto: as many as the cores kvtax's CPU limit allows (its cgroup's cpu.max, else the "
-        "CPUs it may run on). Above 1, kvtax itself keeps the scrape, /metrics and the one "
-        "ledger the workers report to; raise it when kvtax's CPU nears one core under load "
-        "(rate(process_cpu_seconds_total) near 1), and give the pod's kvtax container a CPU "
-        "limit of about N cores. Needs --gate.mode=off.",
+        "CPUs it may run on). Above 1, kvtax itself keeps the scrape, /metrics, the one ledger "
+        "the workers report to and the one gate they ask. Raise it when the relay's CPU nears "
+        "a core per worker under load (the rate of process_cpu_seconds_total, plus "
+        "kvtax_proxy_worker_cpu_seconds_total's with workers), and give kvtax's container a "
+        "CPU limit of about N cores.",
         "N|auto",
     )
     proxy_max_body: int = option(

@@ -212,7 +212,11 @@ class Gate:
         """vLLM answered a request the gate let through with its own 503: its queue caps
         (``--max-num-queued-reqs``/``-tokens``) refused it. Counted; the scrape's
         ``vllm:admission_rejections`` then steps the adaptive cap below vLLM's."""
-        self.rejections["vllm_refused"] += 1
+        self.rejected("vllm_refused")
+
+    def rejected(self, reason: str) -> None:
+        """Count one refusal (a :data:`REASONS` entry) decided outside :meth:`enter`."""
+        self.rejections[reason] += 1
 
     # -- the one call --------------------------------------------------------------------------
     async def admit(
@@ -237,11 +241,12 @@ class Gate:
             prepared, dialect, shape.max_tokens, prompt=prompt, prompts=shape.prompts, n=shape.n
         )
         if isinstance(budgeted, str):
-            self.rejections["over_budget"] += 1
+            self.rejected("over_budget")
             return Refused(over_budget(budgeted, dialect), "over_budget")
         admitted, limit = budgeted
-        ticket = self.ticket(prompt, limit, prompts=shape.prompts, n=shape.n, headers=headers)
-        reason = await self.enter(ticket, carried=carried)
+        ticket, reason = await self.let_in(
+            prompt, limit, prompts=shape.prompts, n=shape.n, headers=headers, carried=carried
+        )
         if reason == CLOSED:
             return Refused(shutting_down(dialect), CLOSED)
         if reason is not None:
@@ -275,6 +280,22 @@ class Gate:
         if clamped is None:  # a value kvtax cannot write: refused as `reject` would
             return check_budget(prompt, max_tokens, budget, "reject", prompts=prompts, n=n).message
         return clamped, verdict.max_tokens
+
+    async def let_in(
+        self,
+        prompt: int,
+        limit: int | None,
+        *,
+        prompts: int,
+        n: int,
+        headers: Sequence[tuple[bytes, bytes]],
+        carried: bool,
+    ) -> tuple[Ticket, str | None]:
+        """A request sized and budgeted, at the door: its ticket, and None (admitted) or why
+        it was not (:meth:`enter`). A proxy worker's gate asks its parent's instead
+        (:class:`~kvtax.serve.workers.gate.RemoteGate`)."""
+        ticket = self.ticket(prompt, limit, prompts=prompts, n=n, headers=headers)
+        return ticket, await self.enter(ticket, carried=carried)
 
     # -- sizing ------------------------------------------------------------------------------
     def ticket(

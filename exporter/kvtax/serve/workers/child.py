@@ -10,6 +10,8 @@ The parent (:class:`~kvtax.serve.workers.pool.WorkerPool`) starts it as
 - relays with the same :class:`~kvtax.serve.proxy.Proxy` as one kvtax does, whose ledger is a
   :class:`Reporter`: each request begun, settled or credited becomes a frame to the parent,
   the frames of one turn of the loop written together;
+- with the gate on, admits through the parent's gate (:class:`~kvtax.serve.workers.gate.
+  RemoteGate`);
 - on :class:`~kvtax.serve.workers.frames.Tick`, credits its running streams and sends its
   :class:`~kvtax.serve.workers.frames.Stats`; on ``Stop`` (or SIGTERM, or the link closing),
   drains like kvtax's own shutdown and exits once every frame is written.
@@ -37,8 +39,10 @@ import msgspec
 from kvtax.delivery.ledger import RequestRecord
 from kvtax.serve import logformat
 from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax.serve.proxy.gatekeeper import GateSettings
 from kvtax.serve.workers.frames import (
     TO_WORKER,
+    Answer,
     Credit,
     FrameError,
     Frames,
@@ -51,6 +55,7 @@ from kvtax.serve.workers.frames import (
     encode,
     settled_of,
 )
+from kvtax.serve.workers.gate import RemoteGate
 
 __all__ = ["ENV", "Launch", "Reporter", "main"]
 
@@ -74,6 +79,7 @@ class Launch(msgspec.Struct, frozen=True):
     log_format: str = "logfmt"
     version: str | None = None  # vLLM's, as the parent's scrape last read it
     grace: float = 30.0  # --shutdown.grace-period: a SIGTERM's drain
+    gate: GateSettings | None = None  # the gate's settings, when it is on
 
 
 class Reporter:
@@ -136,9 +142,15 @@ class _Link(asyncio.Protocol):
     """The parent's side of the talk, read: a tick is answered at once; the stop, a stream
     that is not frames, or the link's end ends the worker (``stopped`` holds the grace)."""
 
-    def __init__(self, on_tick: Callable[[Tick], None], stopped: asyncio.Future[float]) -> None:
+    def __init__(
+        self,
+        on_tick: Callable[[Tick], None],
+        on_answer: Callable[[Answer], None],
+        stopped: asyncio.Future[float],
+    ) -> None:
         self._frames = Frames(TO_WORKER)
         self._on_tick = on_tick
+        self._on_answer = on_answer
         self._stopped = stopped
         self.transport: asyncio.Transport | None = None
         self._drained: asyncio.Future[None] | None = None
@@ -157,7 +169,9 @@ class _Link(asyncio.Protocol):
             self._stop(0.0)
             return
         for message in messages:
-            if isinstance(message, Tick):
+            if isinstance(message, Answer):
+                self._on_answer(message)
+            elif isinstance(message, Tick):
                 self._on_tick(message)
             else:
                 self._stop(message.grace)
@@ -207,12 +221,17 @@ class _Child:
         self.version = launch.version
         self.proxy: Proxy | None = None
         self.reporter: Reporter | None = None
+        self.gate: RemoteGate | None = None
 
     def tick(self, message: Tick) -> None:
         self.version = message.version
         if self.proxy is not None and self.reporter is not None:
             self.proxy.credit_in_flight()
             self.reporter.send(stats_of(self.proxy))
+
+    def answer(self, message: Answer) -> None:
+        if self.gate is not None:
+            self.gate.answered(message)
 
 
 async def _serve(launch: Launch) -> int:
@@ -221,12 +240,15 @@ async def _serve(launch: Launch) -> int:
     stopped: asyncio.Future[float] = loop.create_future()
     sock = socket.socket(fileno=launch.fd)
     transport, link = await loop.create_unix_connection(
-        lambda: _Link(child.tick, stopped), sock=sock
+        lambda: _Link(child.tick, child.answer, stopped), sock=sock
     )
     reporter = child.reporter = Reporter(transport)
+    if launch.gate is not None:
+        child.gate = RemoteGate(launch.gate, reporter.send)
     proxy = child.proxy = Proxy(
         launch.proxy,
         reporter,
+        gate=child.gate,
         vllm_version=lambda: child.version,
         on_accounted=reporter.opened,
     )

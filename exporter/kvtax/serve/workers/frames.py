@@ -13,10 +13,13 @@ The worker says:
 - :class:`Learned`: a model vLLM answered for (once per name);
 - :class:`Credit`: tokens a running stream's client has so far (at each :class:`Tick`);
 - :class:`Settled`: one request's :class:`~kvtax.delivery.ledger.RequestRecord`;
-- :class:`Stats`: its gauges and its relay cost, cumulative (at each tick and at its end).
+- :class:`Stats`: its gauges and its relay cost, cumulative (at each tick and at its end);
+- with the gate on, :class:`Ask` (may this request go to vLLM?), :class:`Leave` (it is over, or
+  its client left while it waited) and :class:`Rejected` (a refusal it decided itself).
 
 The parent says :class:`Tick` (credit your running streams; vLLM's version as the scrape last
-read it) and :class:`Stop` (drain within ``grace`` seconds, then exit).
+read it), :class:`Answer` (the gate's word on an ask) and :class:`Stop` (drain within
+``grace`` seconds, then exit).
 
 Example:
 
@@ -40,12 +43,16 @@ __all__ = [
     "MAX_FRAME",
     "TO_PARENT",
     "TO_WORKER",
+    "Answer",
+    "Ask",
     "Credit",
     "FrameError",
     "Frames",
     "Learned",
+    "Leave",
     "Opened",
     "Ready",
+    "Rejected",
     "Settled",
     "Stats",
     "Stop",
@@ -112,6 +119,39 @@ class Stats(msgspec.Struct, tag="stats", array_like=True, frozen=True):
     cpu: float  # its process's CPU seconds, user and system
 
 
+class Ask(msgspec.Struct, tag="ask", array_like=True, frozen=True):
+    """May this request go to vLLM? Sized and budgeted by the worker: the parent's gate issues
+    its ticket (the KV blocks, the fair share) and lets it in or sheds it."""
+
+    id: int
+    prompt: int
+    limit: int | None
+    prompts: int
+    n: int
+    headers: list[tuple[bytes, bytes]]  # the fairness and priority headers only
+    carried: bool
+
+
+class Leave(msgspec.Struct, tag="leave", array_like=True, frozen=True):
+    """The asked request is over for vLLM, or its client left while it waited."""
+
+    id: int
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True, frozen=True):
+    """A refusal the worker decided (over the token budget, vLLM's own 503), for the count."""
+
+    reason: str
+
+
+class Answer(msgspec.Struct, tag="answer", array_like=True, frozen=True):
+    """The parent gate's word on an ask: None, let in; else why not, and the Retry-After."""
+
+    id: int
+    reason: str | None
+    retry_after: int
+
+
 class Tick(msgspec.Struct, tag="tick", array_like=True, frozen=True):
     version: str | None
 
@@ -120,8 +160,8 @@ class Stop(msgspec.Struct, tag="stop", array_like=True, frozen=True):
     grace: float
 
 
-ToParent = Ready | Opened | Learned | Credit | Settled | Stats
-ToWorker = Tick | Stop
+ToParent = Ready | Opened | Learned | Credit | Settled | Stats | Ask | Leave | Rejected
+ToWorker = Tick | Stop | Answer
 TO_PARENT: type[ToParent] = ToParent  # type: ignore[assignment]  # a union, as msgspec reads it
 TO_WORKER: type[ToWorker] = ToWorker  # type: ignore[assignment]
 

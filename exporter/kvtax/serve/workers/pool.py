@@ -19,8 +19,10 @@ each request is counted once, by the worker that relayed it.
 - **Shutdown** sends every worker a stop with the grace period: each drains as one kvtax would,
   and the parent reads every frame each one wrote before it counts the worker gone.
 
-The gate's decisions are the parent's alone, and no worker asks for them yet: more than one
-worker needs ``--gate.mode=off`` (:func:`kvtax.serve.config` refuses the pair).
+- **One gate.** With the gate on, the parent's gate decides for every worker: each worker
+  budgets a request itself and asks the parent to let it in (:mod:`kvtax.serve.workers.gate`),
+  so the cap, the KV blocks, the queue and the fair shares are counted once. A dead worker's
+  slots are freed and its queued asks dropped.
 
 Example::
 
@@ -47,15 +49,20 @@ import msgspec
 from kvtax.delivery.cost import FORWARD_BUCKETS, RELAY_BUCKETS, RelayCost
 from kvtax.delivery.ledger import DeliveryLedger, HistogramAccumulator, RequestRecord
 from kvtax.serve.proxy import ProxySettings
+from kvtax.serve.proxy.gatekeeper import CLOSED, REASONS, Gate, Ticket
 from kvtax.serve.workers.child import ENV, Launch
 from kvtax.serve.workers.frames import (
     TO_PARENT,
+    Answer,
+    Ask,
     Credit,
     FrameError,
     Frames,
     Learned,
+    Leave,
     Opened,
     Ready,
+    Rejected,
     Settled,
     Stats,
     Stop,
@@ -92,19 +99,29 @@ class _Worker:
     settled: int = 0
     stats: Stats | None = None
     started_at: float = 0.0
+    # The gate's side: asks waiting in the parent's gate, and tickets it let in, by ask id.
+    asks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    tickets: dict[int, Ticket] = field(default_factory=dict)
 
-    def tell(self, message: Tick | Stop) -> None:
+    def tell(self, message: Tick | Stop | Answer) -> None:
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.write(encode(message))
 
 
 class _Link(asyncio.Protocol):
-    """A worker's reports, read and applied to the ledger as they arrive."""
+    """A worker's reports, read and applied to the ledger as they arrive; its asks handed to
+    the gate's side (``on_gate``)."""
 
-    def __init__(self, worker_of: Callable[[], _Worker | None], ledger: DeliveryLedger) -> None:
+    def __init__(
+        self,
+        worker_of: Callable[[], _Worker | None],
+        ledger: DeliveryLedger,
+        on_gate: Callable[[_Worker, Ask | Leave | Rejected], None],
+    ) -> None:
         self._worker_of = worker_of
         self._ledger = ledger
+        self._on_gate = on_gate
         self._frames = Frames(TO_PARENT)
         self.transport: asyncio.Transport | None = None
 
@@ -137,6 +154,8 @@ class _Link(asyncio.Protocol):
                 ledger.learn(message.model)
             elif isinstance(message, Opened):
                 worker.opened += 1
+            elif isinstance(message, Ask | Leave | Rejected):
+                self._on_gate(worker, message)
             elif isinstance(message, Stats):
                 worker.stats = message
             elif isinstance(message, Ready) and not worker.ready.done():
@@ -182,12 +201,15 @@ class WorkerPool:
         grace: float = 30.0,
         log_level: str = "info",
         log_format: str = "logfmt",
+        gate: Gate | None = None,
     ) -> None:
         if count < 1:
             raise ValueError(f"a pool of {count} workers")
         self.settings = settings
         self.ledger = ledger
         self.count = count
+        # The one gate, when it is on: every worker's requests are let in here.
+        self.gate = gate
         self._version = version
         self._grace = grace
         self._log = (log_level, log_format)
@@ -300,6 +322,7 @@ class WorkerPool:
             log_format=self._log[1],
             version=self._version(),
             grace=self._grace,
+            gate=self.gate.settings if self.gate is not None else None,
         )
         try:
             process = await asyncio.create_subprocess_exec(
@@ -320,7 +343,7 @@ class WorkerPool:
             started_at=loop.time(),
         )
         transport, _ = await loop.create_unix_connection(
-            lambda: _Link(lambda: worker, self.ledger), sock=ours
+            lambda: _Link(lambda: worker, self.ledger, self._gatekeeping), sock=ours
         )
         worker.transport = transport
         exited = asyncio.ensure_future(process.wait())
@@ -386,6 +409,41 @@ class WorkerPool:
             async with asyncio.timeout(seconds):
                 await self._stopped.wait()
 
+    # -- the one gate --------------------------------------------------------------------------
+    def _gatekeeping(self, worker: _Worker, message: Ask | Leave | Rejected) -> None:
+        gate = self.gate
+        if gate is None:
+            log.error("worker %d asked the gate, which is off", worker.index)
+            return
+        if isinstance(message, Ask):
+            worker.asks[message.id] = asyncio.create_task(self._ask(gate, worker, message))
+        elif isinstance(message, Leave):
+            waiting = worker.asks.pop(message.id, None)
+            if waiting is not None:
+                waiting.cancel()  # its client left while it waited: out of the queue
+            ticket = worker.tickets.pop(message.id, None)
+            if ticket is not None:
+                gate.leave(ticket)
+        elif message.reason in REASONS:
+            gate.rejected(message.reason)
+
+    async def _ask(self, gate: Gate, worker: _Worker, ask: Ask) -> None:
+        """One worker's request at the parent's gate, as one of its own would stand."""
+        ticket = gate.ticket(
+            ask.prompt, ask.limit, prompts=ask.prompts, n=ask.n, headers=ask.headers
+        )
+        try:
+            reason = await gate.enter(ticket, carried=ask.carried)
+        finally:
+            worker.asks.pop(ask.id, None)
+        if reason is None and worker.closed.done():
+            gate.leave(ticket)  # the worker ended as it was let in
+            return
+        if reason is None:
+            worker.tickets[ask.id] = ticket
+        retry = gate.retry_after() if reason not in {None, CLOSED} else 0
+        worker.tell(Answer(ask.id, reason, retry))
+
     def _retire(self, worker: _Worker) -> None:
         """A worker ended: its counters join the retired ones, and the requests it began and
         never settled settle as ``shutdown``."""
@@ -393,6 +451,13 @@ class WorkerPool:
             del self._live[worker.index]
         if worker.transport is not None:
             worker.transport.close()
+        for waiting in worker.asks.values():
+            waiting.cancel()
+        if self.gate is not None:
+            for ticket in worker.tickets.values():
+                self.gate.leave(ticket)  # its requests are over for vLLM: their slots free
+        worker.asks.clear()
+        worker.tickets.clear()
         stats = worker.stats
         if stats is not None:
             _add_stats(self._retired.cost, stats)
@@ -416,6 +481,8 @@ class WorkerPool:
         that outlast the grace period by the proxy's cut and a margin)."""
         self._stopping = True
         self._stopped.set()
+        if self.gate is not None:
+            self.gate.close()  # every ask still queued is answered: shutting down
         stop = Stop(grace)
         for worker in list(self._live.values()):
             worker.tell(stop)
