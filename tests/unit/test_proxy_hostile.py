@@ -20,6 +20,7 @@ from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.expose.publish import ledger_samples
 from kvtax.expose.samples import Sample
 from kvtax.serve.proxy import Proxy, ProxySettings
+from kvtax.serve.workers.pool import WorkerPool
 from kvtax_dev.fakevllm.aio import serve
 from kvtax_dev.fakevllm.events import DONE, done
 
@@ -65,7 +66,33 @@ async def proxy(upstream: Upstream) -> AsyncIterator[tuple[str, Proxy]]:
     await relay.stop()
 
 
-def _outcomes(proxy: Proxy) -> dict[str, float]:
+# The relay a hostile test counts through: the proxy in this process, or two proxy workers
+# reporting to one ledger (--proxy.workers=2).
+Relay = Proxy | WorkerPool
+
+
+@pytest.fixture(params=[1, 2], ids=["one-process", "two-workers"])
+async def endpoint(
+    upstream: Upstream, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[str, Relay]]:
+    names = ModelNames()
+    names.update(["m"])
+    settings, ledger = ProxySettings(upstream=upstream.url), DeliveryLedger(names)
+    relay: Relay = (
+        WorkerPool(settings, ledger, count=request.param)
+        if request.param > 1
+        else Proxy(settings, ledger)
+    )
+    port = await relay.start("127.0.0.1", 0)
+    yield f"http://127.0.0.1:{port}", relay
+    await relay.stop()
+
+
+def _pending(relay: Relay) -> int:
+    return relay.unsettled if isinstance(relay, WorkerPool) else relay.in_flight
+
+
+def _outcomes(proxy: Relay) -> dict[str, float]:
     return {
         s.labels[1]: s.value
         for s in ledger_samples(proxy.ledger.counts())
@@ -76,7 +103,7 @@ def _outcomes(proxy: Proxy) -> dict[str, float]:
     }
 
 
-def _counter(proxy: Proxy, metric: str) -> float:
+def _counter(proxy: Relay, metric: str) -> float:
     return sum(
         s.value
         for s in ledger_samples(proxy.ledger.counts())
@@ -84,10 +111,10 @@ def _counter(proxy: Proxy, metric: str) -> float:
     )
 
 
-async def _settled(proxy: Proxy, n: int) -> dict[str, float]:
+async def _settled(proxy: Relay, n: int) -> dict[str, float]:
     """The outcomes once ``n`` requests have settled (handlers end after clients do)."""
     for _ in range(500):
-        if sum(_outcomes(proxy).values()) >= n and proxy.in_flight == 0:
+        if sum(_outcomes(proxy).values()) >= n and _pending(proxy) == 0:
             break
         await asyncio.sleep(0.01)
     return _outcomes(proxy)
@@ -151,7 +178,7 @@ async def test_a_body_in_several_writes_reaches_the_client_whole(
 
 @pytest.mark.parametrize("sized", [True, False], ids=["content-length", "chunked"])
 async def test_a_body_vllm_breaks_off_never_looks_complete(
-    upstream: Upstream, proxy: tuple[str, Proxy], sized: bool
+    upstream: Upstream, endpoint: tuple[str, Relay], sized: bool
 ) -> None:
     # Protection: when vLLM's body breaks off, the client's connection is broken too, so a
     # cut body can never arrive as a complete 200.
@@ -168,7 +195,7 @@ async def test_a_body_vllm_breaks_off_never_looks_complete(
         return response
 
     upstream.script = half_then_gone
-    url, relay = proxy
+    url, relay = endpoint
     async with (
         aiohttp.ClientSession() as client,
         client.post(url + "/v1/completions", json={"model": "m"}) as resp,
@@ -234,13 +261,13 @@ async def _read_to_done_and_hang_up(session: aiohttp.ClientSession, url: str) ->
 
 
 async def test_thousands_of_clients_that_hang_up_at_done_all_completed(
-    upstream: Upstream, proxy: tuple[str, Proxy]
+    upstream: Upstream, endpoint: tuple[str, Relay]
 ) -> None:
     # Protection: a client that received everything is counted as having received
     # everything, even when it hangs up before kvtax finishes the response: the outcome is
     # decided from a last reading of its acknowledgements.
     upstream.script = sse(tokens=20, linger=0.05)
-    url, relay = proxy
+    url, relay = endpoint
     streams, limit = 2000, asyncio.Semaphore(100)
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
 
@@ -257,7 +284,7 @@ async def test_thousands_of_clients_that_hang_up_at_done_all_completed(
 
 
 async def test_a_stream_without_usage_is_counted_as_such(
-    upstream: Upstream, proxy: tuple[str, Proxy]
+    upstream: Upstream, endpoint: tuple[str, Relay]
 ) -> None:
     # Protection: an upstream that ignores stream_options leaves a signal, not a silent 0.
     async def no_usage(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
@@ -268,7 +295,7 @@ async def test_a_stream_without_usage_is_counted_as_such(
         return response
 
     upstream.script = no_usage
-    url, relay = proxy
+    url, relay = endpoint
     async with (
         aiohttp.ClientSession() as client,
         client.post(url + "/v1/completions", json={"model": "m", "stream": True}) as r,
@@ -279,11 +306,11 @@ async def test_a_stream_without_usage_is_counted_as_such(
 
 
 async def test_a_stream_framed_with_single_newlines_is_still_counted(
-    upstream: Upstream, proxy: tuple[str, Proxy]
+    upstream: Upstream, endpoint: tuple[str, Relay]
 ) -> None:
     # Protection: events are read line by line, so single-newline framing still counts.
     upstream.script = sse(tokens=6, linger=0, framing=b"\n")
-    url, relay = proxy
+    url, relay = endpoint
     body = {"model": "m", "stream": True}
     async with (
         aiohttp.ClientSession() as client,
@@ -298,13 +325,13 @@ async def test_a_stream_framed_with_single_newlines_is_still_counted(
 
 
 async def test_a_non_streamed_answer_without_usage_is_counted_as_such(
-    upstream: Upstream, proxy: tuple[str, Proxy]
+    upstream: Upstream, endpoint: tuple[str, Relay]
 ) -> None:
     async def no_usage(request: web.Request, _: dict[str, Any]) -> web.StreamResponse:
         return web.json_response({"id": "c", "choices": [{"index": 0, "text": "a"}]})
 
     upstream.script = no_usage
-    url, relay = proxy
+    url, relay = endpoint
     async with (
         aiohttp.ClientSession() as client,
         client.post(url + "/v1/completions", json={"model": "m"}) as resp,
@@ -339,12 +366,12 @@ async def test_a_chunked_body_to_a_pass_through_path_is_streamed_whole(
 
 
 async def test_an_accounted_body_past_the_limit_is_a_413(
-    upstream: Upstream, proxy: tuple[str, Proxy]
+    upstream: Upstream, endpoint: tuple[str, Relay]
 ) -> None:
     # Protection: an accounted body is held whole to be read, so it has a bound
     # (--proxy.max-body); past it the rest is never read.
     upstream.script = in_pieces(completion_body(1024, 1), 200, sized=True)
-    url, relay = proxy
+    url, relay = endpoint
     body = json.dumps({"model": "m", "prompt": "y" * relay.settings.max_body}).encode()
     async with (
         aiohttp.ClientSession() as client,
@@ -354,7 +381,7 @@ async def test_an_accounted_body_past_the_limit_is_a_413(
 
 
 async def test_a_stream_vllm_breaks_off_counts_what_the_waiting_client_got(
-    upstream: Upstream, proxy: tuple[str, Proxy]
+    upstream: Upstream, endpoint: tuple[str, Relay]
 ) -> None:
     # Protection: the client is still connected when the error event and the end of stream
     # go out, so every token written reaches it, acknowledged yet or not.
@@ -374,7 +401,7 @@ async def test_a_stream_vllm_breaks_off_counts_what_the_waiting_client_got(
         return response
 
     upstream.script = three_then_gone
-    url, relay = proxy
+    url, relay = endpoint
     async with (
         aiohttp.ClientSession() as client,
         client.post(url + "/v1/completions", json={"model": "m", "stream": True}) as r,
@@ -386,7 +413,7 @@ async def test_a_stream_vllm_breaks_off_counts_what_the_waiting_client_got(
 
 
 async def test_a_stream_request_orjson_cannot_read_is_still_rewritten(
-    upstream: Upstream, proxy: tuple[str, Proxy]
+    upstream: Upstream, endpoint: tuple[str, Relay]
 ) -> None:
     # An integer past 64 bits is valid JSON; the request must still ask vLLM for usage, and
     # vLLM must get the client's exact integer (orjson would have read it as a float).
@@ -398,7 +425,7 @@ async def test_a_stream_request_orjson_cannot_read_is_still_rewritten(
         return await answer(request, body)
 
     upstream.script = script
-    url, relay = proxy
+    url, relay = endpoint
     body = b'{"model":"m","stream":true,"seed":123456789012345678901234567890}'
     async with (
         aiohttp.ClientSession() as client,

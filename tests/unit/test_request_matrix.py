@@ -24,6 +24,7 @@ from aiohttp import web
 from kvtax.delivery.ledger import DeliveryLedger, ModelNames
 from kvtax.serve.proxy import Proxy, ProxySettings
 from kvtax.serve.sources.models import ModelsPoller
+from kvtax.serve.workers.pool import WorkerPool
 from kvtax_dev.fakevllm.aio import FakeVllm, serve
 from kvtax_dev.process import until
 
@@ -141,6 +142,26 @@ class Rig:
     upstream: str
     proxy: Proxy
     url: str
+    # With workers, the pool that relays (``proxy`` is then only the one-process relay's
+    # settings, never started).
+    pool: WorkerPool | None = None
+
+    @property
+    def ledger(self) -> DeliveryLedger:
+        return self.pool.ledger if self.pool is not None else self.proxy.ledger
+
+    async def idle(self) -> bool:
+        """Every request settled in the ledger."""
+        if self.pool is not None:
+            pool = self.pool
+            return await until(lambda: pool.unsettled == 0)
+        return await until(lambda: self.proxy.in_flight == 0)
+
+    async def schemes(self) -> dict[str, int]:
+        if self.pool is not None:
+            await self.pool.report()
+            return self.pool.cost.schemes
+        return self.proxy.cost.schemes
 
 
 Start = Callable[..., Any]
@@ -148,25 +169,29 @@ Start = Callable[..., Any]
 
 @pytest.fixture
 async def start() -> AsyncIterator[Start]:
-    started: list[tuple[web.AppRunner, Proxy]] = []
+    started: list[tuple[web.AppRunner, Proxy | WorkerPool]] = []
 
-    async def start(version: str | None = None, **knobs: Any) -> Rig:
+    async def start(version: str | None = None, *, workers: int = 1, **knobs: Any) -> Rig:
         vllm = FakeVllm(tokens=TOKENS, served=(ENGINE, ALIAS), fail={"boom": 500}, **knobs)
         runner, upstream = await serve(vllm.app())
         names = ModelNames()  # no scrape yet: /v1/models alone says what is served
         poller = ModelsPoller(names, url=upstream, configured=(), interval=300.0, timeout=10.0)
         async with aiohttp.ClientSession() as session:
             await poller.read(session)
-        proxy = Proxy(
-            ProxySettings(upstream=upstream), DeliveryLedger(names), vllm_version=lambda: version
-        )
+        settings, ledger = ProxySettings(upstream=upstream), DeliveryLedger(names)
+        proxy = Proxy(settings, ledger, vllm_version=lambda: version)
+        if workers > 1:
+            pool = WorkerPool(settings, ledger, count=workers, version=lambda: version)
+            port = await pool.start("127.0.0.1", 0)
+            started.append((runner, pool))
+            return Rig(vllm, upstream, proxy, f"http://127.0.0.1:{port}", pool)
         proxy_port = await proxy.start("127.0.0.1", 0)
         started.append((runner, proxy))
         return Rig(vllm, upstream, proxy, f"http://127.0.0.1:{proxy_port}")
 
     yield start
-    for runner, proxy in started:
-        await proxy.stop()
+    for runner, relay in started:
+        await relay.stop()
         await runner.cleanup()
 
 
@@ -213,12 +238,12 @@ def _header(answer: Answer, name: str) -> str:
     return next((v for k, v in answer.headers if k.lower() == name), "")
 
 
-def _delivered(proxy: Proxy) -> dict[str, float]:
-    return {label: t.delivered for label, t in proxy.ledger.totals().items()}
+def _delivered(ledger: DeliveryLedger) -> dict[str, float]:
+    return {label: t.delivered for label, t in ledger.totals().items()}
 
 
-def _ttft_count(proxy: Proxy) -> float:
-    counts = proxy.ledger.counts()
+def _ttft_count(ledger: DeliveryLedger) -> float:
+    counts = ledger.counts()
     return sum(book.ttft.buckets[-1][1] for book in counts.values())
 
 
@@ -255,20 +280,34 @@ async def test_every_request_shape_gets_the_same_bytes_and_is_counted_under_the_
 ) -> None:
     # Under both schemes: the same bytes as vLLM sends the client (no ids, no usage it did not
     # ask for), the exact count, and each stream counted by the scheme its shape calls for.
-    rig: Rig = await start(version, tight=tight, per_chunk=per_chunk)
+    await _matrix(await start(version, tight=tight, per_chunk=per_chunk), version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", None], ids=["token-ids", "usage"])
+async def test_the_matrix_through_two_proxy_workers_is_exact_in_the_one_ledger(
+    start: Start, version: str | None
+) -> None:
+    # --proxy.workers=2: each shape relayed by whichever worker the kernel gave the connection,
+    # each counted once in the parent's ledger, under the engine's name the parent learned.
+    await _matrix(await start(version, workers=2, per_chunk=3), version)
+
+
+async def _matrix(rig: Rig, version: str | None) -> None:
     assert len(SHAPES) >= 17
     expected_total = 0
-    async with aiohttp.ClientSession(auto_decompress=False) as session:
+    # Through workers, a connection per request: the kernel spreads them over both.
+    connector = aiohttp.TCPConnector(force_close=rig.pool is not None)
+    async with aiohttp.ClientSession(auto_decompress=False, connector=connector) as session:
         for name, path, body in SHAPES:
             direct = await _send(session, rig.upstream + path, body)
-            before, ttft_before = _delivered(rig.proxy), _ttft_count(rig.proxy)
+            before, ttft_before = _delivered(rig.ledger), _ttft_count(rig.ledger)
             relayed = await _send(session, rig.url + path, body)
-            assert await until(lambda: rig.proxy.in_flight == 0)
+            assert await rig.idle()
             assert relayed.status == direct.status, name
             assert relayed.body == direct.body, name
             assert _end_to_end(relayed.headers) == _end_to_end(direct.headers), name
             received = _tokens_received(relayed)
-            after = _delivered(rig.proxy)
+            after = _delivered(rig.ledger)
             grew = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
             assert grew == ({ENGINE: received} if received else {}), name
             expected_total += received
@@ -276,17 +315,17 @@ async def test_every_request_shape_gets_the_same_bytes_and_is_counted_under_the_
                 "text/event-stream"
             )
             # A stream (however `stream` was spelt) records its client-side TTFT.
-            assert _ttft_count(rig.proxy) == ttft_before + (1 if streamed else 0), name
+            assert _ttft_count(rig.ledger) == ttft_before + (1 if streamed else 0), name
     assert expected_total > 0
-    totals = rig.proxy.ledger.totals()
+    totals = rig.ledger.totals()
     assert totals[ENGINE].delivered == expected_total
     assert ALIAS not in totals  # the alias has no engine series: never a label of its own
-    counts = rig.proxy.ledger.counts()
+    counts = rig.ledger.counts()
     assert counts[ENGINE].usage_missing == 0
     assert counts[ENGINE].outcomes["completed"] == sum(
         1 for name, _, _ in SHAPES if name[0] not in "45"
     )
-    assert rig.proxy.cost.schemes == _counted_streams(version)
+    assert await rig.schemes() == _counted_streams(version)
     # What kvtax added to what vLLM was asked, shape by shape (each shape went direct, then
     # through kvtax): ids only by the token_ids scheme.
     requests = rig.vllm.requests

@@ -226,8 +226,7 @@ async def test_two_workers_share_the_port_and_the_ledger_counts_every_request_on
         assert all(done for _, done in seen)
         # Settled records reach the parent a turn of each worker's loop after the client's end.
         assert await until(lambda: workers.ledger.outcomes()["completed"] == 120)
-        workers.credit_in_flight()  # each worker reports its stats on a tick
-        assert await until(lambda: len(workers._stats()) == 2)
+        await workers.report()  # each worker reports its stats on a tick
     totals = workers.ledger.totals()["bench"]
     assert totals.delivered == sum(tokens for tokens, _ in seen)
     assert _outcomes(workers) == {"completed": 120}
@@ -244,9 +243,8 @@ async def test_a_killed_worker_breaks_its_streams_settles_them_and_is_replaced(
     workers, port = pool
     async with asyncio.timeout(HANG_GUARD):
         running = [asyncio.create_task(_stream(port, 40, 0.05)) for _ in range(24)]
-        assert await until(lambda: _opened(workers) == 24)
-        workers.credit_in_flight()
-        await asyncio.sleep(0.5)  # a credit of what the streams delivered so far
+        assert await until(lambda: workers.unsettled == 24)
+        await workers.report()  # a credit of what the streams delivered so far
         victim = workers.pids[0]
         os.kill(victim, signal.SIGKILL)
         seen = await asyncio.gather(*running)
@@ -266,13 +264,8 @@ async def test_a_killed_worker_breaks_its_streams_settles_them_and_is_replaced(
     async with asyncio.timeout(HANG_GUARD):
         again = await asyncio.gather(*(_stream(port, 2) for _ in range(60)))
         assert all(done for _, done in again)
-        workers.credit_in_flight()
-        assert await until(lambda: len(workers._stats()) == 2)
+        await workers.report()
     assert all(s.events > 0 for s in workers._stats())
-
-
-def _opened(workers: WorkerPool) -> int:
-    return sum(w.opened - w.settled for w in workers._live.values())
 
 
 async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: str) -> None:
@@ -280,7 +273,7 @@ async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: s
     async with asyncio.timeout(HANG_GUARD):
         port = await workers.start("127.0.0.1", 0)
         running = [asyncio.create_task(_stream(port, 10, 0.05)) for _ in range(16)]
-        assert await until(lambda: _opened(workers) == 16)
+        assert await until(lambda: workers.unsettled == 16)
         await workers.stop(grace=10.0)
         seen = await asyncio.gather(*running)
     assert all(done for _, done in seen)  # the grace let every stream finish
@@ -341,8 +334,7 @@ async def test_the_cap_holds_across_workers_that_race_for_it() -> None:
             seen = await asyncio.gather(*(_stream(port, 6, 0.02) for _ in range(48)))
             assert await until(lambda: workers.ledger.outcomes()["completed"] == 48)
             assert await until(lambda: gate.in_flight == 0)
-            workers.credit_in_flight()
-            assert await until(lambda: len(workers._stats()) == 2)
+            await workers.report()
     finally:
         await workers.stop(1.0)
         await runner.cleanup()

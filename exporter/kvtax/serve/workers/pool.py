@@ -102,6 +102,7 @@ class _Worker:
     # The gate's side: asks waiting in the parent's gate, and tickets it let in, by ask id.
     asks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     tickets: dict[int, Ticket] = field(default_factory=dict)
+    reported: asyncio.Event = field(default_factory=asyncio.Event)  # set by each Stats
 
     def tell(self, message: Tick | Stop | Answer) -> None:
         transport = self.transport
@@ -158,6 +159,7 @@ class _Link(asyncio.Protocol):
                 self._on_gate(worker, message)
             elif isinstance(message, Stats):
                 worker.stats = message
+                worker.reported.set()
             elif isinstance(message, Ready) and not worker.ready.done():
                 worker.ready.set_result(message.pid)
 
@@ -271,6 +273,28 @@ class WorkerPool:
     def pids(self) -> list[int]:
         """The live workers' process ids, in worker order."""
         return [self._live[i].process.pid for i in sorted(self._live)]
+
+    @property
+    def unsettled(self) -> int:
+        """Requests the live workers began whose records have not reached the ledger yet."""
+        return sum(w.opened - w.settled for w in self._live.values())
+
+    async def report(self, limit: float = 10.0) -> None:
+        """Tick every worker and wait (up to ``limit`` seconds) until each has answered with
+        its stats: the gauges and the cost read afterwards are current."""
+        workers = list(self._live.values())
+        for worker in workers:
+            worker.reported.clear()
+        self.credit_in_flight()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit):
+                for worker in workers:
+                    await worker.reported.wait()
+
+    async def _stopped_or(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopped.wait()
 
     def credit_in_flight(self) -> None:
         """Ask every worker to credit its running streams (and report its stats); their
@@ -405,9 +429,7 @@ class WorkerPool:
 
     async def _pause(self, seconds: float) -> None:
         """Wait ``seconds`` between a worker's death and the next start, or until the stop."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._stopped.wait()
+        await self._stopped_or(seconds)
 
     # -- the one gate --------------------------------------------------------------------------
     def _gatekeeping(self, worker: _Worker, message: Ask | Leave | Rejected) -> None:
@@ -458,6 +480,7 @@ class WorkerPool:
                 self.gate.leave(ticket)  # its requests are over for vLLM: their slots free
         worker.asks.clear()
         worker.tickets.clear()
+        worker.reported.set()  # a report() waits for it no longer
         stats = worker.stats
         if stats is not None:
             _add_stats(self._retired.cost, stats)
