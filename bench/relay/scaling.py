@@ -161,13 +161,14 @@ def _until_workers(metrics: str, want: int, limit: float = 60.0) -> float:
     return time.perf_counter() - started
 
 
-async def _turn(relay: Relay, streams: int, chunks: int) -> tuple[float, float]:
-    """One unpaced wave through ``relay``: events per second received, relay CPU µs per event."""
+async def _turn(relay: Relay, streams: int, chunks: int, interval: float) -> tuple[float, float]:
+    """One wave through ``relay`` (chunks ``interval`` seconds apart; 0: unpaced): events per
+    second received, relay CPU µs per event."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         before = procfs.run_seconds(relay.pids())
         started = time.perf_counter()
-        seen = await _wave(session, relay.url, streams, chunks, 0.0, kind=COMPLETIONS)
+        seen = await _wave(session, relay.url, streams, chunks, interval, kind=COMPLETIONS)
         wall = time.perf_counter() - started
         cpu = procfs.run_seconds(relay.pids()) - before
     events = sum(s.events for s in seen)
@@ -209,13 +210,13 @@ async def _restart(relay: Relay, metrics: str, pid_of_parent: int) -> float:
     return seconds
 
 
-async def run(streams: int, chunks: int, rounds: int, kills: int) -> str:
+async def run(streams: int, chunks: int, rounds: int, kills: int, interval: float = 0.0) -> str:
     with started() as (relays, metrics):
         turns = {relay.name: Turns() for relay in relays}
         for r in range(rounds):
             order = relays[r % len(relays) :] + relays[: r % len(relays)]
             for relay in order:
-                rate, cpu = await _turn(relay, streams, chunks)
+                rate, cpu = await _turn(relay, streams, chunks, interval)
                 turns[relay.name].rates.append(rate)
                 turns[relay.name].cpu.append(cpu)
                 print(
@@ -226,8 +227,13 @@ async def run(streams: int, chunks: int, rounds: int, kills: int) -> str:
         two = next(relay for relay in relays if relay.name.startswith("kvtax, 2"))
         parent = int(two.pids()[0])
         restarts = [await _restart(two, metrics, parent) for _ in range(kills)]
+    paced = f"paced {interval * 1000:g} ms apart" if interval else "unpaced"
     return _report(
-        relays, turns=turns, restarts=restarts, streams=streams, chunks=chunks, rounds=rounds
+        relays,
+        turns=turns,
+        restarts=restarts,
+        waves=f"{streams} streams of {chunks} chunks, {paced}",
+        rounds=rounds,
     )
 
 
@@ -236,8 +242,7 @@ def _report(
     *,
     turns: dict[str, Turns],
     restarts: list[float],
-    streams: int,
-    chunks: int,
+    waves: str,
     rounds: int,
 ) -> str:
     rate = {name: statistics.median(t.rates) for name, t in turns.items()}
@@ -266,7 +271,7 @@ def _report(
         "rounds",
     ]
     lines = [
-        f"{streams} unpaced streams of {chunks} chunks, {rounds} rounds, unpinned, medians; "
+        f"{waves}, {rounds} rounds, unpinned, medians; "
         f"{os.cpu_count()} CPUs ({procfs.cpu_model()})",
         "",
         record.table(header, rows, "lrrrrl"),
@@ -286,6 +291,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=64, help="streams per wave (default 64)")
     parser.add_argument("--chunks", type=int, default=400, help="chunks per stream (default 400)")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        help="seconds between a stream's chunks (default 0: unpaced, as fast as they go)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument(
         "--kills", type=int, default=5, help="workers killed, one at a time (default 5)"
@@ -293,7 +304,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="Also write the report to this file.")
     args = parser.parse_args()
     _more_files()
-    text = asyncio.run(run(args.streams, args.chunks, args.rounds, args.kills))
+    text = asyncio.run(run(args.streams, args.chunks, args.rounds, args.kills, args.interval))
     print(text)
     if args.out is not None:
         record.save(args.out, text, None)

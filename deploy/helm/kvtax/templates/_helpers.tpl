@@ -53,6 +53,7 @@ args:
   - --web.listen-address=:{{ .Values.kvtax.port }}
   {{- if $proxy }}
   - --proxy.listen-address=:{{ .Values.kvtax.proxy.port }}
+  - --proxy.workers={{ .Values.kvtax.proxy.workers }}
   {{- else }}
   - --proxy.listen-address=off
   {{- end }}
