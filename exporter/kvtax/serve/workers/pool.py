@@ -116,11 +116,11 @@ class _Link(asyncio.Protocol):
 
     def __init__(
         self,
-        worker_of: Callable[[], _Worker | None],
+        worker: _Worker,
         ledger: DeliveryLedger,
         on_gate: Callable[[_Worker, Ask | Leave | Rejected], None],
     ) -> None:
-        self._worker_of = worker_of
+        self._worker = worker
         self._ledger = ledger
         self._on_gate = on_gate
         self._frames = Frames(TO_PARENT)
@@ -130,9 +130,7 @@ class _Link(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        worker = self._worker_of()
-        if worker is None:
-            return
+        worker = self._worker
         try:
             messages = self._frames.feed(data)
         except FrameError as exc:
@@ -158,7 +156,10 @@ class _Link(asyncio.Protocol):
             elif isinstance(message, Ask | Leave | Rejected):
                 self._on_gate(worker, message)
             elif isinstance(message, Stats):
-                worker.stats = message
+                if _fits(message):
+                    worker.stats = message
+                else:
+                    log.error("worker %d reported a relay cost of other buckets", worker.index)
                 worker.reported.set()
             elif isinstance(message, Ready) and not worker.ready.done():
                 worker.ready.set_result(message.pid)
@@ -167,9 +168,8 @@ class _Link(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        worker = self._worker_of()
-        if worker is not None and not worker.closed.done():
-            worker.closed.set_result(None)
+        if not self._worker.closed.done():
+            self._worker.closed.set_result(None)
 
 
 @dataclass
@@ -180,6 +180,13 @@ class _Retired:
     retries: int = 0
     encoded_streams: int = 0
     cpu: float = 0.0
+
+
+def _fits(stats: Stats) -> bool:
+    """The stats' histograms have kvtax's buckets (else /metrics could not add them up)."""
+    return len(stats.relay[0]) == len(RELAY_BUCKETS) + 1 and (
+        len(stats.forward[0]) == len(FORWARD_BUCKETS) + 1
+    )
 
 
 def _add_stats(cost: RelayCost, stats: Stats) -> None:
@@ -367,7 +374,7 @@ class WorkerPool:
             started_at=loop.time(),
         )
         transport, _ = await loop.create_unix_connection(
-            lambda: _Link(lambda: worker, self.ledger, self._gatekeeping), sock=ours
+            lambda: _Link(worker, self.ledger, self._gatekeeping), sock=ours
         )
         worker.transport = transport
         exited = asyncio.ensure_future(process.wait())
