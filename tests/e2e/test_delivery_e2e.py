@@ -95,6 +95,29 @@ async def _completion_tokens(
 
 
 def test_delivered_tokens_equal_client_usage_and_join_is_complete(kvtax: KvtaxProcess) -> None:
+    _delivered_equals_usage(kvtax)
+
+
+def test_two_proxy_workers_deliver_exactly_the_clients_usage(vllm_engine: VllmEngine) -> None:
+    """``--proxy.workers=2`` in front of the real engine: streamed and whole answers of both
+    APIs, on a connection each (the kernel spreads them over both workers), counted once in
+    kvtax's one ledger, equal to the usage the engine reported to each client, and the join
+    complete."""
+    with KvtaxProcess(
+        vllm_engine.url,
+        proxy=True,
+        scrape_interval="1s",
+        window="120s",
+        extra_args=["--proxy.workers=2"],
+    ) as proc:
+        proc.wait_for(
+            lambda m: m.get("kvtax_vllm_up") == 1.0 and m.get("kvtax_proxy_workers") == 2.0,
+            what="first scrape, two workers",
+        )
+        _delivered_equals_usage(proc, spread=True)
+
+
+def _delivered_equals_usage(kvtax: KvtaxProcess, *, spread: bool = False) -> None:
     assert kvtax.proxy_url is not None
     base = kvtax.proxy_url
     plan = [
@@ -105,7 +128,8 @@ def test_delivered_tokens_equal_client_usage_and_join_is_complete(kvtax: KvtaxPr
     ]
 
     async def run() -> list[int]:
-        async with aiohttp.ClientSession() as session:
+        connector = aiohttp.TCPConnector(force_close=spread)
+        async with aiohttp.ClientSession(connector=connector) as session:
             return await asyncio.gather(
                 *(_completion_tokens(session, base, k, s, n) for k, s, n in plan)
             )
@@ -114,7 +138,9 @@ def test_delivered_tokens_equal_client_usage_and_join_is_complete(kvtax: KvtaxPr
     assert received > 0
     delivered = series_key("kvtax_delivered_tokens_total", {"model_name": M, "source": "proxy"})
     completed = series_key("kvtax_requests_total", {"model_name": M, "outcome": "completed"})
-    page = kvtax.metrics()
+    # With workers, a record reaches kvtax's ledger a turn of the worker's loop after its
+    # client's end: waited for, not assumed.
+    page = kvtax.wait_for(lambda m: m.get(completed) == len(plan), what="every request settled")
     assert page[delivered] == received
     assert page[completed] == len(plan)
     coverage = series_key("kvtax_join_coverage_ratio", {"model_name": M})
