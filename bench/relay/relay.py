@@ -79,7 +79,7 @@ from pathlib import Path
 import aiohttp
 
 from bench import procfs, record
-from bench.net import free_port, wait_port
+from bench.net import Children, free_port
 from bench.stats import quantile
 
 RELAY_CORE, LOAD_CORE = 0, 1
@@ -146,18 +146,6 @@ def _more_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _spawn(
-    args: list[str], core: int | None, log: Path, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    # The open-files limit is inherited from this process (raised in main()). core None: not
-    # pinned, the scheduler's to place (every process shares the machine's cores).
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    if core is not None:
-        os.sched_setaffinity(proc.pid, {core})
-    return proc
-
-
 @dataclass
 class Relay:
     name: str
@@ -187,15 +175,12 @@ def relays(
     only with ``before``, a checkout whose kvtax it runs). ``pinned``: each relay on
     RELAY_CORE, the upstream on LOAD_CORE; else none pinned."""
     work = Path(tempfile.mkdtemp(prefix="kvtax-bench-relay-"))
-    procs: list[subprocess.Popen[bytes]] = []
+    children = Children(work)
 
     def start(
         name: str, args: list[str], port: int, core: int, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        proc = _spawn(args, core if pinned else None, work / f"{name}.log", env)
-        procs.append(proc)
-        wait_port(port, proc, work / f"{name}.log")
-        return proc
+        return children.start(name, args, port, core=core if pinned else None, env=env)
 
     try:
         upstream_port = free_port()
@@ -263,13 +248,7 @@ def relays(
             Relay("passthrough", f"http://127.0.0.1:{floor_port}", lambda: [floor.pid]),
         ]
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        children.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

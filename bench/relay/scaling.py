@@ -43,14 +43,13 @@ from pathlib import Path
 import aiohttp
 
 from bench import procfs, record
-from bench.net import free_port, wait_port
+from bench.net import Children, free_port
 from bench.relay.relay import (
     NGINX_CONF,
     STREAM_KINDS,
     Relay,
     _kvtax_serve,
     _more_files,
-    _spawn,
     _wave,
 )
 from bench.soak.compare import gauge
@@ -71,13 +70,8 @@ class Turns:
 def started() -> Iterator[tuple[list[Relay], str]]:
     """The upstream and every relay, unpinned; the relays and kvtax 2-worker's /metrics URL."""
     work = Path(tempfile.mkdtemp(prefix="kvtax-bench-scaling-"))
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(name: str, args: list[str], port: int) -> subprocess.Popen[bytes]:
-        proc = _spawn(args, None, work / f"{name}.log")
-        procs.append(proc)
-        wait_port(port, proc, work / f"{name}.log")
-        return proc
+    children = Children(work)
+    start = children.start
 
     try:
         upstream = free_port()
@@ -125,13 +119,7 @@ def started() -> Iterator[tuple[list[Relay], str]]:
             )
         yield relays, metrics
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        children.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -8,6 +8,7 @@ parent's. The time limits only guard against hangs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -317,60 +318,65 @@ class CountingVllm:
             self.now -= 1
 
 
-async def test_the_cap_holds_across_workers_that_race_for_it() -> None:
-    """A static cap of 4 with two workers: never more than 4 requests at vLLM at once, the
-    rest queued in the parent's one gate, none lost. Two gates of their own would let 8 in."""
+@dataclass
+class Gated:
+    """Two workers in front of a :class:`CountingVllm`, under one static cap."""
+
+    fake: CountingVllm
+    gate: Gate
+    workers: WorkerPool
+    port: int
+
+
+@contextlib.asynccontextmanager
+async def _gated(cap: int) -> AsyncIterator[Gated]:
     fake = CountingVllm()
     served = web.Application()
     served.router.add_post("/v1/completions", fake.completions)
     runner, url = await serve(served)
-    gate = Gate(GateSettings(cap=CapSettings(mode="static", static_cap=4), max_wait=60.0))
+    gate = Gate(GateSettings(cap=CapSettings(mode="static", static_cap=cap), max_wait=60.0))
     workers = WorkerPool(
         ProxySettings(upstream=url), DeliveryLedger(ModelNames()), count=2, gate=gate
     )
     try:
         async with asyncio.timeout(HANG_GUARD):
-            port = await workers.start("127.0.0.1", 0)
-            seen = await asyncio.gather(*(_stream(port, 6, 0.02) for _ in range(48)))
-            assert await until(lambda: workers.ledger.outcomes()["completed"] == 48)
-            assert await until(lambda: gate.in_flight == 0)
-            await workers.report()
+            yield Gated(fake, gate, workers, await workers.start("127.0.0.1", 0))
     finally:
-        await workers.stop(1.0)
+        await workers.stop(0.0)
         await runner.cleanup()
+
+
+async def test_the_cap_holds_across_workers_that_race_for_it() -> None:
+    """A static cap of 4 with two workers: never more than 4 requests at vLLM at once, the
+    rest queued in the parent's one gate, none lost. Two gates of their own would let 8 in."""
+    async with _gated(4) as rig:
+        seen = await asyncio.gather(*(_stream(rig.port, 6, 0.02) for _ in range(48)))
+        assert await until(lambda: rig.workers.ledger.outcomes()["completed"] == 48)
+        assert await until(lambda: rig.gate.in_flight == 0)
+        await rig.workers.report()
+        stats = rig.workers._stats()
     assert all(done for _, done in seen)
-    assert fake.most == 4  # the cap, reached and never passed
-    assert gate.admitted == 48
-    assert all(s.events > 0 for s in workers._stats())  # both workers asked
+    assert rig.fake.most == 4  # the cap, reached and never passed
+    assert rig.gate.admitted == 48
+    assert len(stats) == 2
+    assert all(s.events > 0 for s in stats)  # both workers asked
 
 
 async def test_a_dead_workers_slots_go_to_the_next_in_line() -> None:
     """A worker killed while its requests hold every slot of the cap: the parent frees them,
     and the other worker's queued requests go in."""
-    fake = CountingVllm()
-    served = web.Application()
-    served.router.add_post("/v1/completions", fake.completions)
-    runner, url = await serve(served)
-    gate = Gate(GateSettings(cap=CapSettings(mode="static", static_cap=2), max_wait=60.0))
-    workers = WorkerPool(
-        ProxySettings(upstream=url), DeliveryLedger(ModelNames()), count=2, gate=gate
-    )
-    try:
-        async with asyncio.timeout(HANG_GUARD):
-            port = await workers.start("127.0.0.1", 0)
-            running = [asyncio.create_task(_stream(port, 200, 0.05)) for _ in range(12)]
-            assert await until(lambda: gate.in_flight == 2 and gate.queued == 10)
-            holder = next(w for w in workers._live.values() if w.tickets)
-            os.kill(holder.process.pid, signal.SIGKILL)
-            # Its slots go to requests the other worker asked for, which then run.
-            assert await until(lambda: gate.in_flight == 2 and not holder.tickets)
-            assert await until(lambda: gate.admitted > 2)
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
-    finally:
-        await workers.stop(0.0)
-        await runner.cleanup()
+    async with _gated(2) as rig:
+        gate = rig.gate
+        running = [asyncio.create_task(_stream(rig.port, 200, 0.05)) for _ in range(12)]
+        assert await until(lambda: gate.in_flight == 2 and gate.queued == 10)
+        holder = next(w for w in rig.workers._live.values() if w.tickets)
+        os.kill(holder.process.pid, signal.SIGKILL)
+        # Its slots go to requests the other worker asked for, which then run.
+        assert await until(lambda: gate.in_flight == 2 and not holder.tickets)
+        assert await until(lambda: gate.admitted > 2)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
     # (vLLM may still be answering the dead worker's requests as the next ones arrive: it
     # notices a closed connection at its next write; the gate counts kvtax's requests.)
     assert gate.in_flight == 0
