@@ -158,7 +158,7 @@ def test_a_short_soak_ledger_equals_the_clients_and_kvtax_is_idle_again() -> Non
 def test_two_proxy_workers_give_one_ledger_equal_to_the_clients() -> None:
     """With ``--proxy.workers=2`` each worker settles what it relayed into the parent's one
     ledger: the same mix is exact, summed over both, and both come back idle."""
-    result = run(600, seed=2, workers=2)
+    result = run(600, seed=2, workers=2, idle=1.0)
     assert len(result.records) == 600
     assert {c.name: (c.clients, c.kvtax) for c in result.checks if not c.ok} == {}
     baseline, idle = result.baseline, result.marks[-1]
