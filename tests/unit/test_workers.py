@@ -114,7 +114,7 @@ def test_frames_split_anywhere_come_out_whole_and_in_order(cuts: list[int]) -> N
         Learned("m"),
         Credit("m", 3, None),
         settled_of(_record()),
-        Stats(1, 1, 0, 0, 5, ([0] * 13, 0.0), ([0] * 14, 0.0), {"token_ids": 1}, 0.25),
+        Stats(1, 0, 0, 5, ([0] * 13, 0.0), ([0] * 14, 0.0), {"token_ids": 1}, 0.25),
     ]
     data = b"".join(encode(m) for m in sent)
     frames = Frames(TO_PARENT)

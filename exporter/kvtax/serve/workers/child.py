@@ -126,7 +126,6 @@ def stats_of(proxy: Proxy) -> Stats:
     """The worker's gauges and counters, as the parent adds them up."""
     cost = proxy.cost
     return Stats(
-        in_flight=proxy.in_flight,
         streams_open=proxy.streams_open,
         retries=proxy.upstream_retries,
         encoded_streams=proxy.encoded_streams,

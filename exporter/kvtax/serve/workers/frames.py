@@ -108,7 +108,6 @@ class Settled(msgspec.Struct, tag="settled", array_like=True, frozen=True):
 class Stats(msgspec.Struct, tag="stats", array_like=True, frozen=True):
     """A worker's gauges now, and its counters since it started."""
 
-    in_flight: int
     streams_open: int
     retries: int
     encoded_streams: int

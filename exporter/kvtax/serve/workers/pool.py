@@ -239,7 +239,9 @@ class WorkerPool:
 
     @property
     def in_flight(self) -> int:
-        return sum(s.in_flight for s in self._stats())
+        """Accounted requests the workers are handling now: begun and not yet settled, as
+        their frames say (live, not as of their last stats)."""
+        return self.unsettled
 
     @property
     def streams_open(self) -> int:
