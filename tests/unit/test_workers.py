@@ -270,6 +270,35 @@ async def test_a_killed_worker_breaks_its_streams_settles_them_and_is_replaced(
     assert all(s.events > 0 for s in workers._stats())
 
 
+async def test_a_worker_whose_loop_is_stuck_is_killed_and_replaced(upstream: str) -> None:
+    """A worker that answers no tick (stopped here with SIGSTOP, as a loop stuck in one call
+    would be) is killed once ``hung_after`` passes, and a new worker takes its slot."""
+    workers = WorkerPool(
+        ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2, hung_after=0.3
+    )
+    async with asyncio.timeout(HANG_GUARD):
+        port = await workers.start("127.0.0.1", 0)
+        try:
+            await workers.report()
+            stuck = workers.pids[0]
+            os.kill(stuck, signal.SIGSTOP)
+
+            def replaced() -> bool:
+                workers.credit_in_flight()  # a scrape's tick
+                return stuck not in workers.pids and len(workers.pids) == 2
+
+            assert await until(replaced)
+            assert workers.restarts == 1
+            seen = await asyncio.gather(*(_stream(port, 2) for _ in range(40)))
+            await workers.report()
+            assert all(done for _, done in seen)
+            assert all(s.events > 0 for s in workers._stats())
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck, signal.SIGKILL)
+            await workers.stop(0.0)
+
+
 async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: str) -> None:
     workers = WorkerPool(ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2)
     async with asyncio.timeout(HANG_GUARD):

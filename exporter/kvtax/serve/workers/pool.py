@@ -10,7 +10,8 @@ each request is counted once, by the worker that relayed it.
 
 - **Credits.** A scrape credits running streams (``credit_in_flight``): the pool sends each
   worker a tick, and the credits the workers send back count from the next scrape on.
-- **A worker that dies** is started again (after a second if it died within a second of its
+- **A worker that dies**, or that answers no tick for ``hung_after`` seconds (its loop is
+  stuck: it is killed), is started again (after a second if it died within a second of its
   start, so a worker that cannot run does not spin). The requests it had begun and not settled
   settle as ``shutdown``: kvtax ended them. Their tokens credited while they ran stay counted;
   their model and API are unknown to the parent (the default model's label, no API).
@@ -103,6 +104,8 @@ class _Worker:
     asks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     tickets: dict[int, Ticket] = field(default_factory=dict)
     reported: asyncio.Event = field(default_factory=asyncio.Event)  # set by each Stats
+    # When the oldest tick still unanswered went out (the loop's clock); None: none is.
+    unanswered: float | None = None
 
     def tell(self, message: Tick | Stop | Answer) -> None:
         transport = self.transport
@@ -160,6 +163,7 @@ class _Link(asyncio.Protocol):
                     worker.stats = message
                 else:
                     log.error("worker %d reported a relay cost of other buckets", worker.index)
+                worker.unanswered = None
                 worker.reported.set()
             elif isinstance(message, Ready) and not worker.ready.done():
                 worker.ready.set_result(message.pid)
@@ -211,6 +215,7 @@ class WorkerPool:
         log_level: str = "info",
         log_format: str = "logfmt",
         gate: Gate | None = None,
+        hung_after: float = 30.0,
     ) -> None:
         if count < 1:
             raise ValueError(f"a pool of {count} workers")
@@ -219,6 +224,8 @@ class WorkerPool:
         self.count = count
         # The one gate, when it is on: every worker's requests are let in here.
         self.gate = gate
+        # Seconds a worker may leave ticks unanswered before it counts as stuck.
+        self.hung_after = hung_after
         self._version = version
         self._grace = grace
         self._log = (log_level, log_format)
@@ -307,9 +314,24 @@ class WorkerPool:
 
     def credit_in_flight(self) -> None:
         """Ask every worker to credit its running streams (and report its stats); their
-        credits count from the next scrape on."""
+        credits count from the next scrape on. A worker that has left ticks unanswered for
+        ``hung_after`` seconds is killed, and its successor started: its loop is stuck, and
+        so is every client it holds."""
         tick = Tick(self._version())
-        for worker in self._live.values():
+        now = asyncio.get_running_loop().time()
+        for worker in list(self._live.values()):
+            if worker.unanswered is None:
+                worker.unanswered = now
+            elif now - worker.unanswered > self.hung_after:
+                log.error(
+                    "proxy worker %d (pid %d) answered no tick for %.0f s: killing it",
+                    worker.index,
+                    worker.process.pid,
+                    now - worker.unanswered,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.kill()
+                continue
             worker.tell(tick)
 
     # -- lifecycle ---------------------------------------------------------------------------
