@@ -299,6 +299,34 @@ async def test_a_worker_whose_loop_is_stuck_is_killed_and_replaced(upstream: str
             await workers.stop(0.0)
 
 
+async def test_a_sigterm_to_the_whole_group_drains_and_restarts_nothing(upstream: str) -> None:
+    """A supervisor that signals every process of kvtax's group: each worker drains on its
+    own SIGTERM (its streams finish), and the stop that follows restarts none of them. One
+    worker signalled alone is replaced."""
+    workers = WorkerPool(
+        ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2, grace=10.0
+    )
+    async with asyncio.timeout(HANG_GUARD):
+        port = await workers.start("127.0.0.1", 0)
+        alone = workers.pids[1]
+        os.kill(alone, signal.SIGTERM)
+        assert await until(lambda: alone not in workers.pids and len(workers.pids) == 2)
+        assert workers.restarts == 1
+        running = [asyncio.create_task(_stream(port, 10, 0.05)) for _ in range(8)]
+        assert await until(lambda: workers.unsettled == 8)
+        for pid in workers.pids:
+            os.kill(pid, signal.SIGTERM)
+        seen = await asyncio.gather(*running)
+        # Both drained and ended before kvtax's own stop began (a slow supervisor, or a
+        # parent still busy): neither is started again meanwhile.
+        assert await until(lambda: workers.pids == [])
+        await workers.stop(10.0)
+    assert all(done for _, done in seen)
+    assert _outcomes(workers) == {"completed": 8}
+    assert workers.restarts == 1
+    assert workers.pids == []
+
+
 async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: str) -> None:
     workers = WorkerPool(ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2)
     async with asyncio.timeout(HANG_GUARD):

@@ -429,16 +429,29 @@ class WorkerPool:
             async with asyncio.timeout(_LAST_FRAMES):
                 await worker.closed  # every frame it wrote is read first
         self._retire(worker)
-        if self._stopping:
-            return
-        log.error(
-            "proxy worker %d (pid %d) ended with status %s: starting another",
-            worker.index,
-            worker.process.pid,
-            status,
-        )
-        if asyncio.get_running_loop().time() - worker.started_at < _QUICK_DEATH:
+        if status == 0 and not self._stopping:
+            # It drained on a SIGTERM of its own. One sent to kvtax's whole process group (a
+            # supervisor that signals every process) reaches kvtax too, whose stop is then on
+            # its way: a worker is started again only if none comes.
             await self._pause(_QUICK_DEATH)
+            if self._stopping:
+                return
+            log.warning(
+                "proxy worker %d (pid %d) drained and ended on its own: starting another",
+                worker.index,
+                worker.process.pid,
+            )
+        elif self._stopping:
+            return
+        else:
+            log.error(
+                "proxy worker %d (pid %d) ended with status %s: starting another",
+                worker.index,
+                worker.process.pid,
+                status,
+            )
+            if asyncio.get_running_loop().time() - worker.started_at < _QUICK_DEATH:
+                await self._pause(_QUICK_DEATH)
         successor = await self._successor(worker.index)
         if successor is None:
             return
