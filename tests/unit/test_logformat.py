@@ -46,6 +46,14 @@ def test_logfmt_keeps_a_traceback_on_one_line() -> None:
     assert "ValueError: boom" in line
 
 
+def test_a_proxy_workers_lines_name_the_worker() -> None:
+    one = record("proxy on %s", ":8001")
+    one.worker = 1
+    assert " logger=kvtax.serve.sidecar worker=1 msg=" in LogfmtFormatter().format(one)
+    assert json.loads(JsonFormatter().format(one))["worker"] == 1
+    assert "worker" not in LogfmtFormatter().format(record("proxy on %s", ":8001"))
+
+
 def test_json_is_one_object_per_line() -> None:
     line = JsonFormatter().format(record("vLLM at %s is up", "http://x", exc=True))
     assert "\n" not in line

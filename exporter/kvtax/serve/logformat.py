@@ -38,8 +38,11 @@ def _fields(record: logging.LogRecord, fmt: logging.Formatter) -> dict[str, Any]
         "time": _timestamp(record),
         "level": record.levelname.lower(),
         "logger": record.name,
-        "msg": record.getMessage(),
     }
+    worker = getattr(record, "worker", None)
+    if worker is not None:  # a proxy worker's line (--proxy.workers): which one
+        fields["worker"] = worker
+    fields["msg"] = record.getMessage()
     if record.exc_info:
         fields["exc"] = fmt.formatException(record.exc_info)
     return fields
@@ -80,8 +83,21 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
     """kvtax's stderr handler, told apart from handlers others installed (a test runner's)."""
 
 
-def install(level: str, name: str) -> None:
+class _Worker(logging.Filter):
+    """Stamps each record with the proxy worker that logged it."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.index
+        return True
+
+
+def install(level: str, name: str, *, worker: int | None = None) -> None:
     """Log to stderr at ``level`` in format ``name``; a second call replaces the first.
+    ``worker``: this is that proxy worker (``--proxy.workers``), and each line says so.
 
     Like :func:`logging.basicConfig`, it leaves logging alone when someone else configured it
     already (a test runner, a program that embeds kvtax): their handlers and level stay.
@@ -91,6 +107,8 @@ def install(level: str, name: str) -> None:
         return
     handler = _Handler()
     handler.setFormatter(formatter(name))
+    if worker is not None:
+        handler.addFilter(_Worker(worker))
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)

@@ -274,7 +274,7 @@ async def _serve(launch: Launch) -> int:
 def main() -> int:
     launch = msgspec.json.decode(os.environ[ENV], type=Launch)
     _die_with_parent(launch.parent)
-    logformat.install(launch.log_level, launch.log_format)
+    logformat.install(launch.log_level, launch.log_format, worker=launch.index)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - a dependency on Linux
