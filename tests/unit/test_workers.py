@@ -12,11 +12,15 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 from aiohttp import web
 from hypothesis import given, settings
@@ -58,6 +62,7 @@ from kvtax_dev.fakevllm.aio import serve
 from kvtax_dev.fakevllm.events import DONE
 from kvtax_dev.fakevllm.fast import app, completions
 from kvtax_dev.process import until
+from kvtax_dev.testbed.engine import free_port
 
 HANG_GUARD = 60.0  # seconds; see the module docstring
 
@@ -327,6 +332,56 @@ async def test_a_sigterm_to_the_whole_group_drains_and_restarts_nothing(upstream
     assert workers.pids == []
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def test_the_parents_death_takes_the_workers_with_it(tmp_path: Path) -> None:
+    """kvtax killed outright (SIGKILL: no drain, no goodbye): its workers die too, and none
+    keeps the proxy port open with no ledger behind it."""
+    port, web_port = free_port(), free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "kvtax.cli.main",
+        "serve",
+        "--vllm.url=http://127.0.0.1:9",
+        f"--proxy.listen-address=127.0.0.1:{port}",
+        f"--web.listen-address=127.0.0.1:{web_port}",
+        "--proxy.workers=2",
+    ]
+    with (tmp_path / "kvtax.log").open("wb") as log:
+        parent = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def workers() -> list[int]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                return [c.pid for c in psutil.Process(parent.pid).children()
+                        if "kvtax.serve.workers.child" in c.cmdline()]  # fmt: skip
+            return []
+
+        async with asyncio.timeout(HANG_GUARD):
+            assert await until(lambda: len(workers()) == 2 and _listening(port))
+            pids = workers()
+            parent.kill()
+            parent.wait()
+            assert await until(lambda: not any(_alive(pid) for pid in pids))
+            assert not _listening(port)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        return True
+    return False
+
+
 async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: str) -> None:
     workers = WorkerPool(ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2)
     async with asyncio.timeout(HANG_GUARD):
@@ -342,8 +397,6 @@ async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: s
 
 
 async def test_a_worker_that_cannot_listen_fails_the_start(upstream: str) -> None:
-    import socket
-
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))  # no SO_REUSEPORT: no worker can share it
     taken.listen()
