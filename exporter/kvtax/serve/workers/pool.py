@@ -12,14 +12,15 @@ each request is counted once, by the worker that relayed it.
   worker a tick, and the credits the workers send back count from the next scrape on.
 - **A worker that dies**, or that answers no tick for ``hung_after`` seconds (its loop is
   stuck: it is killed), is started again (after a second if it died within a second of its
-  start, so a worker that cannot run does not spin). The requests it had begun and not settled
-  settle as ``shutdown``: kvtax ended them. Their tokens credited while they ran stay counted;
-  their model and API are unknown to the parent (the default model's label, no API).
+  start, so a worker that cannot run does not spin; after a second too if it drained on a
+  SIGTERM of its own, and only if kvtax's stop has not begun by then). The requests it had
+  begun and not settled settle as ``shutdown``: kvtax ended them. Their tokens credited while
+  they ran stay counted; their model and API are unknown to the parent (the default model's
+  label, no API).
 - **The parent's death** takes the workers with it (``PR_SET_PDEATHSIG``; a worker whose link
   closes drains and ends too).
 - **Shutdown** sends every worker a stop with the grace period: each drains as one kvtax would,
   and the parent reads every frame each one wrote before it counts the worker gone.
-
 - **One gate.** With the gate on, the parent's gate decides for every worker: each worker
   budgets a request itself and asks the parent to let it in (:mod:`kvtax.serve.workers.gate`),
   so the cap, the KV blocks, the queue and the fair shares are counted once. A dead worker's
