@@ -62,7 +62,6 @@ from kvtax_dev.fakevllm.aio import serve
 from kvtax_dev.fakevllm.events import DONE
 from kvtax_dev.fakevllm.fast import app, completions
 from kvtax_dev.process import until
-from kvtax_dev.testbed.engine import free_port
 
 HANG_GUARD = 60.0  # seconds; see the module docstring
 
@@ -339,41 +338,45 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def test_the_parents_death_takes_the_workers_with_it(tmp_path: Path) -> None:
-    """kvtax killed outright (SIGKILL: no drain, no goodbye): its workers die too, and none
-    keeps the proxy port open with no ledger behind it."""
-    port, web_port = free_port(), free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "kvtax.cli.main",
-        "serve",
-        "--vllm.url=http://127.0.0.1:9",
-        f"--proxy.listen-address=127.0.0.1:{port}",
-        f"--web.listen-address=127.0.0.1:{web_port}",
-        "--proxy.workers=2",
-    ]
-    with (tmp_path / "kvtax.log").open("wb") as log:
-        parent = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+# A parent of two workers, in a process of its own: it prints their pids and port, then waits.
+_PARENT = """
+import asyncio, json, sys
+from kvtax.delivery.ledger import DeliveryLedger, ModelNames
+from kvtax.serve.proxy import ProxySettings
+from kvtax.serve.workers.pool import WorkerPool
+
+async def main():
+    settings = ProxySettings(upstream="http://127.0.0.1:9")
+    pool = WorkerPool(settings, DeliveryLedger(ModelNames()), count=2)
+    port = await pool.start("127.0.0.1", 0)
+    print(json.dumps({"port": port, "pids": pool.pids}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_the_parents_death_takes_the_workers_with_it() -> None:
+    """The parent killed outright (SIGKILL: no drain, no goodbye): its workers die too, and
+    none keeps the proxy port open with no ledger behind it."""
+    parent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _PARENT, stdout=subprocess.PIPE
+    )
     try:
-
-        def workers() -> list[int]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                return [c.pid for c in psutil.Process(parent.pid).children()
-                        if "kvtax.serve.workers.child" in c.cmdline()]  # fmt: skip
-            return []
-
         async with asyncio.timeout(HANG_GUARD):
-            assert await until(lambda: len(workers()) == 2 and _listening(port))
-            pids = workers()
+            assert parent.stdout is not None
+            started = json.loads(await parent.stdout.readline())
+            pids, port = started["pids"], started["port"]
+            assert len(pids) == 2
+            assert _listening(port)
             parent.kill()
-            parent.wait()
+            await parent.wait()
             assert await until(lambda: not any(_alive(pid) for pid in pids))
             assert not _listening(port)
     finally:
-        if parent.poll() is None:
+        if parent.returncode is None:
             parent.kill()
-            parent.wait()
+            await parent.wait()
 
 
 def _listening(port: int) -> bool:
