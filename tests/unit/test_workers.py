@@ -331,6 +331,19 @@ async def test_a_sigterm_to_the_whole_group_drains_and_restarts_nothing(upstream
     assert workers.pids == []
 
 
+async def test_a_port_another_pool_serves_is_refused_not_shared(
+    pool: tuple[WorkerPool, int], upstream: str
+) -> None:
+    """SO_REUSEPORT would let a second kvtax of the same user share the port and split the
+    clients with the first; it fails to start instead, as one process would."""
+    _, taken = pool
+    second = WorkerPool(ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2)
+    async with asyncio.timeout(HANG_GUARD):
+        with pytest.raises(OSError, match="in use"):
+            await second.start("127.0.0.1", taken)
+    assert second.pids == []
+
+
 def _alive(pid: int) -> bool:
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
@@ -399,20 +412,33 @@ async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: s
     assert workers.restarts == 0
 
 
-async def test_a_worker_that_cannot_listen_fails_the_start(upstream: str) -> None:
+async def test_a_port_another_process_listens_on_fails_the_start(upstream: str) -> None:
     taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))  # no SO_REUSEPORT: no worker can share it
+    taken.bind(("127.0.0.1", 0))  # no SO_REUSEPORT: no worker could share it anyway
     taken.listen()
     try:
         workers = WorkerPool(
             ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2
         )
         async with asyncio.timeout(HANG_GUARD):
-            with pytest.raises(OSError, match="proxy worker 0 did not start"):
+            with pytest.raises(OSError, match="in use"):
                 await workers.start("127.0.0.1", taken.getsockname()[1])
         assert workers.pids == []
     finally:
         taken.close()
+
+
+async def test_a_worker_that_never_says_it_listens_fails_the_start(
+    upstream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that exits before it listens (here: no Python at all runs it) fails the start
+    with its exit status, and the workers started before it are stopped."""
+    monkeypatch.setattr("kvtax.serve.workers.pool.sys.executable", "/bin/false")
+    workers = WorkerPool(ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2)
+    async with asyncio.timeout(HANG_GUARD):
+        with pytest.raises(OSError, match=r"proxy worker 0 did not start \(exit status 1\)"):
+            await workers.start("127.0.0.1", 0)
+    assert workers.pids == []
 
 
 # -- one gate across workers --------------------------------------------------------------------

@@ -187,6 +187,18 @@ class _Retired:
     cpu: float = 0.0
 
 
+def _unshared(family: socket.AddressFamily, host: str, port: int) -> None:
+    """OSError (address in use) if anything listens on ``port`` already.
+
+    Workers listen with SO_REUSEPORT, which lets any process of the same user that sets it too
+    share the port: a second kvtax started by mistake would split the clients with the first
+    instead of failing. A plain bind first makes it fail, as one process does.
+    """
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's servers
+        probe.bind((host or "0.0.0.0", port))
+
+
 def _fits(stats: Stats) -> bool:
     """The stats' histograms have kvtax's buckets (else /metrics could not add them up)."""
     return len(stats.relay[0]) == len(RELAY_BUCKETS) + 1 and (
@@ -338,15 +350,17 @@ class WorkerPool:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, host: str, port: int = 0) -> int:
         """Start every worker on ``host``:``port`` and wait until each listens; the port (the
-        kernel's choice for 0). OSError if a worker cannot listen."""
-        if port == 0:
-            # Hold the port the kernel picks, bound and not listening, so that every worker
-            # (and every restarted one) joins the same one; it takes no connection itself.
-            reserved = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            reserved.bind((host or "0.0.0.0", 0))
-            self._reserved = reserved
-            port = int(reserved.getsockname()[1])
+        kernel's choice for 0). OSError if the port is taken or a worker cannot listen."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        if port != 0:
+            _unshared(family, host, port)
+        # Hold the port, bound and not listening, so that every worker (and every restarted
+        # one) joins the same one (the kernel's choice, for port 0); it takes no connection.
+        reserved = socket.socket(family)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved.bind((host or "0.0.0.0", port))
+        self._reserved = reserved
+        port = int(reserved.getsockname()[1])
         self._address = (host, port)
         try:
             for index in range(self.count):
