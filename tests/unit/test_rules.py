@@ -224,6 +224,7 @@ REQUIRED_ALERTS = {
     "KvtaxVllmMetricsAbsent",
     "KvtaxSidecarDown",
     "KvtaxGateShedding",
+    "KvtaxProxyWorkerRestarting",
 }
 
 
@@ -256,6 +257,7 @@ def test_descriptions_name_model_pod_and_value_where_there_is_one() -> None:
         "KvtaxVllmMetricsAbsent",
         "KvtaxSidecarDown",
         "KvtaxGateShedding",  # one gate per proxy, in front of every model
+        "KvtaxProxyWorkerRestarting",  # the proxy's processes, which serve every model
     }
     for rule in (r for config in MODES for r in alert_rules(config)):
         if rule.alert == BURN:

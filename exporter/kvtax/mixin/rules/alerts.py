@@ -307,6 +307,19 @@ def alert_rules(config: RulesConfig = DEFAULT) -> tuple[AlertRule, ...]:
         "kvtax's alerts are blind there.",
     )
 
+    restarts = c.selector("kvtax_proxy_worker_restarts_total", k)
+    add(
+        "kvtax-health",
+        "KvtaxProxyWorkerRestarting",
+        f"increase({restarts}[{c.worker_restart_window}]) > 0",
+        c.worker_restart_for,
+        "warning",
+        "A kvtax proxy worker ended and was started again.",
+        f"kvtax{ON_POD} counted {VALUE} proxy worker restart(s) over "
+        f"{c.worker_restart_window} (--proxy.workers): each restarted worker had crashed or "
+        "stopped answering, and its clients' streams broke.",
+    )
+
     # -- the proxy's gate (docs/gate.md) -------------------------------------------------------
     shed_reasons = 'reason=~"queue_full|wait_predicted|wait_expired"'  # the gate's 429s
     shed = c.selector("kvtax_gate_rejections_total", k, shed_reasons)

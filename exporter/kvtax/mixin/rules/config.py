@@ -172,6 +172,10 @@ class RulesConfig:
     vllm_scrape_for: str = "5m"
     vllm_absent_for: str = "15m"
     sidecar_down_for: str = "5m"
+    # Proxy workers (--proxy.workers) started again after one ended on its own: each was a
+    # crash or a stuck loop, and its clients' streams broke. Any in the window alerts.
+    worker_restart_window: str = "15m"
+    worker_restart_for: str = "1m"
 
     # -- severities ----------------------------------------------------------------------------
     # Alert name -> severity for the single-severity alerts; pairs carry both severities.
