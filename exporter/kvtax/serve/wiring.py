@@ -126,11 +126,6 @@ class Stack:
     # --proxy.workers above 1: the workers relay, and ``proxy`` is never started.
     workers: WorkerPool | None = None
 
-    @property
-    def relay(self) -> Relay:
-        """Whichever relays: the pool of workers, or the proxy in this process."""
-        return self.workers if self.workers is not None else self.proxy
-
     async def start(self) -> None:
         # The one scheduler first: each part adds its job to it as it starts, removes it as
         # it stops.
