@@ -104,6 +104,7 @@ def _same(a: RequestRecord, b: RequestRecord) -> bool:
     [_record(), _record(itl=None, ttft=None, duration=None, stalls=(), model=None, api=None)],
 )
 def test_a_settled_record_crosses_the_link_unchanged(record: RequestRecord) -> None:
+    """Every field of a record, its ITL histogram too, reaches the parent as settled."""
     frames = Frames(TO_PARENT)
     (message,) = frames.feed(encode(settled_of(record)))
     assert _same(record_of(message), record)  # type: ignore[arg-type]
@@ -112,6 +113,7 @@ def test_a_settled_record_crosses_the_link_unchanged(record: RequestRecord) -> N
 @settings(max_examples=300)  # the suite's 10,000 are sized for the HTTP differential alone
 @given(st.lists(st.integers(min_value=1, max_value=40), max_size=12))
 def test_frames_split_anywhere_come_out_whole_and_in_order(cuts: list[int]) -> None:
+    """However the socket splits the bytes, each message comes out once, whole, in order."""
     sent: list[Ready | Opened | Learned | Credit | Settled | Stats] = [
         Ready(7),
         Opened(),
@@ -134,11 +136,14 @@ def test_frames_split_anywhere_come_out_whole_and_in_order(cuts: list[int]) -> N
 
 
 def test_the_parent_says_tick_and_stop() -> None:
+    """The parent's two messages read back as sent."""
     frames = Frames(TO_WORKER)
     assert frames.feed(encode(Tick("0.32.0")) + encode(Stop(2.5))) == [Tick("0.32.0"), Stop(2.5)]
 
 
 def test_bytes_that_are_not_frames_are_refused_not_buffered_without_end() -> None:
+    """A length past the bound, bytes that are not MessagePack, or a message of the other side
+    are refused at once, not held while more bytes are awaited."""
     with pytest.raises(FrameError, match="at most"):
         Frames(TO_PARENT).feed((MAX_FRAME + 1).to_bytes(4, "little"))
     with pytest.raises(FrameError):
@@ -149,6 +154,7 @@ def test_bytes_that_are_not_frames_are_refused_not_buffered_without_end() -> Non
 
 
 def test_a_histogram_restored_from_counts_of_other_buckets_is_refused() -> None:
+    """Counts of another bucket layout cannot become a histogram that /metrics would add up."""
     with pytest.raises(ValueError, match="bucket counts"):
         HistogramAccumulator.restored(ITL_BUCKETS, [1, 2], 0.5)
 
@@ -161,6 +167,8 @@ def test_a_histogram_restored_from_counts_of_other_buckets_is_refused() -> None:
 def test_auto_counts_the_cores_the_cpu_limit_allows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, cpus: int, want: int
 ) -> None:
+    """auto: the cgroup's quota rounded up, capped by the CPUs the process may run on; without
+    a quota or a readable cpu.max, those CPUs."""
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text(text)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
@@ -170,6 +178,7 @@ def test_auto_counts_the_cores_the_cpu_limit_allows(
 
 @pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5x", True])
 def test_a_worker_count_that_is_not_one_is_refused_by_name(bad: object) -> None:
+    """A worker count that is not a positive integer or auto fails the start, naming the flag."""
     with pytest.raises(ConfigError, match=r"--proxy.workers=.* is invalid: .*positive integer"):
         load_config({"proxy.workers": bad}, env={}, file=None)
 
@@ -226,6 +235,8 @@ def _outcomes(pool: WorkerPool) -> dict[str, float]:
 async def test_two_workers_share_the_port_and_the_ledger_counts_every_request_once(
     pool: tuple[WorkerPool, int],
 ) -> None:
+    """120 streams over two workers: both relay some, the parent's ledger counts each once with
+    the tokens its client read, and /metrics' event count is the two workers' sum."""
     workers, port = pool
     async with asyncio.timeout(HANG_GUARD):
         seen = await asyncio.gather(*(_stream(port, 1 + i % 7) for i in range(120)))
@@ -246,6 +257,8 @@ async def test_two_workers_share_the_port_and_the_ledger_counts_every_request_on
 async def test_a_killed_worker_breaks_its_streams_settles_them_and_is_replaced(
     pool: tuple[WorkerPool, int],
 ) -> None:
+    """A worker SIGKILLed mid-stream: its clients' streams break, its requests settle as
+    shutdown (the completed ones stay exact), and its successor serves new connections."""
     workers, port = pool
     async with asyncio.timeout(HANG_GUARD):
         running = [asyncio.create_task(_stream(port, 30, 0.03)) for _ in range(24)]
@@ -399,6 +412,8 @@ def _listening(port: int) -> bool:
 
 
 async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: str) -> None:
+    """The pool's stop with a grace period lets every running stream finish on both workers,
+    and the parent reads every record they settled before it counts them gone."""
     workers = WorkerPool(ProxySettings(upstream=upstream), DeliveryLedger(ModelNames()), count=2)
     async with asyncio.timeout(HANG_GUARD):
         port = await workers.start("127.0.0.1", 0)
@@ -413,6 +428,7 @@ async def test_a_stop_drains_every_worker_and_reads_all_they_settled(upstream: s
 
 
 async def test_a_port_another_process_listens_on_fails_the_start(upstream: str) -> None:
+    """A port another process listens on fails the start with 'address in use', no worker left."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))  # no SO_REUSEPORT: no worker could share it anyway
     taken.listen()
