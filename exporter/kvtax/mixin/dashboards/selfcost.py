@@ -4,10 +4,13 @@ A sidecar on the path of every event must say what it costs. kvtax publishes its
 read relayed (``kvtax_proxy_relay_seconds``: a read of vLLM's bytes arriving to its write to the
 client), per request forwarded (``kvtax_proxy_forward_seconds``), and the events it relayed
 (``kvtax_proxy_events_relayed_total``), beside the standard ``process_cpu_seconds_total``; this
-row draws them (docs/delivery.md, "What kvtax itself costs"). Pure: no I/O.
+row draws them (docs/delivery.md, "What kvtax itself costs"), and the proxy workers running and
+restarted (``--proxy.workers``). Pure: no I/O.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from kvtax.mixin.dashboards.model import Panel, Row, Target
 from kvtax.mixin.dashboards.queries import by, histogram_quantile, kvtax, process_rate, rate
@@ -67,4 +70,27 @@ _latency = Panel(
     min=0,
 )
 
-SELF_COST_ROW = Row("What kvtax itself costs", (_cpu_per_event, _latency))
+_workers = Panel(
+    "Proxy workers",
+    "timeseries",
+    (
+        Target(by(_PER_POD, "sum", kvtax("kvtax_proxy_workers")), "running {{pod}}"),
+        Target(
+            "60 * " + by(_PER_POD, "sum", rate(kvtax("kvtax_proxy_worker_restarts_total"))),
+            "started again per minute {{pod}}",
+        ),
+    ),
+    "short",
+    "kvtax's proxy processes (--proxy.workers) running, and how many a minute are started again "
+    "after one crashed or stopped answering (its clients' streams broke). 0 running: kvtax's "
+    "own process relays.",
+    "KvtaxProxyWorkerRestarting",
+    width=8,
+    min=0,
+    no_data="A kvtax older than --proxy.workers",
+)
+
+SELF_COST_ROW = Row(
+    "What kvtax itself costs",
+    (replace(_cpu_per_event, width=8), replace(_latency, width=8), _workers),
+)
