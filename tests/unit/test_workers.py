@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import psutil
 import pytest
 from aiohttp import web
@@ -54,8 +55,6 @@ from kvtax.serve.workers.frames import (
     Stop,
     Tick,
     encode,
-    record_of,
-    settled_of,
 )
 from kvtax.serve.workers.pool import WorkerPool
 from kvtax_dev.fakevllm.aio import serve
@@ -106,8 +105,9 @@ def _same(a: RequestRecord, b: RequestRecord) -> bool:
 def test_a_settled_record_crosses_the_link_unchanged(record: RequestRecord) -> None:
     """Every field of a record, its ITL histogram too, reaches the parent as settled."""
     frames = Frames(TO_PARENT)
-    (message,) = frames.feed(encode(settled_of(record)))
-    assert _same(record_of(message), record)  # type: ignore[arg-type]
+    (message,) = frames.feed(encode(Settled(record)))
+    assert isinstance(message, Settled)
+    assert _same(message.record, record)
 
 
 @settings(max_examples=300)  # the suite's 10,000 are sized for the HTTP differential alone
@@ -119,7 +119,7 @@ def test_frames_split_anywhere_come_out_whole_and_in_order(cuts: list[int]) -> N
         Opened(),
         Learned("m"),
         Credit("m", 3, None),
-        settled_of(_record()),
+        Settled(_record()),
         Stats(1, 0, 0, 5, ([0] * 13, 0.0), ([0] * 14, 0.0), {"token_ids": 1}, 0.25),
     ]
     data = b"".join(encode(m) for m in sent)
@@ -151,6 +151,15 @@ def test_bytes_that_are_not_frames_are_refused_not_buffered_without_end() -> Non
     # A worker's message is not one the parent sends, and the other way round.
     with pytest.raises(FrameError):
         Frames(TO_WORKER).feed(encode(Ready(1)))
+
+
+def test_a_record_whose_histogram_has_other_buckets_is_not_a_frame() -> None:
+    """The parent would add the record's ITL to its own: counts of another bucket layout make
+    the frame refused, not a histogram that /metrics cannot add up."""
+    record = {"model": "m", "outcome": "completed", "itl": [[1, 2], 0.5]}
+    body = msgspec.msgpack.encode(["settled", record])
+    with pytest.raises(FrameError, match="bucket counts"):
+        Frames(TO_PARENT).feed(len(body).to_bytes(4, "little") + body)
 
 
 def test_a_histogram_restored_from_counts_of_other_buckets_is_refused() -> None:

@@ -49,11 +49,11 @@ from kvtax.serve.workers.frames import (
     Learned,
     Opened,
     Ready,
+    Settled,
     Stats,
     Tick,
     ToParent,
     encode,
-    settled_of,
 )
 from kvtax.serve.workers.gate import RemoteGate
 
@@ -109,7 +109,7 @@ class Reporter:
         self.send(Opened())
 
     def settle(self, record: RequestRecord) -> None:
-        self.send(settled_of(record))
+        self.send(Settled(record))
 
     def credit(self, model: str | None, tokens: int, api: str | None = None) -> None:
         self.send(Credit(model, tokens, api))

@@ -33,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import struct
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -58,8 +58,6 @@ __all__ = [
     "Stop",
     "Tick",
     "encode",
-    "record_of",
-    "settled_of",
 ]
 
 _LENGTH = struct.Struct("<I")
@@ -87,22 +85,10 @@ class Credit(msgspec.Struct, tag="credit", array_like=True, frozen=True):
 
 
 class Settled(msgspec.Struct, tag="settled", array_like=True, frozen=True):
-    """A :class:`RequestRecord`, its ITL histogram as bucket counts and sum."""
+    """One settled :class:`RequestRecord`, every field of it (its ITL histogram as bucket
+    counts and sum: :func:`_to_wire`, :func:`_from_wire`)."""
 
-    model: str | None
-    outcome: str
-    delivered_tokens: int
-    credited_tokens: int
-    prompt_tokens: int
-    undelivered_tokens: int
-    forwarded: bool
-    duration: float | None
-    ttft: float | None
-    itl: tuple[list[int], float] | None
-    stalls: list[tuple[float, int]]
-    slo_met: bool
-    usage_missing: bool
-    api: str | None
+    record: RequestRecord
 
 
 class Stats(msgspec.Struct, tag="stats", array_like=True, frozen=True):
@@ -164,7 +150,21 @@ ToWorker = Tick | Stop | Answer
 TO_PARENT: type[ToParent] = ToParent  # type: ignore[assignment]  # a union, as msgspec reads it
 TO_WORKER: type[ToWorker] = ToWorker  # type: ignore[assignment]
 
-_ENCODER = msgspec.msgpack.Encoder()
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, HistogramAccumulator):
+        return value.raw()
+    raise NotImplementedError(f"{type(value).__name__} has no frame form")
+
+
+def _from_wire(kind: type, value: Any) -> Any:
+    # A record's one histogram is its ITL's; counts of another length are not frames.
+    if kind is HistogramAccumulator:
+        return HistogramAccumulator.restored(ITL_BUCKETS, *value)
+    raise NotImplementedError(f"{kind.__name__} has no frame form")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_to_wire)
 M = TypeVar("M")
 
 
@@ -185,7 +185,7 @@ class Frames(Generic[M]):
 
     def __init__(self, kind: type[M]) -> None:
         self._buffer = bytearray()
-        self._decoder = msgspec.msgpack.Decoder(kind)
+        self._decoder = msgspec.msgpack.Decoder(kind, dec_hook=_from_wire)
 
     def feed(self, data: bytes) -> list[M]:
         """The messages ``data`` completed; FrameError if the stream is not frames."""
@@ -202,51 +202,8 @@ class Frames(Generic[M]):
                 break
             try:
                 messages.append(self._decoder.decode(memoryview(buffer)[start : start + size]))
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, ValueError) as exc:
                 raise FrameError(str(exc)) from None
             at = start + size
         del buffer[:at]
         return messages
-
-
-def settled_of(record: RequestRecord) -> Settled:
-    """The message that carries ``record``."""
-    return Settled(
-        record.model,
-        record.outcome,
-        record.delivered_tokens,
-        record.credited_tokens,
-        record.prompt_tokens,
-        record.undelivered_tokens,
-        record.forwarded,
-        record.duration,
-        record.ttft,
-        None if record.itl is None else record.itl.raw(),
-        list(record.stalls),
-        record.slo_met,
-        record.usage_missing,
-        record.api,
-    )
-
-
-def record_of(message: Settled) -> RequestRecord:
-    """The record ``message`` carries; ValueError if its histogram does not fit."""
-    itl = None
-    if message.itl is not None:
-        itl = HistogramAccumulator.restored(ITL_BUCKETS, *message.itl)
-    return RequestRecord(
-        model=message.model,
-        outcome=message.outcome,
-        delivered_tokens=message.delivered_tokens,
-        credited_tokens=message.credited_tokens,
-        prompt_tokens=message.prompt_tokens,
-        undelivered_tokens=message.undelivered_tokens,
-        forwarded=message.forwarded,
-        duration=message.duration,
-        ttft=message.ttft,
-        itl=itl,
-        stalls=tuple((float(s), int(c)) for s, c in message.stalls),
-        slo_met=message.slo_met,
-        usage_missing=message.usage_missing,
-        api=message.api,
-    )

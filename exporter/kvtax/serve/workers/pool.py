@@ -70,7 +70,6 @@ from kvtax.serve.workers.frames import (
     Stop,
     Tick,
     encode,
-    record_of,
 )
 
 __all__ = ["WorkerPool"]
@@ -146,7 +145,7 @@ class _Link(asyncio.Protocol):
             if isinstance(message, Settled):
                 worker.settled += 1
                 try:
-                    ledger.settle(record_of(message))
+                    ledger.settle(message.record)
                 except ValueError as exc:
                     log.error(
                         "worker %d settled a record kvtax cannot count: %s", worker.index, exc
